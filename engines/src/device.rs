@@ -1,0 +1,98 @@
+//! The device a model runs on. CPU always; CUDA behind the `cuda` feature.
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DeviceKind::Cpu => f.write_str("cpu"),
+            DeviceKind::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for DeviceKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(DeviceKind::Cpu),
+            "cuda" => Ok(DeviceKind::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(i)) => Ok(DeviceKind::Cuda(i)),
+                _ => Err(Error::Config(format!(
+                    "unknown device `{s}`: expected `cpu`, `cuda` or `cuda:N`"
+                ))),
+            },
+        }
+    }
+}
+
+impl DeviceKind {
+    pub fn candle(&self) -> Result<candle_core::Device> {
+        match self {
+            DeviceKind::Cpu => Ok(candle_core::Device::Cpu),
+            DeviceKind::Cuda(i) => {
+                if !candle_core::utils::cuda_is_available() {
+                    return Err(Error::DeviceUnavailable(self.to_string()));
+                }
+                Ok(candle_core::Device::new_cuda(*i)?)
+            }
+        }
+    }
+}
+
+/// Parse a byte size such as `8GiB`, `512MB`, `1.5GiB` or `1024`.
+pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size: expected a number with a unit, e.g. 8GiB"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kb" => 1_000,
+        "kib" | "k" => 1 << 10,
+        "mb" => 1_000_000,
+        "mib" | "m" => 1 << 20,
+        "gb" => 1_000_000_000,
+        "gib" | "g" => 1 << 30,
+        "tb" => 1_000_000_000_000,
+        "tib" | "t" => 1 << 40,
+        u => return Err(format!("`{s}`: unknown unit `{u}` (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+    };
+    if !n.is_finite() || n < 0.0 {
+        return Err(format!("`{s}` must be a non-negative size"));
+    }
+    Ok((n * mult as f64).round() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("8GiB").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes("1.5 GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("512MB").unwrap(), 512_000_000);
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert!(parse_bytes("eight").unwrap_err().contains("eight"));
+        assert!(parse_bytes("8 parsecs").unwrap_err().contains("parsecs"));
+    }
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!("cpu".parse::<DeviceKind>().unwrap(), DeviceKind::Cpu);
+        assert_eq!("cuda:1".parse::<DeviceKind>().unwrap(), DeviceKind::Cuda(1));
+        assert!("tpu".parse::<DeviceKind>().is_err());
+    }
+}

@@ -1,0 +1,477 @@
+//! The engine: a model, a KV policy and the scheduler, stepped until every request is
+//! done. Sizes the KV pool from the device capacity at start-up (vLLM's
+//! `gpu_memory_utilization`), records a trace per step and events per request.
+
+use crate::error::{Component, Error, Result};
+use crate::kv::KvDtype;
+use crate::ledger::{MemoryLedger, MemoryReport};
+use crate::model::Llama;
+use crate::policy::full::{FullOptions, FullPolicy};
+use crate::policy::{KvPolicy, SeqId, StepBatch};
+use crate::scheduler::{Plan, Scheduler, SchedulerConfig, Sequence};
+use crate::trace::{
+    EventKind, FinishReason, RequestEvent, RequestOutput, StepKind, StepTrace,
+};
+use candle_core::DType;
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Device name for errors and reports (`cpu`, `cuda:0`).
+    pub device_name: String,
+    /// Device memory capacity in bytes. Required unless `num_blocks` is given.
+    pub device_memory: Option<u64>,
+    /// Fraction of the capacity the engine may use (vLLM `gpu_memory_utilization`).
+    pub memory_fraction: f64,
+    /// Fixed pool size in blocks instead of sizing from the capacity.
+    pub num_blocks: Option<usize>,
+    pub block_size: usize,
+    /// Longest sequence (prompt + output) accepted; default: the model's context.
+    pub max_model_len: Option<usize>,
+    pub scheduler: SchedulerConfig,
+    /// Shuffle the block free list (tests: random block tables).
+    pub shuffle_blocks_seed: Option<u64>,
+    /// Check the pool's invariants after every step (tests).
+    pub check_invariants: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            device_name: "cpu".into(),
+            device_memory: None,
+            memory_fraction: 0.9,
+            num_blocks: None,
+            block_size: 16,
+            max_model_len: None,
+            scheduler: SchedulerConfig::default(),
+            shuffle_blocks_seed: None,
+            check_invariants: false,
+        }
+    }
+}
+
+/// A request to generate greedily.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub max_new_tokens: usize,
+    /// Seconds after the engine started at which the request arrives.
+    pub arrival_s: f64,
+    /// Generation stops at any of these (empty: always run to `max_new_tokens`).
+    pub stop_tokens: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub enum StepOutcome {
+    Ran(StepTrace),
+    /// Nothing can run before this engine time (waiting for an arrival).
+    Idle { until_s: f64 },
+    Done,
+}
+
+pub struct Engine {
+    model: Llama,
+    policy: Box<dyn KvPolicy>,
+    sched: Scheduler,
+    ledger: MemoryLedger,
+    cfg: EngineConfig,
+    max_model_len: usize,
+    start: Instant,
+    next_id: SeqId,
+    step_no: u64,
+    events: Vec<RequestEvent>,
+    traces: Vec<StepTrace>,
+    finished: Vec<RequestOutput>,
+}
+
+impl Engine {
+    /// Reserve the weights and the KV pool in the ledger and build the `full` policy.
+    pub fn new(model: Llama, cfg: EngineConfig) -> Result<Self> {
+        let max_model_len = cfg
+            .max_model_len
+            .unwrap_or(model.cfg.max_position_embeddings);
+        if !(cfg.memory_fraction > 0.0 && cfg.memory_fraction <= 1.0) {
+            return Err(Error::Config(format!(
+                "memory fraction {} must be in (0, 1]",
+                cfg.memory_fraction
+            )));
+        }
+        if cfg.block_size == 0 || cfg.scheduler.max_num_seqs == 0 || cfg.scheduler.max_batched_tokens == 0 {
+            return Err(Error::Config(
+                "block size, max_num_seqs and max_batched_tokens must be > 0".into(),
+            ));
+        }
+        let mut ledger = MemoryLedger::new(cfg.device_name.clone(), cfg.device_memory);
+        ledger.reserve(Component::Weights, model.weights_bytes())?;
+        // Profile: the largest step the scheduler can build.
+        let sched = cfg.scheduler;
+        let profile = model.activation_bytes(
+            sched.max_batched_tokens,
+            sched.max_num_seqs.min(sched.max_batched_tokens),
+        );
+        ledger.reserve(Component::Activations, profile)?;
+        ledger.release(Component::Activations, profile);
+
+        let opts = FullOptions {
+            block_size: cfg.block_size,
+            kv_dtype: KvDtype::from_candle(model.dtype()),
+            shuffle_seed: cfg.shuffle_blocks_seed,
+        };
+        let block_bytes = FullPolicy::block_bytes(&model.cfg, &opts);
+        let num_blocks = match (cfg.num_blocks, cfg.device_memory) {
+            (Some(n), _) => n,
+            (None, Some(cap)) => {
+                let usable = (cap as f64 * cfg.memory_fraction) as u64;
+                let non_kv = model.weights_bytes() + profile;
+                (usable.saturating_sub(non_kv) / block_bytes) as usize
+            }
+            (None, None) => {
+                return Err(Error::Config(
+                    "the KV pool needs a device memory capacity or a block count".into(),
+                ))
+            }
+        };
+        // As vLLM: fail at start-up if one max_model_len sequence cannot fit.
+        let need = max_model_len.div_ceil(cfg.block_size);
+        if num_blocks < need {
+            return Err(Error::OutOfMemory {
+                device: cfg.device_name.clone(),
+                component: Component::KvDevice,
+                requested: need as u64 * block_bytes,
+                available: num_blocks as u64 * block_bytes,
+                capacity: cfg.device_memory.unwrap_or(0),
+            });
+        }
+        ledger.reserve(Component::KvDevice, num_blocks as u64 * block_bytes)?;
+        let policy: Box<dyn KvPolicy> = Box::new(FullPolicy::new(&model.cfg, opts, num_blocks));
+        Ok(Self {
+            model,
+            policy,
+            sched: Scheduler::new(cfg.scheduler),
+            ledger,
+            max_model_len,
+            cfg,
+            start: Instant::now(),
+            next_id: 0,
+            step_no: 0,
+            events: Vec::new(),
+            traces: Vec::new(),
+            finished: Vec::new(),
+        })
+    }
+
+    pub fn model(&self) -> &Llama {
+        &self.model
+    }
+
+    pub fn policy(&self) -> &dyn KvPolicy {
+        self.policy.as_ref()
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Seconds since the engine started (or was last reset).
+    pub fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    /// Restart the engine clock (call just before submitting a workload).
+    pub fn reset_clock(&mut self) {
+        self.start = Instant::now();
+    }
+
+    pub fn memory(&self) -> MemoryReport {
+        let mut r = self.ledger.report();
+        r.kv_host = self.policy.memory().host_reserved;
+        r
+    }
+
+    pub fn events(&self) -> &[RequestEvent] {
+        &self.events
+    }
+
+    pub fn traces(&self) -> &[StepTrace] {
+        &self.traces
+    }
+
+    pub fn finished(&self) -> &[RequestOutput] {
+        &self.finished
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    fn event(&mut self, request: SeqId, kind: EventKind, t_s: f64) {
+        self.events.push(RequestEvent { request, kind, t_s });
+    }
+
+    /// Queue a request. A request that can never run (empty, tokens outside the
+    /// vocabulary, longer than `max_model_len`, more KV than the whole pool) is
+    /// rejected here with an error rather than left to loop in the scheduler.
+    pub fn add_request(&mut self, req: Request) -> Result<SeqId> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let total = req.prompt.len() + req.max_new_tokens;
+        let vocab = self.model.cfg.vocab_size;
+        let reason = if req.prompt.is_empty() {
+            Some("empty prompt".to_string())
+        } else if req.max_new_tokens == 0 {
+            Some("max_new_tokens must be at least 1".to_string())
+        } else if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            Some(format!("token id {t} is outside the vocabulary of {vocab}"))
+        } else if total > self.max_model_len {
+            Some(format!(
+                "prompt {} + output {} tokens exceed max_model_len {}",
+                req.prompt.len(),
+                req.max_new_tokens,
+                self.max_model_len
+            ))
+        } else if !self.policy.fits(total) {
+            Some(format!(
+                "{total} tokens need more KV than the whole pool holds"
+            ))
+        } else {
+            None
+        };
+        self.event(id, EventKind::Arrived, req.arrival_s);
+        if let Some(reason) = reason {
+            let t = self.now().max(req.arrival_s);
+            self.event(id, EventKind::Rejected, t);
+            return Err(Error::RequestRejected { id, reason });
+        }
+        self.sched.add(Sequence {
+            id,
+            prompt: req.prompt,
+            output: Vec::new(),
+            max_new_tokens: req.max_new_tokens,
+            stop_tokens: req.stop_tokens,
+            arrival_s: req.arrival_s,
+            num_computed: 0,
+            num_preemptions: 0,
+            admitted_s: None,
+            token_times_s: Vec::new(),
+        });
+        Ok(id)
+    }
+
+    pub fn has_unfinished(&self) -> bool {
+        !self.sched.is_empty()
+    }
+
+    /// Step until every queued request has finished, sleeping until arrivals.
+    pub fn run(&mut self) -> Result<()> {
+        self.run_with(|_| {})
+    }
+
+    /// As [`Engine::run`], calling `on_step` after every step (progress bars).
+    pub fn run_with(&mut self, mut on_step: impl FnMut(&StepTrace)) -> Result<()> {
+        loop {
+            match self.step()? {
+                StepOutcome::Done => return Ok(()),
+                StepOutcome::Idle { until_s } => {
+                    let wait = until_s - self.now();
+                    if wait > 0.0 {
+                        std::thread::sleep(std::time::Duration::from_secs_f64(wait));
+                    }
+                }
+                StepOutcome::Ran(t) => on_step(&t),
+            }
+        }
+    }
+
+    /// One scheduler step and one forward pass.
+    pub fn step(&mut self) -> Result<StepOutcome> {
+        if self.sched.is_empty() {
+            return Ok(StepOutcome::Done);
+        }
+        let t_start = self.now();
+        let t0 = Instant::now();
+        let plan = self.sched.schedule(t_start, self.policy.as_mut());
+        if plan.entries.is_empty() {
+            if self.sched.running.is_empty() {
+                if let Some(next) = self.sched.next_arrival() {
+                    if next > t_start {
+                        return Ok(StepOutcome::Idle { until_s: next });
+                    }
+                }
+            }
+            return Err(Error::Config(
+                "scheduler made no progress: no request can be scheduled".into(),
+            ));
+        }
+        for &id in &plan.preempted {
+            self.event(id, EventKind::Preempted, t_start);
+        }
+        for &id in &plan.admitted {
+            self.event(id, EventKind::Admitted, t_start);
+            let s = self.sched.seqs.get_mut(&id).expect("admitted ids are known");
+            s.admitted_s.get_or_insert(t_start);
+        }
+        let (tokens, positions, batch, sample_rows, sample_ids, counts) = self.pack(&plan);
+        let schedule_s = t0.elapsed().as_secs_f64();
+
+        let act = self.model.activation_bytes(tokens.len(), sample_rows.len());
+        self.ledger.reserve(Component::Activations, act)?;
+        let t1 = Instant::now();
+        let logits = self.model.forward(
+            &tokens,
+            &positions,
+            &batch,
+            &sample_rows,
+            self.policy.as_mut(),
+        );
+        self.ledger.release(Component::Activations, act);
+        let logits = logits?;
+        self.policy.end_step(&batch)?;
+        let forward_s = t1.elapsed().as_secs_f64();
+        let stats = self.policy.take_stats();
+
+        let t2 = Instant::now();
+        let next = argmax_rows(&logits)?;
+        let now = self.now();
+        for &(id, n) in &plan.entries {
+            let s = self.sched.seqs.get_mut(&id).expect("scheduled ids are known");
+            s.num_computed += n;
+        }
+        for (id, tok) in sample_ids.into_iter().zip(next) {
+            self.on_token(id, tok, now);
+        }
+        let sample_s = t2.elapsed().as_secs_f64();
+        if self.cfg.check_invariants {
+            self.policy
+                .check_invariants()
+                .map_err(|e| Error::Config(format!("KV pool invariant broken: {e}")))?;
+        }
+        let mem = self.policy.memory();
+        let (prefill, decode) = counts;
+        let trace = StepTrace {
+            step: self.step_no,
+            kind: match (prefill > 0, decode > 0) {
+                (true, false) => StepKind::Prefill,
+                (false, true) => StepKind::Decode,
+                _ => StepKind::Mixed,
+            },
+            t_start_s: t_start,
+            num_seqs: plan.entries.len(),
+            num_tokens: tokens.len(),
+            num_prefill_tokens: prefill,
+            num_decode_tokens: decode,
+            num_preempted: plan.preempted.len(),
+            schedule_s,
+            compute_s: (forward_s - stats.cache_ops_s).max(0.0),
+            cache_ops_s: stats.cache_ops_s,
+            sample_s,
+            h2d_bytes: stats.h2d_bytes,
+            d2h_bytes: stats.d2h_bytes,
+            transfer_s: stats.transfer_s,
+            kv_device_used_bytes: mem.device_used,
+            kv_host_used_bytes: mem.host_used,
+            activation_bytes: act,
+        };
+        self.step_no += 1;
+        self.traces.push(trace.clone());
+        Ok(StepOutcome::Ran(trace))
+    }
+
+    /// Pack the plan's sequences row-wise: tokens, positions, the batch layout, the rows
+    /// (and sequences) that produce a token, and (prefill tokens, decode tokens).
+    #[allow(clippy::type_complexity)]
+    fn pack(
+        &self,
+        plan: &Plan,
+    ) -> (Vec<u32>, Vec<u32>, StepBatch, Vec<u32>, Vec<SeqId>, (usize, usize)) {
+        let mut tokens = Vec::new();
+        let mut positions = Vec::new();
+        let mut batch = StepBatch::default();
+        let mut rows = Vec::new();
+        let mut ids = Vec::new();
+        let (mut prefill, mut decode) = (0, 0);
+        for &(id, n) in &plan.entries {
+            let s = &self.sched.seqs[&id];
+            let start = s.num_computed;
+            for p in start..start + n {
+                tokens.push(s.token(p));
+                positions.push(p as u32);
+            }
+            batch.push(id, start, n);
+            // Decode = one new token after the prompt was fully computed.
+            if n == 1 && start >= s.prompt.len() {
+                decode += 1;
+            } else {
+                prefill += n;
+            }
+            if start + n == s.total_len() {
+                rows.push((tokens.len() - 1) as u32);
+                ids.push(id);
+            }
+        }
+        (tokens, positions, batch, rows, ids, (prefill, decode))
+    }
+
+    fn on_token(&mut self, id: SeqId, tok: u32, now: f64) {
+        let max_len = self.max_model_len;
+        let s = self.sched.seqs.get_mut(&id).expect("sampled ids are known");
+        s.output.push(tok);
+        s.token_times_s.push(now);
+        let first = s.output.len() == 1;
+        let reason = if s.stop_tokens.contains(&tok) {
+            Some(FinishReason::Stop)
+        } else if s.output.len() >= s.max_new_tokens {
+            Some(FinishReason::Length)
+        } else if s.total_len() >= max_len {
+            Some(FinishReason::Context)
+        } else {
+            None
+        };
+        self.event(
+            id,
+            if first {
+                EventKind::FirstToken
+            } else {
+                EventKind::Token
+            },
+            now,
+        );
+        if let Some(reason) = reason {
+            let kv_device_bytes = self.policy.seq_device_bytes(id);
+            let kv_host_bytes = self.policy.seq_host_bytes(id);
+            self.policy.release(id);
+            let s = self.sched.finish(id).expect("finished ids are known");
+            self.event(id, EventKind::Finished, now);
+            self.finished.push(RequestOutput {
+                id,
+                prompt_len: s.prompt.len(),
+                output: s.output,
+                arrival_s: s.arrival_s,
+                admitted_s: s.admitted_s.unwrap_or(now),
+                token_times_s: s.token_times_s,
+                finished_s: now,
+                finish_reason: reason,
+                num_preemptions: s.num_preemptions,
+                kv_device_bytes,
+                kv_host_bytes,
+            });
+        }
+    }
+}
+
+/// Greedy choice per row; ties go to the smallest token id.
+pub fn argmax_rows(logits: &candle_core::Tensor) -> Result<Vec<u32>> {
+    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            let mut best = 0;
+            for (i, &x) in r.iter().enumerate() {
+                if x > r[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        })
+        .collect())
+}

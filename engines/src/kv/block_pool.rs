@@ -1,0 +1,150 @@
+//! Free-block pool with reference counts (vLLM's block manager, without prefix caching).
+
+/// Index of a block in the paged KV pool; the same slot range in every layer.
+pub type BlockId = u32;
+
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    ref_counts: Vec<u32>,
+    /// Free blocks; allocation pops from the end.
+    free: Vec<BlockId>,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: usize) -> Self {
+        // Lowest ids first, so a fresh pool hands out 0, 1, 2, ...
+        let free = (0..num_blocks as BlockId).rev().collect();
+        Self {
+            ref_counts: vec![0; num_blocks],
+            free,
+        }
+    }
+
+    /// Reorder the free list with a seeded shuffle: tests use it to get random block
+    /// tables, so no code path may assume blocks are contiguous.
+    pub fn shuffle_free(&mut self, seed: u64) {
+        use rand::seq::SliceRandom;
+        use rand::SeedableRng;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        self.free.shuffle(&mut rng);
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.ref_counts.len()
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn num_used(&self) -> usize {
+        self.num_blocks() - self.num_free()
+    }
+
+    /// Take `n` blocks, all or nothing.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.free.len() {
+            return None;
+        }
+        let out = self.free.split_off(self.free.len() - n);
+        for &b in &out {
+            debug_assert_eq!(self.ref_counts[b as usize], 0);
+            self.ref_counts[b as usize] = 1;
+        }
+        // Keep the pop order (last pushed first) so allocation order is predictable.
+        Some(out.into_iter().rev().collect())
+    }
+
+    /// Share a block (copy-on-write fork).
+    pub fn retain(&mut self, b: BlockId) {
+        self.ref_counts[b as usize] += 1;
+    }
+
+    /// Drop one reference; the block returns to the pool at zero.
+    pub fn release(&mut self, b: BlockId) {
+        let rc = &mut self.ref_counts[b as usize];
+        assert!(*rc > 0, "block {b} released more often than allocated");
+        *rc -= 1;
+        if *rc == 0 {
+            self.free.push(b);
+        }
+    }
+
+    pub fn ref_count(&self, b: BlockId) -> u32 {
+        self.ref_counts[b as usize]
+    }
+
+    /// Check `free + used = pool` and that every ref count equals the number of
+    /// tables holding the block. Returns a description of the first violation.
+    pub fn check_invariants<'a>(
+        &self,
+        tables: impl IntoIterator<Item = &'a [BlockId]>,
+    ) -> Result<(), String> {
+        let mut holders = vec![0u32; self.num_blocks()];
+        for t in tables {
+            for &b in t {
+                holders[b as usize] += 1;
+            }
+        }
+        let mut is_free = vec![false; self.num_blocks()];
+        for &b in &self.free {
+            if is_free[b as usize] {
+                return Err(format!("block {b} is twice in the free list"));
+            }
+            is_free[b as usize] = true;
+        }
+        let used = holders.iter().filter(|&&h| h > 0).count();
+        if used + self.free.len() != self.num_blocks() {
+            return Err(format!(
+                "free {} + used {used} != pool {}",
+                self.free.len(),
+                self.num_blocks()
+            ));
+        }
+        for (b, (&h, &rc)) in holders.iter().zip(&self.ref_counts).enumerate() {
+            if h != rc {
+                return Err(format!("block {b}: ref count {rc}, held by {h} tables"));
+            }
+            if (h == 0) != is_free[b] {
+                return Err(format!("block {b}: held by {h} tables, free = {}", is_free[b]));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_fails_when_exhausted_and_takes_nothing() {
+        let mut p = BlockPool::new(4);
+        let a = p.allocate(3).unwrap();
+        assert_eq!(a, vec![0, 1, 2]);
+        assert!(p.allocate(2).is_none());
+        assert_eq!(p.num_free(), 1);
+        p.check_invariants([a.as_slice()]).unwrap();
+    }
+
+    #[test]
+    fn shared_blocks_return_only_when_last_holder_releases() {
+        let mut p = BlockPool::new(2);
+        let a = p.allocate(1).unwrap();
+        p.retain(a[0]);
+        let b = a.clone();
+        p.check_invariants([a.as_slice(), b.as_slice()]).unwrap();
+        p.release(a[0]);
+        assert_eq!(p.num_free(), 1);
+        p.release(b[0]);
+        assert_eq!(p.num_free(), 2);
+        p.check_invariants(std::iter::empty()).unwrap();
+    }
+
+    #[test]
+    fn invariant_check_catches_a_leak() {
+        let mut p = BlockPool::new(3);
+        let _leaked = p.allocate(1).unwrap();
+        assert!(p.check_invariants(std::iter::empty()).is_err());
+    }
+}

@@ -1,0 +1,200 @@
+//! Per-layer paged K/V buffers of shape `[num_blocks, block_size, Hkv, dh]`.
+//!
+//! The buffers are zero-allocated up front (the vLLM pool); on CPU untouched pages cost
+//! no resident memory, so reserving a large pool is cheap while its bytes still count
+//! in the ledger.
+
+use crate::kv::BlockId;
+use half::{bf16, f16};
+
+/// Element type of the stored K/V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn size(&self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+
+    pub fn from_candle(d: candle_core::DType) -> Self {
+        match d {
+            candle_core::DType::F16 => KvDtype::F16,
+            candle_core::DType::BF16 => KvDtype::Bf16,
+            _ => KvDtype::F32,
+        }
+    }
+}
+
+/// A stored K/V element; the kernels compute in f32.
+pub trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(x: f32) -> Self;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+
+impl KvElem for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl KvElem for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+/// Raw storage; 16-bit types are kept as `u16` so the allocation is `calloc`ed.
+#[derive(Debug)]
+enum Buf {
+    F32(Vec<f32>),
+    U16(Vec<u16>),
+}
+
+/// A read view of one layer's K or V, typed.
+#[derive(Clone, Copy)]
+pub enum KvView<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
+}
+
+#[derive(Debug)]
+pub struct PagedKv {
+    dtype: KvDtype,
+    block_size: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    num_blocks: usize,
+    /// (K, V) per layer.
+    layers: Vec<(Buf, Buf)>,
+}
+
+impl PagedKv {
+    pub fn new(
+        num_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> Self {
+        let n = num_blocks * block_size * num_kv_heads * head_dim;
+        let alloc = || match dtype {
+            KvDtype::F32 => Buf::F32(vec![0f32; n]),
+            KvDtype::F16 | KvDtype::Bf16 => Buf::U16(vec![0u16; n]),
+        };
+        let layers = (0..num_layers).map(|_| (alloc(), alloc())).collect();
+        Self {
+            dtype,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            num_blocks,
+            layers,
+        }
+    }
+
+    /// Bytes of one block over all layers, K and V.
+    pub fn block_bytes(
+        num_layers: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> u64 {
+        (2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size()) as u64
+    }
+
+    pub fn bytes(&self) -> u64 {
+        Self::block_bytes(
+            self.layers.len(),
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+        ) * self.num_blocks as u64
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Elements of one token's K (or V) in one layer: `Hkv × dh`.
+    pub fn token_stride(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// Slot of logical position `pos` of a sequence with block table `table`.
+    #[inline]
+    pub fn slot(&self, table: &[BlockId], pos: usize) -> usize {
+        table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// Write one token's K and V (`Hkv × dh` each, f32) into `slot` of `layer`.
+    pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
+        let stride = self.token_stride();
+        let (kb, vb) = &mut self.layers[layer];
+        let dtype = self.dtype;
+        for (buf, src) in [(kb, k), (vb, v)] {
+            let dst = slot * stride..(slot + 1) * stride;
+            match buf {
+                Buf::F32(b) => b[dst].copy_from_slice(src),
+                Buf::U16(b) => {
+                    for (d, &s) in b[dst].iter_mut().zip(src) {
+                        *d = match dtype {
+                            KvDtype::Bf16 => bf16::from_f32(s).to_bits(),
+                            _ => f16::from_f32(s).to_bits(),
+                        };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Typed views of `layer`'s K and V.
+    pub fn views(&self, layer: usize) -> (KvView<'_>, KvView<'_>) {
+        let (k, v) = &self.layers[layer];
+        (self.view(k), self.view(v))
+    }
+
+    fn view<'a>(&self, b: &'a Buf) -> KvView<'a> {
+        match (b, self.dtype) {
+            (Buf::F32(x), _) => KvView::F32(x),
+            (Buf::U16(x), KvDtype::Bf16) => KvView::Bf16(bytemuck::cast_slice(x)),
+            (Buf::U16(x), _) => KvView::F16(bytemuck::cast_slice(x)),
+        }
+    }
+}

@@ -1,0 +1,166 @@
+//! Exact bytes by memory component, checked against the device's capacity.
+//!
+//! Every byte the engine reserves goes through [`MemoryLedger::reserve`], so a CPU run
+//! with `--device-memory` fails with the same typed out-of-memory error as a GPU.
+
+use crate::error::{Component, Error, Result};
+use serde::Serialize;
+
+/// Snapshot of the ledger (bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryReport {
+    pub weights: u64,
+    /// KV pool reserved on the device (what the policy allocated up front).
+    pub kv_device: u64,
+    pub kv_host: u64,
+    /// Largest activation footprint of any step so far (incl. materialized attention).
+    pub activations_peak: u64,
+    pub transfer_buffers: u64,
+}
+
+impl MemoryReport {
+    pub fn device_total(&self) -> u64 {
+        self.weights + self.kv_device + self.activations_peak + self.transfer_buffers
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct MemoryLedger {
+    device: String,
+    device_capacity: Option<u64>,
+    host_capacity: Option<u64>,
+    weights: u64,
+    kv_device: u64,
+    kv_host: u64,
+    transfer_buffers: u64,
+    activations_now: u64,
+    activations_peak: u64,
+}
+
+impl MemoryLedger {
+    pub fn new(device: impl Into<String>, device_capacity: Option<u64>) -> Self {
+        Self {
+            device: device.into(),
+            device_capacity,
+            host_capacity: None,
+            weights: 0,
+            kv_device: 0,
+            kv_host: 0,
+            transfer_buffers: 0,
+            activations_now: 0,
+            activations_peak: 0,
+        }
+    }
+
+    pub fn with_host_capacity(mut self, cap: Option<u64>) -> Self {
+        self.host_capacity = cap;
+        self
+    }
+
+    pub fn device_capacity(&self) -> Option<u64> {
+        self.device_capacity
+    }
+
+    pub fn device_used(&self) -> u64 {
+        self.weights + self.kv_device + self.transfer_buffers + self.activations_now
+    }
+
+    /// Bytes still free on the device (`u64::MAX` without a capacity).
+    pub fn device_free(&self) -> u64 {
+        match self.device_capacity {
+            Some(c) => c.saturating_sub(self.device_used()),
+            None => u64::MAX,
+        }
+    }
+
+    fn slot(&mut self, c: Component) -> &mut u64 {
+        match c {
+            Component::Weights => &mut self.weights,
+            Component::KvDevice => &mut self.kv_device,
+            Component::KvHost => &mut self.kv_host,
+            Component::Activations => &mut self.activations_now,
+            Component::TransferBuffers => &mut self.transfer_buffers,
+        }
+    }
+
+    /// Reserve `bytes` for a component, or fail with [`Error::OutOfMemory`].
+    pub fn reserve(&mut self, c: Component, bytes: u64) -> Result<()> {
+        let (cap, used, dev) = if c == Component::KvHost {
+            (self.host_capacity, self.kv_host, "host".to_string())
+        } else {
+            (self.device_capacity, self.device_used(), self.device.clone())
+        };
+        if let Some(cap) = cap {
+            let available = cap.saturating_sub(used);
+            if bytes > available {
+                return Err(Error::OutOfMemory {
+                    device: dev,
+                    component: c,
+                    requested: bytes,
+                    available,
+                    capacity: cap,
+                });
+            }
+        }
+        *self.slot(c) += bytes;
+        if c == Component::Activations {
+            self.activations_peak = self.activations_peak.max(self.activations_now);
+        }
+        Ok(())
+    }
+
+    pub fn release(&mut self, c: Component, bytes: u64) {
+        let s = self.slot(c);
+        *s = s.saturating_sub(bytes);
+    }
+
+    pub fn report(&self) -> MemoryReport {
+        MemoryReport {
+            weights: self.weights,
+            kv_device: self.kv_device,
+            kv_host: self.kv_host,
+            activations_peak: self.activations_peak,
+            transfer_buffers: self.transfer_buffers,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocation_past_capacity_is_a_typed_error() {
+        let mut l = MemoryLedger::new("cpu", Some(1000));
+        l.reserve(Component::Weights, 600).unwrap();
+        let e = l.reserve(Component::KvDevice, 500).unwrap_err();
+        match e {
+            Error::OutOfMemory {
+                requested,
+                available,
+                capacity,
+                component,
+                ..
+            } => {
+                assert_eq!((requested, available, capacity), (500, 400, 1000));
+                assert_eq!(component, Component::KvDevice);
+            }
+            other => panic!("{other}"),
+        }
+        // Nothing was charged by the failed reservation.
+        l.reserve(Component::KvDevice, 400).unwrap();
+        assert_eq!(l.device_free(), 0);
+    }
+
+    #[test]
+    fn activation_peak_survives_release_and_host_has_its_own_capacity() {
+        let mut l = MemoryLedger::new("cpu", Some(100)).with_host_capacity(Some(10));
+        l.reserve(Component::Activations, 70).unwrap();
+        l.release(Component::Activations, 70);
+        l.reserve(Component::Activations, 20).unwrap();
+        assert_eq!(l.report().activations_peak, 70);
+        assert!(l.reserve(Component::KvHost, 11).unwrap_err().is_oom());
+        l.reserve(Component::KvHost, 10).unwrap();
+        assert_eq!(l.device_used(), 20);
+    }
+}

@@ -1,0 +1,252 @@
+//! The Llama-family decoder (GQA, RoPE with llama3 scaling, RMSNorm, SwiGLU) on candle.
+//! Attention is delegated to a [`KvPolicy`]; [`Llama::forward_dense`] is the no-cache
+//! reference every policy is checked against.
+
+pub mod load;
+
+use crate::attention::dense::causal_attention;
+use crate::config::{rope_inv_freq, ModelConfig};
+use crate::error::Result;
+use crate::policy::{KvPolicy, StepBatch};
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Module, Tensor};
+
+/// How weights are held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    /// GGUF matrices kept in their quantized format (candle `QMatMul`).
+    Quantized,
+    F32,
+    F16,
+    Bf16,
+}
+
+impl WeightDtype {
+    /// The dtype activations (and the KV cache) use.
+    pub fn compute(&self) -> DType {
+        match self {
+            WeightDtype::Quantized | WeightDtype::F32 => DType::F32,
+            WeightDtype::F16 => DType::F16,
+            WeightDtype::Bf16 => DType::BF16,
+        }
+    }
+}
+
+impl std::fmt::Display for WeightDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WeightDtype::Quantized => "quantized",
+            WeightDtype::F32 => "f32",
+            WeightDtype::F16 => "f16",
+            WeightDtype::Bf16 => "bf16",
+        })
+    }
+}
+
+/// A weight matrix `[out, in]`, quantized or dense.
+#[derive(Debug, Clone)]
+pub enum Linear {
+    Quantized { mm: QMatMul, bytes: u64 },
+    Dense(Tensor),
+}
+
+impl Linear {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Linear::Quantized { mm, .. } => mm.forward(x)?,
+            Linear::Dense(w) => x.matmul(&w.t()?)?,
+        })
+    }
+
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Linear::Quantized { bytes, .. } => *bytes,
+            Linear::Dense(w) => tensor_bytes(w),
+        }
+    }
+}
+
+pub fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+#[derive(Debug, Clone)]
+pub struct Layer {
+    pub wq: Linear,
+    pub wk: Linear,
+    pub wv: Linear,
+    pub wo: Linear,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub attn_norm: Tensor,
+    pub ffn_norm: Tensor,
+}
+
+#[derive(Debug, Clone)]
+pub struct Llama {
+    pub cfg: ModelConfig,
+    pub weight_dtype: WeightDtype,
+    embed: Tensor,
+    layers: Vec<Layer>,
+    norm: Tensor,
+    lm_head: Linear,
+    inv_freq: Vec<f32>,
+    device: Device,
+}
+
+impl Llama {
+    pub fn new(
+        cfg: ModelConfig,
+        weight_dtype: WeightDtype,
+        embed: Tensor,
+        layers: Vec<Layer>,
+        norm: Tensor,
+        lm_head: Linear,
+    ) -> Self {
+        let inv_freq = rope_inv_freq(&cfg);
+        let device = embed.device().clone();
+        Self {
+            cfg,
+            weight_dtype,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device,
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.weight_dtype.compute()
+    }
+
+    /// Bytes of all weights as held (quantized sizes for quantized matrices; a tied
+    /// quantized head counts separately from the dense embedding table).
+    pub fn weights_bytes(&self) -> u64 {
+        let layers: u64 = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|w| w.bytes())
+                    .sum::<u64>()
+                    + tensor_bytes(&l.attn_norm)
+                    + tensor_bytes(&l.ffn_norm)
+            })
+            .sum();
+        let tied_dense = matches!(&self.lm_head, Linear::Dense(w) if w.id() == self.embed.id());
+        let head = if tied_dense { 0 } else { self.lm_head.bytes() };
+        layers + tensor_bytes(&self.embed) + tensor_bytes(&self.norm) + head
+    }
+
+    /// Activation bytes alive at the peak of one step of `tokens` rows of which
+    /// `sampled` produce logits: residual, normed input, q/k/v, attention output,
+    /// SwiGLU gate/up/product and the f32 logits. Computed from shapes.
+    pub fn activation_bytes(&self, tokens: usize, sampled: usize) -> u64 {
+        let c = &self.cfg;
+        let e = self.dtype().size_in_bytes();
+        let per_row = 2 * c.hidden_size
+            + 2 * c.num_heads * c.head_dim
+            + 2 * c.num_kv_heads * c.head_dim
+            + 3 * c.intermediate_size;
+        (tokens * per_row * e + sampled * c.vocab_size * 4) as u64
+    }
+
+    /// cos/sin `[T, dh/2]` for the given positions.
+    fn rope_tables(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(positions.len() * half);
+        let mut sin = Vec::with_capacity(positions.len() * half);
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let t = positions.len();
+        let dt = self.dtype();
+        Ok((
+            Tensor::from_vec(cos, (t, half), &self.device)?.to_dtype(dt)?,
+            Tensor::from_vec(sin, (t, half), &self.device)?.to_dtype(dt)?,
+        ))
+    }
+
+    /// RoPE on `[T, nh, dh]`.
+    fn rope(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
+        let y = if self.cfg.rope_interleaved {
+            candle_nn::rotary_emb::rope_i(&x, cos, sin)?
+        } else {
+            candle_nn::rotary_emb::rope(&x, cos, sin)?
+        };
+        Ok(y.squeeze(0)?.transpose(0, 1)?.contiguous()?)
+    }
+
+    /// One forward step over packed rows. `positions[i]` is the absolute position of
+    /// `tokens[i]`; `sample_rows` are the rows whose logits are returned (`[S, vocab]`, f32).
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        batch: &StepBatch,
+        sample_rows: &[u32],
+        policy: &mut dyn KvPolicy,
+    ) -> Result<Tensor> {
+        self.forward_with(tokens, positions, sample_rows, &mut |layer, h, q, k, v| {
+            policy.observe_input(layer, batch, h)?;
+            policy.attend(layer, batch, q, k, v)
+        })
+    }
+
+    /// Reference: the whole sequence without a cache, plain causal attention.
+    /// Returns logits for every position, `[T, vocab]`.
+    pub fn forward_dense(&self, tokens: &[u32]) -> Result<Tensor> {
+        let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+        self.forward_with(tokens, &positions, &positions, &mut |_, _, q, k, v| {
+            Ok(causal_attention(q, k, v)?)
+        })
+    }
+
+    fn forward_with(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        sample_rows: &[u32],
+        attend: &mut dyn FnMut(usize, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let t = tokens.len();
+        let eps = c.rms_norm_eps as f32;
+        let ids = Tensor::new(tokens, &self.device)?;
+        let mut x = self.embed.index_select(&ids, 0)?;
+        let (cos, sin) = self.rope_tables(positions)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &l.attn_norm, eps)?;
+            let q = l.wq.forward(&h)?.reshape((t, c.num_heads, c.head_dim))?;
+            let k = l.wk.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
+            let v = l.wv.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
+            let q = self.rope(&q, &cos, &sin)?;
+            let k = self.rope(&k, &cos, &sin)?;
+            let a = attend(li, &h, &q, &k, &v)?;
+            let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
+            x = (x + a)?;
+            let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
+            let gate = candle_nn::ops::silu(&l.gate.forward(&h)?)?;
+            let m = l.down.forward(&(gate * l.up.forward(&h)?)?)?;
+            x = (x + m)?;
+        }
+        let rows = Tensor::new(sample_rows, &self.device)?;
+        let x = x.index_select(&rows, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}

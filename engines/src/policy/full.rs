@@ -1,0 +1,225 @@
+//! `full`: the vLLM paradigm. One paged block pool sized at start-up, a block table per
+//! sequence, no eviction; attention reads K/V through the block tables.
+
+use super::{KvPolicy, PolicyMemory, PolicyStats, SeqId, StepBatch};
+use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
+use candle_core::{DType, Tensor};
+use std::collections::HashMap;
+use std::time::Instant;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FullOptions {
+    /// Tokens per block (vLLM default 16).
+    pub block_size: usize,
+    pub kv_dtype: KvDtype,
+    /// Shuffle the free list (tests: random block tables).
+    pub shuffle_seed: Option<u64>,
+}
+
+impl Default for FullOptions {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            kv_dtype: KvDtype::F32,
+            shuffle_seed: None,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct SeqBlocks {
+    table: Vec<BlockId>,
+    /// Tokens whose K/V are stored.
+    len: usize,
+}
+
+pub struct FullPolicy {
+    shape: AttnShape,
+    num_layers: usize,
+    store: PagedKv,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, SeqBlocks>,
+    stats: PolicyStats,
+}
+
+impl FullPolicy {
+    pub fn new(cfg: &ModelConfig, opts: FullOptions, num_blocks: usize) -> Self {
+        let store = PagedKv::new(
+            cfg.num_layers,
+            num_blocks,
+            opts.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            opts.kv_dtype,
+        );
+        let mut pool = BlockPool::new(num_blocks);
+        if let Some(seed) = opts.shuffle_seed {
+            pool.shuffle_free(seed);
+        }
+        Self {
+            shape: AttnShape {
+                num_heads: cfg.num_heads,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+                block_size: opts.block_size,
+            },
+            num_layers: cfg.num_layers,
+            store,
+            pool,
+            seqs: HashMap::new(),
+            stats: PolicyStats::default(),
+        }
+    }
+
+    /// Bytes of one block over all layers.
+    pub fn block_bytes(cfg: &ModelConfig, opts: &FullOptions) -> u64 {
+        PagedKv::block_bytes(
+            cfg.num_layers,
+            opts.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            opts.kv_dtype,
+        )
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    /// The block table of a sequence (for tests and traces).
+    pub fn table(&self, seq: SeqId) -> Option<&[BlockId]> {
+        self.seqs.get(&seq).map(|s| s.table.as_slice())
+    }
+
+    fn token_bytes(&self) -> u64 {
+        (2 * self.num_layers * self.store.token_stride() * self.store.dtype().size()) as u64
+    }
+}
+
+impl KvPolicy for FullPolicy {
+    fn name(&self) -> &'static str {
+        "full"
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let bs = self.shape.block_size;
+        let entry = self.seqs.entry(seq).or_default();
+        let need = total_tokens.div_ceil(bs);
+        if need <= entry.table.len() {
+            return true;
+        }
+        match self.pool.allocate(need - entry.table.len()) {
+            Some(blocks) => {
+                entry.table.extend(blocks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn fits(&self, total_tokens: usize) -> bool {
+        total_tokens.div_ceil(self.shape.block_size) <= self.pool.num_blocks()
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            for b in s.table {
+                self.pool.release(b);
+            }
+        }
+    }
+
+    fn attend(
+        &mut self,
+        layer: usize,
+        batch: &StepBatch,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let t0 = Instant::now();
+        let stride = self.store.token_stride();
+        let kf = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let vf = v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        for s in &batch.seqs {
+            let table = &self.seqs[&s.id].table;
+            for i in 0..s.q_len {
+                let slot = self.store.slot(table, s.ctx_before + i);
+                let row = s.q_start + i;
+                self.store.write(
+                    layer,
+                    slot,
+                    &kf[row * stride..(row + 1) * stride],
+                    &vf[row * stride..(row + 1) * stride],
+                );
+            }
+        }
+        if layer + 1 == self.num_layers {
+            for s in &batch.seqs {
+                if let Some(e) = self.seqs.get_mut(&s.id) {
+                    e.len = s.ctx_before + s.q_len;
+                }
+            }
+        }
+        self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
+
+        let qf = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let views: Vec<SeqAttn<'_>> = batch
+            .seqs
+            .iter()
+            .map(|s| SeqAttn {
+                q_start: s.q_start,
+                q_len: s.q_len,
+                kv_len: s.ctx_before + s.q_len,
+                table: &self.seqs[&s.id].table,
+            })
+            .collect();
+        let (kv_k, kv_v) = self.store.views(layer);
+        let out = paged_attention(&qf, &views, kv_k, kv_v, self.shape);
+        let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
+        Ok(Tensor::from_vec(out, (batch.num_tokens, h, dh), q.device())?.to_dtype(q.dtype())?)
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let block_bytes = self.store.bytes() / self.pool.num_blocks().max(1) as u64;
+        PolicyMemory {
+            device_reserved: self.store.bytes(),
+            device_used: self.pool.num_used() as u64 * block_bytes,
+            host_reserved: 0,
+            host_used: 0,
+        }
+    }
+
+    fn seq_device_bytes(&self, seq: SeqId) -> u64 {
+        self.seqs
+            .get(&seq)
+            .map_or(0, |s| s.len as u64 * self.token_bytes())
+    }
+
+    fn take_stats(&mut self) -> PolicyStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.pool
+            .check_invariants(self.seqs.values().map(|s| s.table.as_slice()))?;
+        let bs = self.shape.block_size;
+        for (id, s) in &self.seqs {
+            if s.len > s.table.len() * bs {
+                return Err(format!(
+                    "sequence {id}: {} tokens in {} blocks",
+                    s.len,
+                    s.table.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,122 @@
+//! The KV policy trait: one implementation per strategy (algorithms.md §2–7).
+//!
+//! A policy owns where each sequence's keys and values live and what attention sees.
+//! The model calls it once per layer with the step's projected q/k/v; the policy
+//! stores the new K/V, runs attention over what it keeps (so it sees the attention
+//! probabilities when it needs them) and may evict, select or move data. The
+//! scheduler asks it for room before a step and releases finished sequences.
+
+pub mod full;
+
+use crate::error::Result;
+use candle_core::Tensor;
+use serde::Serialize;
+
+/// Identifier of a sequence (one request).
+pub type SeqId = u64;
+
+/// One sequence's rows in a packed step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepSeq {
+    pub id: SeqId,
+    /// First row of the sequence in the packed tensors.
+    pub q_start: usize,
+    /// New tokens of this sequence in this step.
+    pub q_len: usize,
+    /// Tokens whose K/V were computed before this step (= position of the first new token).
+    pub ctx_before: usize,
+}
+
+/// Layout of one forward step: sequences of different lengths packed row-wise.
+#[derive(Debug, Clone, Default)]
+pub struct StepBatch {
+    pub seqs: Vec<StepSeq>,
+    pub num_tokens: usize,
+}
+
+impl StepBatch {
+    pub fn push(&mut self, id: SeqId, ctx_before: usize, q_len: usize) {
+        self.seqs.push(StepSeq {
+            id,
+            q_start: self.num_tokens,
+            q_len,
+            ctx_before,
+        });
+        self.num_tokens += q_len;
+    }
+}
+
+/// Memory a policy holds, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PolicyMemory {
+    /// Reserved on the device (the whole pool for `full`).
+    pub device_reserved: u64,
+    /// Of which holds live tokens.
+    pub device_used: u64,
+    pub host_reserved: u64,
+    pub host_used: u64,
+}
+
+/// Work a policy did in one step besides attention itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PolicyStats {
+    /// Seconds in cache operations: writing K/V, eviction, selection, transfers.
+    pub cache_ops_s: f64,
+    pub h2d_bytes: u64,
+    pub d2h_bytes: u64,
+    pub transfer_s: f64,
+}
+
+pub trait KvPolicy: Send {
+    /// Strategy name as used on the command line (`full`, `h2o`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Make room so `seq` holds `total_tokens` tokens after this step, all or nothing.
+    /// `false` when the pool is full: the scheduler then preempts.
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool;
+
+    /// Whether a sequence of `total_tokens` could ever run, alone, on this policy.
+    fn fits(&self, total_tokens: usize) -> bool;
+
+    /// Free everything held for `seq`.
+    fn release(&mut self, seq: SeqId);
+
+    /// Sees each layer's (normed) input before its attention; InfiniGen speculates here.
+    fn observe_input(&mut self, _layer: usize, _batch: &StepBatch, _x: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    /// Store the step's new K/V (`k`, `v`: `[T, Hkv, dh]`, RoPE applied) and return the
+    /// attention output `[T, H, dh]` for the queries `q` (`[T, H, dh]`).
+    fn attend(
+        &mut self,
+        layer: usize,
+        batch: &StepBatch,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor>;
+
+    /// After all layers of a step.
+    fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
+        Ok(())
+    }
+
+    fn memory(&self) -> PolicyMemory;
+
+    /// Device bytes held for this sequence's tokens.
+    fn seq_device_bytes(&self, seq: SeqId) -> u64;
+
+    /// Host bytes held for this sequence.
+    fn seq_host_bytes(&self, _seq: SeqId) -> u64 {
+        0
+    }
+
+    /// Counters since the last call.
+    fn take_stats(&mut self) -> PolicyStats;
+
+    /// Internal consistency (pool accounting); a description of the first violation.
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+}

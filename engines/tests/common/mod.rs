@@ -1,0 +1,34 @@
+#![allow(dead_code)]
+use candle_core::Device;
+use kvbench_engines::config::preset;
+use kvbench_engines::model::load::load_preset;
+use kvbench_engines::model::{Llama, WeightDtype};
+use std::path::PathBuf;
+
+pub fn tiny() -> Llama {
+    load_preset(preset("tiny").unwrap(), WeightDtype::F32, 7, &Device::Cpu).unwrap()
+}
+
+/// The fetched SmolLM2 GGUF. Tests that need it fail (never skip) when it is missing.
+pub fn smollm2_path() -> PathBuf {
+    let dir = std::env::var_os("KVBENCH_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        p.is_file(),
+        "{} is missing: run `just fetch-model smollm2` first",
+        p.display()
+    );
+    p
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn lcg(seed: &mut u64) -> u64 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    *seed >> 33
+}
