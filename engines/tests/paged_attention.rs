@@ -35,7 +35,12 @@ fn reference(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], pos: usize, h: usize, hk
 }
 
 fn check(dtype: KvDtype, tol: f64) {
-    let (h, hkv, dh, bs) = (6, 2, 32, 4);
+    check_shape(dtype, tol, 6, 2, 32, 4);
+    check_shape(dtype, tol, 9, 3, 64, 16);
+    check_shape(dtype, tol, 4, 4, 20, 3);
+}
+
+fn check_shape(dtype: KvDtype, tol: f64, h: usize, hkv: usize, dh: usize, bs: usize) {
     let shape = AttnShape { num_heads: h, num_kv_heads: hkv, head_dim: dh, block_size: bs };
     let mut seed = 42;
     // Ragged: (context before, new rows) per sequence; prefill, decode and a continued chunk.
@@ -90,7 +95,7 @@ fn check(dtype: KvDtype, tol: f64) {
             }
         }
     }
-    assert!(worst < tol, "{dtype:?}: worst relative error {worst}");
+    assert!(worst < tol, "{dtype:?} h={h} hkv={hkv} dh={dh} bs={bs}: worst relative error {worst}");
 }
 
 #[test]
