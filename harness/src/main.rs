@@ -1,1 +1,40 @@
-fn main() {}
+//! `kvbench`: benchmark and characterization of KV-cache management strategies.
+
+mod generate;
+mod models;
+mod setup;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvbench", version, about, long_about = None)]
+struct Cli {
+    /// Worker threads for CPU kernels (default: all cores). Sets RAYON_NUM_THREADS.
+    #[arg(long, global = true, env = "KVBENCH_THREADS")]
+    threads: Option<usize>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Generate from one prompt with one engine and print timings and KV bytes.
+    Generate(generate::GenerateArgs),
+    /// List the named models and presets with their architecture numbers.
+    Models(models::ModelsArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        anyhow::ensure!(n > 0, "--threads must be at least 1");
+        // Read by rayon and by candle's CPU matmuls; set before either starts a pool.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Models(a) => models::run(a),
+    }
+}
