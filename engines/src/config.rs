@@ -66,11 +66,11 @@ impl ModelConfig {
             (self.num_heads > 0, "num_heads must be > 0"),
             (self.num_kv_heads > 0, "num_kv_heads must be > 0"),
             (
-                self.num_kv_heads > 0 && self.num_heads % self.num_kv_heads == 0,
+                self.num_kv_heads > 0 && self.num_heads.is_multiple_of(self.num_kv_heads),
                 "num_heads must be a multiple of num_kv_heads",
             ),
             (
-                self.head_dim > 0 && self.head_dim % 2 == 0,
+                self.head_dim > 0 && self.head_dim.is_multiple_of(2),
                 "head_dim must be even and > 0",
             ),
             (self.vocab_size > 0, "vocab_size must be > 0"),

@@ -67,7 +67,11 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
         "gib" | "g" => 1 << 30,
         "tb" => 1_000_000_000_000,
         "tib" | "t" => 1 << 40,
-        u => return Err(format!("`{s}`: unknown unit `{u}` (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+        u => {
+            return Err(format!(
+                "`{s}`: unknown unit `{u}` (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ))
+        }
     };
     if !n.is_finite() || n < 0.0 {
         return Err(format!("`{s}` must be a non-negative size"));

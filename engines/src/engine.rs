@@ -9,9 +9,7 @@ use crate::model::Llama;
 use crate::policy::full::{FullOptions, FullPolicy};
 use crate::policy::{KvPolicy, SeqId, StepBatch};
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, Sequence};
-use crate::trace::{
-    EventKind, FinishReason, RequestEvent, RequestOutput, StepKind, StepTrace,
-};
+use crate::trace::{EventKind, FinishReason, RequestEvent, RequestOutput, StepKind, StepTrace};
 use candle_core::DType;
 use std::time::Instant;
 
@@ -66,7 +64,9 @@ pub struct Request {
 pub enum StepOutcome {
     Ran(StepTrace),
     /// Nothing can run before this engine time (waiting for an arrival).
-    Idle { until_s: f64 },
+    Idle {
+        until_s: f64,
+    },
     Done,
 }
 
@@ -97,7 +97,10 @@ impl Engine {
                 cfg.memory_fraction
             )));
         }
-        if cfg.block_size == 0 || cfg.scheduler.max_num_seqs == 0 || cfg.scheduler.max_batched_tokens == 0 {
+        if cfg.block_size == 0
+            || cfg.scheduler.max_num_seqs == 0
+            || cfg.scheduler.max_batched_tokens == 0
+        {
             return Err(Error::Config(
                 "block size, max_num_seqs and max_batched_tokens must be > 0".into(),
             ));
@@ -308,7 +311,11 @@ impl Engine {
         }
         for &id in &plan.admitted {
             self.event(id, EventKind::Admitted, t_start);
-            let s = self.sched.seqs.get_mut(&id).expect("admitted ids are known");
+            let s = self
+                .sched
+                .seqs
+                .get_mut(&id)
+                .expect("admitted ids are known");
             s.admitted_s.get_or_insert(t_start);
         }
         let (tokens, positions, batch, sample_rows, sample_ids, counts) = self.pack(&plan);
@@ -334,7 +341,11 @@ impl Engine {
         let next = argmax_rows(&logits)?;
         let now = self.now();
         for &(id, n) in &plan.entries {
-            let s = self.sched.seqs.get_mut(&id).expect("scheduled ids are known");
+            let s = self
+                .sched
+                .seqs
+                .get_mut(&id)
+                .expect("scheduled ids are known");
             s.num_computed += n;
         }
         for (id, tok) in sample_ids.into_iter().zip(next) {
@@ -383,7 +394,14 @@ impl Engine {
     fn pack(
         &self,
         plan: &Plan,
-    ) -> (Vec<u32>, Vec<u32>, StepBatch, Vec<u32>, Vec<SeqId>, (usize, usize)) {
+    ) -> (
+        Vec<u32>,
+        Vec<u32>,
+        StepBatch,
+        Vec<u32>,
+        Vec<SeqId>,
+        (usize, usize),
+    ) {
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut batch = StepBatch::default();

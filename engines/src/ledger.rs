@@ -88,7 +88,11 @@ impl MemoryLedger {
         let (cap, used, dev) = if c == Component::KvHost {
             (self.host_capacity, self.kv_host, "host".to_string())
         } else {
-            (self.device_capacity, self.device_used(), self.device.clone())
+            (
+                self.device_capacity,
+                self.device_used(),
+                self.device.clone(),
+            )
         };
         if let Some(cap) = cap {
             let available = cap.saturating_sub(used);

@@ -21,7 +21,9 @@ impl std::str::FromStr for PrefillMode {
         match s {
             "chunked" | "batched" => Ok(PrefillMode::Chunked),
             "sequential" => Ok(PrefillMode::Sequential),
-            _ => Err(format!("prefill mode `{s}`: expected `chunked` or `sequential`")),
+            _ => Err(format!(
+                "prefill mode `{s}`: expected `chunked` or `sequential`"
+            )),
         }
     }
 }

@@ -243,7 +243,9 @@ impl ModelSource {
             ModelSource::Named(_) | ModelSource::Gguf(_) => {
                 GgufFile::open(&self.gguf_path(opts)?)?.config()
             }
-            ModelSource::HfDir(d) => load::read_hf_config(&d.join("config.json"), &d.display().to_string()),
+            ModelSource::HfDir(d) => {
+                load::read_hf_config(&d.join("config.json"), &d.display().to_string())
+            }
             ModelSource::Hub { repo, revision } => {
                 let f = hub_files(repo, revision, &opts.hub_cache)?;
                 load::read_hf_config(&f.config, &format!("hf:{repo}"))

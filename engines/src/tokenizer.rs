@@ -21,7 +21,12 @@ pub struct TextTokenizer {
 
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TextTokenizer({}, {} tokens)", self.kind, self.vocab_size())
+        write!(
+            f,
+            "TextTokenizer({}, {} tokens)",
+            self.kind,
+            self.vocab_size()
+        )
     }
 }
 
@@ -109,7 +114,8 @@ impl TextTokenizer {
 
 /// GPT-2's byte → printable character map, inverted.
 fn byte_of_char(c: char) -> u8 {
-    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
     let mut n = 0u32;
     for b in 0u32..256 {
         let ch = if printable(b) {
@@ -135,7 +141,10 @@ mod tests {
         let t = TextTokenizer::byte_level().unwrap();
         let s = "Héllo, wörld! 日本 \n\t 123";
         let ids = t.encode(s).unwrap();
-        assert_eq!(ids, s.as_bytes().iter().map(|&b| b as u32).collect::<Vec<_>>());
+        assert_eq!(
+            ids,
+            s.as_bytes().iter().map(|&b| b as u32).collect::<Vec<_>>()
+        );
         assert_eq!(t.decode(&ids).unwrap(), s);
         assert_eq!(t.vocab_size(), 256);
     }

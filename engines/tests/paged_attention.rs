@@ -6,11 +6,21 @@ use kvbench_engines::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use kvbench_engines::kv::{BlockPool, KvDtype, PagedKv};
 
 fn rand_vec(n: usize, seed: &mut u64) -> Vec<f32> {
-    (0..n).map(|_| (lcg(seed) % 20001) as f32 / 10000.0 - 1.0).collect()
+    (0..n)
+        .map(|_| (lcg(seed) % 20001) as f32 / 10000.0 - 1.0)
+        .collect()
 }
 
 /// o_h(i) = Σ_j softmax_j(q·k_j/√dh) v_j over j ≤ pos(i), in f64.
-fn reference(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], pos: usize, h: usize, hkv: usize, dh: usize) -> Vec<f64> {
+fn reference(
+    q: &[f32],
+    k: &[Vec<f32>],
+    v: &[Vec<f32>],
+    pos: usize,
+    h: usize,
+    hkv: usize,
+    dh: usize,
+) -> Vec<f64> {
     let g = h / hkv;
     let mut out = vec![0f64; h * dh];
     for head in 0..h {
@@ -19,7 +29,11 @@ fn reference(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], pos: usize, h: usize, hk
         let s: Vec<f64> = (0..=pos)
             .map(|j| {
                 let kj = &k[j][kh * dh..(kh + 1) * dh];
-                qh.iter().zip(kj).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (dh as f64).sqrt()
+                qh.iter()
+                    .zip(kj)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    / (dh as f64).sqrt()
             })
             .collect();
         let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -41,7 +55,12 @@ fn check(dtype: KvDtype, tol: f64) {
 }
 
 fn check_shape(dtype: KvDtype, tol: f64, h: usize, hkv: usize, dh: usize, bs: usize) {
-    let shape = AttnShape { num_heads: h, num_kv_heads: hkv, head_dim: dh, block_size: bs };
+    let shape = AttnShape {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: dh,
+        block_size: bs,
+    };
     let mut seed = 42;
     // Ragged: (context before, new rows) per sequence; prefill, decode and a continued chunk.
     let seqs_spec = [(0usize, 7usize), (13, 1), (0, 1), (30, 5), (4, 1)];
@@ -79,7 +98,12 @@ fn check_shape(dtype: KvDtype, tol: f64, h: usize, hkv: usize, dh: usize, bs: us
     let mut views = Vec::new();
     let mut start = 0;
     for (i, &(ctx, n)) in seqs_spec.iter().enumerate() {
-        views.push(SeqAttn { q_start: start, q_len: n, kv_len: ctx + n, table: &tables[i] });
+        views.push(SeqAttn {
+            q_start: start,
+            q_len: n,
+            kv_len: ctx + n,
+            table: &tables[i],
+        });
         start += n;
     }
     let (kv, vv) = store.views(0);
@@ -88,14 +112,25 @@ fn check_shape(dtype: KvDtype, tol: f64, h: usize, hkv: usize, dh: usize, bs: us
     for (i, &(ctx, n)) in seqs_spec.iter().enumerate() {
         for r in 0..n {
             let row = views[i].q_start + r;
-            let want = reference(&q[row * h * dh..(row + 1) * h * dh], &keys[i], &vals[i], ctx + r, h, hkv, dh);
+            let want = reference(
+                &q[row * h * dh..(row + 1) * h * dh],
+                &keys[i],
+                &vals[i],
+                ctx + r,
+                h,
+                hkv,
+                dh,
+            );
             for (a, b) in out[row * h * dh..(row + 1) * h * dh].iter().zip(&want) {
                 let rel = (*a as f64 - b).abs() / b.abs().max(1e-2);
                 worst = worst.max(rel);
             }
         }
     }
-    assert!(worst < tol, "{dtype:?} h={h} hkv={hkv} dh={dh} bs={bs}: worst relative error {worst}");
+    assert!(
+        worst < tol,
+        "{dtype:?} h={h} hkv={hkv} dh={dh} bs={bs}: worst relative error {worst}"
+    );
 }
 
 #[test]

@@ -45,20 +45,48 @@ fn quantized_logits_and_answer_match_candle_quantized_llama() {
     batch.push(0, 0, prompt.len());
     let pos: Vec<u32> = (0..prompt.len() as u32).collect();
     let ours = model
-        .forward(&prompt, &pos, &batch, &[prompt.len() as u32 - 1], &mut policy)
+        .forward(
+            &prompt,
+            &pos,
+            &batch,
+            &[prompt.len() as u32 - 1],
+            &mut policy,
+        )
         .unwrap()
         .flatten_all()
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
     let mut refm = reference();
-    let input = Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let theirs = refm.forward(&input, 0).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let theirs = refm
+        .forward(&input, 0)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
     let dense = model.forward_dense(&prompt).unwrap();
-    let dense = dense.get(prompt.len() - 1).unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(max_abs_diff(&dense, &theirs), 0.0, "same ops, same order: bit-exact");
+    let dense = dense
+        .get(prompt.len() - 1)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert_eq!(
+        max_abs_diff(&dense, &theirs),
+        0.0,
+        "same ops, same order: bit-exact"
+    );
     let d = max_abs_diff(&ours, &theirs);
-    let mean = ours.iter().zip(&theirs).map(|(a, b)| (a - b).abs()).sum::<f32>() / ours.len() as f32;
+    let mean = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .sum::<f32>()
+        / ours.len() as f32;
     println!("quantized: max |Δlogit| = {d}, mean {mean}");
     assert!(d < MAX_LOGIT_TOL, "max |Δlogit| = {d}");
     assert!(mean < MEAN_LOGIT_TOL, "mean |Δlogit| = {mean}");
@@ -66,20 +94,44 @@ fn quantized_logits_and_answer_match_candle_quantized_llama() {
     // The first greedy tokens (the answer) agree, theirs with their own KV cache,
     // ours through the engine.
     let mut want = Vec::new();
-    let mut next = argmax_rows(&Tensor::new(theirs.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap()).unwrap()[0];
+    let mut next = argmax_rows(
+        &Tensor::new(theirs.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap(),
+    )
+    .unwrap()[0];
     for i in 0..3 {
         want.push(next);
-        let x = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let x = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let l = refm.forward(&x, prompt.len() + i).unwrap();
         next = argmax_rows(&l).unwrap()[0];
     }
-    let cfg = EngineConfig { num_blocks: Some(600), check_invariants: true, ..Default::default() };
+    let cfg = EngineConfig {
+        num_blocks: Some(600),
+        check_invariants: true,
+        ..Default::default()
+    };
     let mut e = Engine::new(model, cfg).unwrap();
-    e.add_request(Request { prompt: prompt.clone(), max_new_tokens: 3, arrival_s: 0.0, stop_tokens: vec![] })
-        .unwrap();
+    e.add_request(Request {
+        prompt: prompt.clone(),
+        max_new_tokens: 3,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    })
+    .unwrap();
     e.run().unwrap();
     let got = &e.finished()[0].output;
-    assert_eq!(got, &want, "ours: {:?}\ntheirs: {:?}", tok.decode(got), tok.decode(&want));
+    assert_eq!(
+        got,
+        &want,
+        "ours: {:?}\ntheirs: {:?}",
+        tok.decode(got),
+        tok.decode(&want)
+    );
     let text = tok.decode(got).unwrap();
     assert!(text.contains("Paris"), "{text}");
 }
@@ -98,10 +150,16 @@ fn f32_materialized_weights_agree_with_quantized() {
     let lq = q.forward_dense(&prompt).unwrap();
     let lf = f.forward_dense(&prompt).unwrap();
     let last = prompt.len() - 1;
-    let (a, b) = (lq.get(last).unwrap().to_vec1::<f32>().unwrap(), lf.get(last).unwrap().to_vec1::<f32>().unwrap());
+    let (a, b) = (
+        lq.get(last).unwrap().to_vec1::<f32>().unwrap(),
+        lf.get(last).unwrap().to_vec1::<f32>().unwrap(),
+    );
     let d = max_abs_diff(&a, &b);
     assert!(d < 1.0, "max |Δlogit| = {d}");
-    assert_eq!(argmax_rows(&lq.get(last).unwrap().unsqueeze(0).unwrap()).unwrap(), argmax_rows(&lf.get(last).unwrap().unsqueeze(0).unwrap()).unwrap());
+    assert_eq!(
+        argmax_rows(&lq.get(last).unwrap().unsqueeze(0).unwrap()).unwrap(),
+        argmax_rows(&lf.get(last).unwrap().unsqueeze(0).unwrap()).unwrap()
+    );
 }
 
 #[test]
@@ -128,7 +186,15 @@ fn gguf_config_has_smollm2_architecture() {
     let file = GgufFile::open(&smollm2_path()).unwrap();
     let c = file.config().unwrap();
     assert_eq!(
-        (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size, c.hidden_size, c.intermediate_size),
+        (
+            c.num_layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.vocab_size,
+            c.hidden_size,
+            c.intermediate_size
+        ),
         (30, 9, 3, 64, 49_152, 576, 1536)
     );
     assert!(c.tie_word_embeddings && c.rope_interleaved);

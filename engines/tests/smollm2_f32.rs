@@ -27,31 +27,58 @@ fn f32_logits_and_32_greedy_tokens_match_dequantized_candle_llama() {
     let mut f = std::fs::File::open(&path).unwrap();
     let ct = gguf_file::Content::read(&mut f).unwrap();
     let mut refm = ModelWeights::from_gguf(ct, &mut f, &Device::Cpu).unwrap();
-    let input = Tensor::new(prompt.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let input = Tensor::new(prompt.as_slice(), &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     let mut logits = refm.forward(&input, 0).unwrap();
 
-    let cfg = EngineConfig { num_blocks: Some(600), check_invariants: true, ..Default::default() };
+    let cfg = EngineConfig {
+        num_blocks: Some(600),
+        check_invariants: true,
+        ..Default::default()
+    };
     let mut e = Engine::new(model.clone(), cfg).unwrap();
-    e.add_request(Request { prompt: prompt.clone(), max_new_tokens: 32, arrival_s: 0.0, stop_tokens: vec![] })
-        .unwrap();
+    e.add_request(Request {
+        prompt: prompt.clone(),
+        max_new_tokens: 32,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    })
+    .unwrap();
     e.run().unwrap();
     let ours = e.finished()[0].output.clone();
 
     // Logits of the prompt's last position, and of every generated position, through
     // the reference's own KV cache against ours recomputed (dense) and paged (tokens).
-    let dense = model.forward_dense(&[prompt.as_slice(), &ours].concat()).unwrap();
+    let dense = model
+        .forward_dense(&[prompt.as_slice(), &ours].concat())
+        .unwrap();
     let mut worst = 0f32;
     let mut want = Vec::new();
-    for i in 0..32 {
+    for (i, &fed) in ours.iter().enumerate() {
         let theirs = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let mine = dense.get(prompt.len() - 1 + i).unwrap().to_vec1::<f32>().unwrap();
+        let mine = dense
+            .get(prompt.len() - 1 + i)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         worst = worst.max(max_abs_diff(&mine, &theirs));
         let next = argmax_rows(&logits).unwrap()[0];
         want.push(next);
-        let x = Tensor::new(&[ours[i]], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let x = Tensor::new(&[fed], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         logits = refm.forward(&x, prompt.len() + i).unwrap();
     }
     println!("f32: max |Δlogit| over 32 positions = {worst}");
     assert!(worst < LOGIT_TOL, "max |Δlogit| = {worst}");
-    assert_eq!(ours, want, "ours: {:?}\ntheirs: {:?}", tok.decode(&ours), tok.decode(&want));
+    assert_eq!(
+        ours,
+        want,
+        "ours: {:?}\ntheirs: {:?}",
+        tok.decode(&ours),
+        tok.decode(&want)
+    );
 }

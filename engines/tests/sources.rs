@@ -16,8 +16,16 @@ fn write_hf_dir(dir: &Path) {
     let map = random_tensors(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
     candle_core::safetensors::save(&map, dir.join("model.safetensors")).unwrap();
     let hf = HfConfig::from_model_config(&cfg);
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&hf).unwrap()).unwrap();
-    TextTokenizer::byte_level().unwrap().inner.save(dir.join("tokenizer.json"), false).unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&hf).unwrap(),
+    )
+    .unwrap();
+    TextTokenizer::byte_level()
+        .unwrap()
+        .inner
+        .save(dir.join("tokenizer.json"), false)
+        .unwrap();
 }
 
 fn opts(models_dir: &Path, hub: &Path) -> LoadOptions {
@@ -33,7 +41,13 @@ fn prompt_logits(src: &ModelSource, o: &LoadOptions) -> Vec<f32> {
     let l = src.load(&Device::Cpu, o).unwrap();
     assert_eq!(l.model.weight_dtype, WeightDtype::F32);
     let ids = l.tokenizer.encode("Hello, paged world").unwrap();
-    l.model.forward_dense(&ids).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    l.model
+        .forward_dense(&ids)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
 }
 
 #[test]
@@ -69,13 +83,18 @@ fn hf_directory_and_hub_cache_load_the_same_model_as_the_preset() {
 #[test]
 fn bad_model_specs_name_what_was_expected() {
     let e = ModelSource::parse("gpt-5").unwrap_err().to_string();
-    assert!(e.contains("gpt-5") && e.contains("preset:NAME") && e.contains("smollm2-135m-instruct"), "{e}");
+    assert!(
+        e.contains("gpt-5") && e.contains("preset:NAME") && e.contains("smollm2-135m-instruct"),
+        "{e}"
+    );
     let e = ModelSource::parse("preset:huge").unwrap_err().to_string();
     assert!(e.contains("huge") && e.contains("llama-3.1-8b"), "{e}");
     let e = ModelSource::parse("hf:justaname").unwrap_err().to_string();
     assert!(e.contains("hf:ORG/NAME"), "{e}");
     let tmp = tempfile::tempdir().unwrap();
-    let e = ModelSource::parse(tmp.path().to_str().unwrap()).unwrap_err().to_string();
+    let e = ModelSource::parse(tmp.path().to_str().unwrap())
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("config.json"), "{e}");
 
     // A named model that was not fetched says how to fetch it.
@@ -94,7 +113,12 @@ fn bad_model_specs_name_what_was_expected() {
     // Quantized weights exist only for GGUF.
     let mut q = o.clone();
     q.dtype = Some(WeightDtype::Quantized);
-    let e = ModelSource::parse("preset:tiny").unwrap().load(&Device::Cpu, &q).err().unwrap().to_string();
+    let e = ModelSource::parse("preset:tiny")
+        .unwrap()
+        .load(&Device::Cpu, &q)
+        .err()
+        .unwrap()
+        .to_string();
     assert!(e.contains("GGUF"), "{e}");
 }
 
@@ -107,6 +131,9 @@ fn gguf_path_and_named_model_resolve_to_the_same_file() {
     let named = ModelSource::parse("smollm2-135m-instruct").unwrap();
     assert_eq!(by_path.config(&o).unwrap(), named.config(&o).unwrap());
     // Presets use the SmolLM2 tokenizer when it is present.
-    let l = ModelSource::parse("preset:tiny").unwrap().load(&Device::Cpu, &o).unwrap();
+    let l = ModelSource::parse("preset:tiny")
+        .unwrap()
+        .load(&Device::Cpu, &o)
+        .unwrap();
     assert_eq!(l.tokenizer.kind, "gguf");
 }

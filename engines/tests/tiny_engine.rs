@@ -22,7 +22,11 @@ fn paged_incremental_decode_equals_recompute() {
     let model = tiny();
     let mut policy = FullPolicy::new(
         &model.cfg,
-        FullOptions { block_size: 4, kv_dtype: KvDtype::F32, shuffle_seed: Some(11) },
+        FullOptions {
+            block_size: 4,
+            kv_dtype: KvDtype::F32,
+            shuffle_seed: Some(11),
+        },
         256,
     );
     let mut seed = 5;
@@ -48,12 +52,14 @@ fn paged_incremental_decode_equals_recompute() {
                 continue;
             }
             let c = computed[i];
-            let n = if c < *prompt { (*prompt - c).min(*chunk) } else { 1 };
+            let n = if c < *prompt {
+                (*prompt - c).min(*chunk)
+            } else {
+                1
+            };
             assert!(policy.reserve(i as u64, c + n));
-            for p in c..c + n {
-                tokens.push(t[p]);
-                positions.push(p as u32);
-            }
+            tokens.extend_from_slice(&t[c..c + n]);
+            positions.extend(c as u32..(c + n) as u32);
             batch.push(i as u64, c, n);
             rows.push((tokens.len() - 1) as u32);
             who.push((i, c + n - 1));
@@ -114,8 +120,13 @@ fn greedy_dense(prompt: &[u32], n: usize) -> Vec<u32> {
 
 fn run_all(e: &mut Engine, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
     for p in prompts {
-        e.add_request(Request { prompt: p.clone(), max_new_tokens: n, arrival_s: 0.0, stop_tokens: vec![] })
-            .unwrap();
+        e.add_request(Request {
+            prompt: p.clone(),
+            max_new_tokens: n,
+            arrival_s: 0.0,
+            stop_tokens: vec![],
+        })
+        .unwrap();
     }
     e.run().unwrap();
     let mut out: Vec<_> = e.finished().to_vec();
@@ -126,7 +137,10 @@ fn run_all(e: &mut Engine, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
 
 fn prompts() -> Vec<Vec<u32>> {
     let mut seed = 9;
-    [17, 3, 40, 8, 25].iter().map(|&n| random_tokens(n, &mut seed)).collect()
+    [17, 3, 40, 8, 25]
+        .iter()
+        .map(|&n| random_tokens(n, &mut seed))
+        .collect()
 }
 
 #[test]
@@ -146,13 +160,20 @@ fn chunked_and_sequential_prefill_give_the_same_tokens() {
     chunked.scheduler.max_batched_tokens = 7;
     let mut e = engine(chunked);
     assert_eq!(run_all(&mut e, &ps, 8), reference);
-    assert!(e.traces().iter().any(|t| t.kind == kvbench_engines::trace::StepKind::Mixed));
+    assert!(e
+        .traces()
+        .iter()
+        .any(|t| t.kind == kvbench_engines::trace::StepKind::Mixed));
     let mut seq = base_cfg();
     seq.scheduler.prefill = PrefillMode::Sequential;
     let mut e = engine(seq);
     assert_eq!(run_all(&mut e, &ps, 8), reference);
     // One prompt per prefill step, all prefills before the first decode.
-    let prefills: Vec<_> = e.traces().iter().filter(|t| t.num_prefill_tokens > 0).collect();
+    let prefills: Vec<_> = e
+        .traces()
+        .iter()
+        .filter(|t| t.num_prefill_tokens > 0)
+        .collect();
     assert_eq!(prefills.len(), ps.len());
     assert!(prefills.iter().all(|t| t.num_seqs == 1));
 }
@@ -171,7 +192,11 @@ fn preempted_requests_generate_the_same_tokens() {
     small.max_model_len = Some(72);
     let mut e = engine(small);
     let got = run_all(&mut e, &ps, 30);
-    let preemptions = e.events().iter().filter(|ev| ev.kind == EventKind::Preempted).count();
+    let preemptions = e
+        .events()
+        .iter()
+        .filter(|ev| ev.kind == EventKind::Preempted)
+        .count();
     assert!(preemptions > 0, "the pool was meant to run out");
     assert!(e.finished().iter().any(|r| r.num_preemptions > 0));
     assert_eq!(got, reference);
@@ -185,17 +210,40 @@ fn impossible_requests_are_rejected_not_looped() {
     cfg.block_size = 4;
     cfg.max_model_len = Some(64);
     let mut e = engine(cfg);
-    let too_long = e.add_request(Request { prompt: vec![1; 60], max_new_tokens: 10, arrival_s: 0.0, stop_tokens: vec![] });
+    let too_long = e.add_request(Request {
+        prompt: vec![1; 60],
+        max_new_tokens: 10,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    });
     match too_long {
-        Err(Error::RequestRejected { reason, .. }) => assert!(reason.contains("max_model_len"), "{reason}"),
+        Err(Error::RequestRejected { reason, .. }) => {
+            assert!(reason.contains("max_model_len"), "{reason}")
+        }
         other => panic!("{other:?}"),
     }
-    let bad_token = e.add_request(Request { prompt: vec![49_152], max_new_tokens: 1, arrival_s: 0.0, stop_tokens: vec![] });
+    let bad_token = e.add_request(Request {
+        prompt: vec![49_152],
+        max_new_tokens: 1,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    });
     assert!(matches!(bad_token, Err(Error::RequestRejected { .. })));
-    let empty = e.add_request(Request { prompt: vec![], max_new_tokens: 1, arrival_s: 0.0, stop_tokens: vec![] });
+    let empty = e.add_request(Request {
+        prompt: vec![],
+        max_new_tokens: 1,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    });
     assert!(matches!(empty, Err(Error::RequestRejected { .. })));
     assert!(!e.has_unfinished());
-    assert_eq!(e.events().iter().filter(|ev| ev.kind == EventKind::Rejected).count(), 3);
+    assert_eq!(
+        e.events()
+            .iter()
+            .filter(|ev| ev.kind == EventKind::Rejected)
+            .count(),
+        3
+    );
 }
 
 #[test]
@@ -205,7 +253,10 @@ fn out_of_memory_is_an_error_value() {
     cfg.num_blocks = None;
     cfg.device_memory = Some(1 << 20);
     match Engine::new(tiny(), cfg) {
-        Err(Error::OutOfMemory { component: Component::Weights, .. }) => {}
+        Err(Error::OutOfMemory {
+            component: Component::Weights,
+            ..
+        }) => {}
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("expected OOM"),
     }
@@ -216,7 +267,10 @@ fn out_of_memory_is_an_error_value() {
     cfg.device_memory = Some(model.weights_bytes() + model.activation_bytes(8192, 256) + 1000);
     cfg.memory_fraction = 1.0;
     match Engine::new(model, cfg) {
-        Err(Error::OutOfMemory { component: Component::KvDevice, .. }) => {}
+        Err(Error::OutOfMemory {
+            component: Component::KvDevice,
+            ..
+        }) => {}
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("expected OOM"),
     }
@@ -236,7 +290,10 @@ fn pool_is_sized_from_the_capacity_fraction() {
     let block = e.policy().memory().device_reserved / (pool / block_bytes_tiny()).max(1);
     assert_eq!(block, block_bytes_tiny());
     let usable = (256u64 << 20) / 2 - w - act;
-    assert!(pool <= usable && usable - pool < block_bytes_tiny(), "{pool} vs {usable}");
+    assert!(
+        pool <= usable && usable - pool < block_bytes_tiny(),
+        "{pool} vs {usable}"
+    );
 }
 
 fn block_bytes_tiny() -> u64 {
@@ -250,17 +307,38 @@ fn later_arrivals_wait_and_stop_tokens_end_early() {
     let p = prompts();
     let first = greedy_dense(&p[0], 6);
     // Stop at the first token that was not generated before it.
-    let k = (1..6).find(|&i| !first[..i].contains(&first[i])).expect("varied output");
-    e.add_request(Request { prompt: p[1].clone(), max_new_tokens: 3, arrival_s: 0.3, stop_tokens: vec![] }).unwrap();
-    e.add_request(Request { prompt: p[0].clone(), max_new_tokens: 6, arrival_s: 0.0, stop_tokens: vec![first[k]] }).unwrap();
+    let k = (1..6)
+        .find(|&i| !first[..i].contains(&first[i]))
+        .expect("varied output");
+    e.add_request(Request {
+        prompt: p[1].clone(),
+        max_new_tokens: 3,
+        arrival_s: 0.3,
+        stop_tokens: vec![],
+    })
+    .unwrap();
+    e.add_request(Request {
+        prompt: p[0].clone(),
+        max_new_tokens: 6,
+        arrival_s: 0.0,
+        stop_tokens: vec![first[k]],
+    })
+    .unwrap();
     assert!(matches!(e.step().unwrap(), StepOutcome::Ran(_)));
     e.run().unwrap();
     let late = e.finished().iter().find(|r| r.id == 0).unwrap();
     assert!(late.admitted_s >= 0.3 && late.token_times_s[0] >= 0.3);
     assert!(late.ttft_s().unwrap() >= 0.0);
     let early = e.finished().iter().find(|r| r.id == 1).unwrap();
-    assert_eq!(early.output, first[..=k].to_vec(), "stops at the stop token");
-    assert_eq!(early.finish_reason, kvbench_engines::trace::FinishReason::Stop);
+    assert_eq!(
+        early.output,
+        first[..=k].to_vec(),
+        "stops at the stop token"
+    );
+    assert_eq!(
+        early.finish_reason,
+        kvbench_engines::trace::FinishReason::Stop
+    );
 }
 
 #[test]

@@ -114,12 +114,24 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         return Ok(());
     }
     let color = std::io::stdout().is_terminal();
-    let dim = |s: &str| if color { format!("\x1b[2m{s}\x1b[0m") } else { s.to_string() };
+    let dim = |s: &str| {
+        if color {
+            format!("\x1b[2m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    };
     println!("{}{}", prompt, out.text);
     println!("{}", dim("---"));
     let f = |x: Option<f64>, unit: &str| x.map_or("n/a".into(), |v| format!("{v:.3} {unit}"));
-    println!("model     {} ({}, weights {})", out.model, setup.loaded.origin, out.weights_dtype);
-    println!("engine    {} on {} ({} threads)", out.engine, out.device, out.threads);
+    println!(
+        "model     {} ({}, weights {})",
+        out.model, setup.loaded.origin, out.weights_dtype
+    );
+    println!(
+        "engine    {} on {} ({} threads)",
+        out.engine, out.device, out.threads
+    );
     println!(
         "tokens    prompt {}, output {} ({:?})",
         out.prompt_tokens, out.output_tokens, out.finish_reason

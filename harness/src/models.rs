@@ -52,17 +52,28 @@ pub fn run(a: ModelsArgs) -> Result<()> {
     for m in NAMED_MODELS {
         let path = ModelSource::named_path(m, &a.models_dir);
         let (cfg, status) = if path.is_file() {
-            (GgufFile::open(&path)?.config()?, format!("{} (fetched)", path.display()))
+            (
+                GgufFile::open(&path)?.config()?,
+                format!("{} (fetched)", path.display()),
+            )
         } else {
             // Same architecture as the preset of the same family.
             let c = preset("smollm2-135m").expect("preset exists");
             (c, format!("not fetched: run `{}`", m.fetch))
         };
-        rows.push(row(m.name.to_string(), &cfg, format!("{}; {status}", m.origin)));
+        rows.push(row(
+            m.name.to_string(),
+            &cfg,
+            format!("{}; {status}", m.origin),
+        ));
     }
     for p in PRESETS {
         let c = preset(p).expect("listed presets exist");
-        rows.push(row(format!("preset:{p}"), &c, "seeded random weights".into()));
+        rows.push(row(
+            format!("preset:{p}"),
+            &c,
+            "seeded random weights".into(),
+        ));
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -70,7 +81,15 @@ pub fn run(a: ModelsArgs) -> Result<()> {
     }
     println!(
         "{:<24} {:>6} {:>5} {:>8} {:>8} {:>7} {:>8} {:>9} {:>10}  weights",
-        "model", "layers", "heads", "kv_heads", "head_dim", "vocab", "context", "params", "KV/token"
+        "model",
+        "layers",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "vocab",
+        "context",
+        "params",
+        "KV/token"
     );
     for r in rows {
         println!(

@@ -106,7 +106,10 @@ impl BlockPool {
                 return Err(format!("block {b}: ref count {rc}, held by {h} tables"));
             }
             if (h == 0) != is_free[b] {
-                return Err(format!("block {b}: held by {h} tables, free = {}", is_free[b]));
+                return Err(format!(
+                    "block {b}: held by {h} tables, free = {}",
+                    is_free[b]
+                ));
             }
         }
         Ok(())

@@ -28,10 +28,22 @@ fn build(cfg: ModelConfig, wd: WeightDtype, src: &mut dyn WeightSource) -> Resul
     for i in 0..cfg.num_layers {
         let p = format!("model.layers.{i}");
         layers.push(Layer {
-            wq: src.linear(&format!("{p}.self_attn.q_proj.weight"), (cfg.num_heads * hd, d))?,
-            wk: src.linear(&format!("{p}.self_attn.k_proj.weight"), (cfg.num_kv_heads * hd, d))?,
-            wv: src.linear(&format!("{p}.self_attn.v_proj.weight"), (cfg.num_kv_heads * hd, d))?,
-            wo: src.linear(&format!("{p}.self_attn.o_proj.weight"), (d, cfg.num_heads * hd))?,
+            wq: src.linear(
+                &format!("{p}.self_attn.q_proj.weight"),
+                (cfg.num_heads * hd, d),
+            )?,
+            wk: src.linear(
+                &format!("{p}.self_attn.k_proj.weight"),
+                (cfg.num_kv_heads * hd, d),
+            )?,
+            wv: src.linear(
+                &format!("{p}.self_attn.v_proj.weight"),
+                (cfg.num_kv_heads * hd, d),
+            )?,
+            wo: src.linear(
+                &format!("{p}.self_attn.o_proj.weight"),
+                (d, cfg.num_heads * hd),
+            )?,
             gate: src.linear(&format!("{p}.mlp.gate_proj.weight"), (ff, d))?,
             up: src.linear(&format!("{p}.mlp.up_proj.weight"), (ff, d))?,
             down: src.linear(&format!("{p}.mlp.down_proj.weight"), (d, ff))?,
@@ -208,9 +220,8 @@ impl GgufFile {
             path: path.into(),
             source: e,
         })?;
-        let content = gguf_file::Content::read(&mut f).map_err(|e| {
-            Error::model(path.display(), format!("not a readable GGUF file: {e}"))
-        })?;
+        let content = gguf_file::Content::read(&mut f)
+            .map_err(|e| Error::model(path.display(), format!("not a readable GGUF file: {e}")))?;
         Ok(Self {
             path: path.into(),
             content,
@@ -224,9 +235,11 @@ impl GgufFile {
     }
 
     fn md_u32(&self, key: &str) -> Result<usize> {
-        Ok(self.md(key)?.to_u32().map_err(|e| {
-            Error::model(self.path.display(), format!("`{key}`: {e}"))
-        })? as usize)
+        Ok(self
+            .md(key)?
+            .to_u32()
+            .map_err(|e| Error::model(self.path.display(), format!("`{key}`: {e}")))?
+            as usize)
     }
 
     /// Architecture numbers from the GGUF metadata (llama.cpp keys).
@@ -256,7 +269,10 @@ impl GgufFile {
                 .len(),
         };
         let f32_or = |k: &str, d: f32| self.md(k).and_then(|v| Ok(v.to_f32()?)).unwrap_or(d);
-        let scaling = match self.md("llama.rope.scaling.type").map(|v| v.to_string().cloned()) {
+        let scaling = match self
+            .md("llama.rope.scaling.type")
+            .map(|v| v.to_string().cloned())
+        {
             Ok(Ok(t)) if t == "llama3" => Some(Llama3RopeScaling {
                 factor: f32_or("llama.rope.scaling.factor", 8.0),
                 low_freq_factor: f32_or("llama.rope.scaling.low_freq_factor", 1.0),
@@ -278,7 +294,9 @@ impl GgufFile {
             hidden_size: hidden,
             intermediate_size: self.md_u32("llama.feed_forward_length")?,
             num_heads: heads,
-            num_kv_heads: self.md_u32("llama.attention.head_count_kv").unwrap_or(heads),
+            num_kv_heads: self
+                .md_u32("llama.attention.head_count_kv")
+                .unwrap_or(heads),
             head_dim,
             vocab_size: vocab,
             max_position_embeddings: self.md_u32("llama.context_length").unwrap_or(4096),
@@ -287,7 +305,10 @@ impl GgufFile {
             rms_norm_eps: f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5) as f64,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             rope_interleaved: true,
-            bos_token_id: self.md_u32("tokenizer.ggml.bos_token_id").ok().map(|x| x as u32),
+            bos_token_id: self
+                .md_u32("tokenizer.ggml.bos_token_id")
+                .ok()
+                .map(|x| x as u32),
             eos_token_ids: self
                 .md_u32("tokenizer.ggml.eos_token_id")
                 .ok()
@@ -336,11 +357,10 @@ struct GgufSource<'a> {
 impl GgufSource<'_> {
     fn qtensor(&mut self, hf: &str) -> Result<candle_core::quantized::QTensor> {
         let name = gguf_name(hf);
-        Ok(self
-            .file
+        self.file
             .content
             .tensor(&mut self.reader, &name, &self.device)
-            .map_err(|e| Error::model(self.file.path.display(), format!("tensor {name}: {e}")))?)
+            .map_err(|e| Error::model(self.file.path.display(), format!("tensor {name}: {e}")))
     }
 }
 
@@ -356,7 +376,9 @@ impl WeightSource for GgufSource<'_> {
                 bytes,
             })
         } else {
-            Ok(Linear::Dense(q.dequantize(&self.device)?.to_dtype(self.wd.compute())?))
+            Ok(Linear::Dense(
+                q.dequantize(&self.device)?.to_dtype(self.wd.compute())?,
+            ))
         }
     }
     fn dense(&mut self, name: &str, shape: &[usize]) -> Result<Tensor> {
@@ -366,7 +388,10 @@ impl WeightSource for GgufSource<'_> {
         Ok(q.dequantize(&self.device)?.to_dtype(self.wd.compute())?)
     }
     fn has(&self, name: &str) -> bool {
-        self.file.content.tensor_infos.contains_key(&gguf_name(name))
+        self.file
+            .content
+            .tensor_infos
+            .contains_key(&gguf_name(name))
     }
 }
 
@@ -462,10 +487,14 @@ impl HfConfig {
             }
         };
         let eos = match &self.eos_token_id {
-            Some(serde_json::Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            Some(serde_json::Value::Array(a)) => {
-                a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()
+            Some(serde_json::Value::Number(n)) => {
+                n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
             }
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .filter_map(|x| x.as_u64())
+                .map(|x| x as u32)
+                .collect(),
             _ => vec![],
         };
         Ok(ModelConfig {

@@ -11,6 +11,9 @@ use crate::policy::{KvPolicy, StepBatch};
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor};
 
+/// Attention of one layer: (layer, normed input, q, k, v) → output `[T, H, dh]`.
+type AttendFn<'a> = dyn FnMut(usize, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor> + 'a;
+
 /// How weights are held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -221,7 +224,7 @@ impl Llama {
         tokens: &[u32],
         positions: &[u32],
         sample_rows: &[u32],
-        attend: &mut dyn FnMut(usize, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor>,
+        attend: &mut AttendFn<'_>,
     ) -> Result<Tensor> {
         let c = &self.cfg;
         let t = tokens.len();

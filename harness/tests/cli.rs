@@ -1,0 +1,248 @@
+//! The `kvbench` binary as a user runs it.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn kvbench(models_dir: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(args)
+        .env("KVBENCH_MODELS_DIR", models_dir)
+        .env_remove("KVBENCH_MODEL")
+        .output()
+        .expect("kvbench runs")
+}
+
+fn repo_models() -> PathBuf {
+    std::env::var_os("KVBENCH_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn generate_json_is_one_object_with_exact_kv_bytes() {
+    let empty = tempfile::tempdir().unwrap();
+    let o = kvbench(
+        empty.path(),
+        &[
+            "generate",
+            "--model",
+            "preset:tiny",
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "7",
+            "--ignore-eos",
+            "--device-memory",
+            "1GiB",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert_eq!(out.trim().lines().count(), 1, "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for k in [
+        "text",
+        "prompt_tokens",
+        "output_tokens",
+        "ttft_s",
+        "decode_tok_s",
+        "kv_device_bytes",
+        "kv_pool_bytes",
+        "kv_host_bytes",
+        "weights_bytes",
+        "engine",
+        "device",
+    ] {
+        assert!(v.get(k).is_some(), "missing {k} in {out}");
+    }
+    // Byte-level tokenizer (no SmolLM2 in this models dir): 5 prompt tokens.
+    assert_eq!(v["prompt_tokens"], 5);
+    assert_eq!(v["output_tokens"], 7);
+    assert_eq!(v["engine"], "full");
+    assert_eq!(v["device"], "cpu");
+    // preset:tiny f32: 2 layers × 2 KV heads × 16 dims × 4 B × (K, V) = 512 B per token;
+    // the last generated token has no KV yet.
+    assert_eq!(v["kv_device_bytes"], (5 + 7 - 1) * 512);
+    assert_eq!(v["kv_host_bytes"], 0);
+    let pool = v["kv_pool_bytes"].as_u64().unwrap();
+    let weights = v["weights_bytes"].as_u64().unwrap();
+    assert!(
+        pool + weights <= (1u64 << 30) * 9 / 10 && pool > (1 << 29),
+        "{pool}"
+    );
+    assert!(v["ttft_s"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn generate_smollm2_answers_in_english() {
+    let o = kvbench(
+        &repo_models(),
+        &[
+            "generate",
+            "--model",
+            "smollm2-135m-instruct",
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["text"].as_str().unwrap().contains("Paris"), "{v}");
+    assert_eq!(v["weights_dtype"], "quantized");
+    // Text mode prints the continuation and the numbers.
+    let o = kvbench(
+        &repo_models(),
+        &[
+            "generate",
+            "-m",
+            "smollm2-135m-instruct",
+            "-p",
+            "The capital of France is",
+            "-n",
+            "4",
+        ],
+    );
+    let text = String::from_utf8(o.stdout).unwrap();
+    assert!(text.starts_with("The capital of France is Paris"), "{text}");
+    for k in ["TTFT", "decode", "KV", "weights"] {
+        assert!(text.contains(k), "{text}");
+    }
+}
+
+#[test]
+fn bad_input_is_named_with_what_was_expected() {
+    let empty = tempfile::tempdir().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["generate", "-m", "smollm2-135m-instruct", "-p", "x"],
+            &["just fetch-model smollm2"],
+        ),
+        (
+            &[
+                "generate",
+                "-m",
+                "preset:tiny",
+                "-p",
+                "x",
+                "--device-memory",
+                "8parsecs",
+            ],
+            &["8parsecs", "unit"],
+        ),
+        (
+            &[
+                "generate",
+                "-m",
+                "preset:tiny",
+                "-p",
+                "x",
+                "--memory-fraction",
+                "2",
+            ],
+            &["--memory-fraction", "(0, 1]"],
+        ),
+        (
+            &["generate", "-m", "preset:nope", "-p", "x"],
+            &["nope", "preset"],
+        ),
+        (
+            &[
+                "generate",
+                "-m",
+                "preset:tiny",
+                "-p",
+                "x",
+                "--device",
+                "tpu",
+            ],
+            &["tpu", "cuda"],
+        ),
+        (&["generate", "-m", "preset:tiny"], &["--prompt"]),
+        // Out of memory is reported, not a crash.
+        (
+            &[
+                "generate",
+                "-m",
+                "preset:tiny",
+                "-p",
+                "x",
+                "--device-memory",
+                "1MiB",
+            ],
+            &["out of memory", "weights"],
+        ),
+        (
+            &[
+                "generate",
+                "-m",
+                "preset:tiny",
+                "-p",
+                "x",
+                "-n",
+                "5000",
+                "--device-memory",
+                "1GiB",
+            ],
+            &["max_model_len"],
+        ),
+    ];
+    for (args, wants) in cases {
+        let o = kvbench(empty.path(), args);
+        assert!(!o.status.success(), "{args:?} should fail");
+        let e = stderr(&o);
+        for w in *wants {
+            assert!(e.contains(w), "{args:?}: {e}");
+        }
+        assert!(!e.contains("panicked"), "{args:?}: {e}");
+    }
+}
+
+#[test]
+fn models_lists_presets_and_named_models() {
+    let empty = tempfile::tempdir().unwrap();
+    let o = kvbench(empty.path(), &["models", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let names: Vec<&str> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["model"].as_str().unwrap())
+        .collect();
+    for n in [
+        "smollm2-135m-instruct",
+        "preset:tiny",
+        "preset:smollm2-135m",
+        "preset:llama-3.2-1b",
+        "preset:llama-3.1-8b",
+        "preset:llama-3.1-70b",
+    ] {
+        assert!(names.contains(&n), "{names:?}");
+    }
+    let l8 = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["model"] == "preset:llama-3.1-8b")
+        .unwrap();
+    assert_eq!(
+        (
+            l8["layers"].as_u64(),
+            l8["kv_heads"].as_u64(),
+            l8["head_dim"].as_u64()
+        ),
+        (Some(32), Some(8), Some(128))
+    );
+    assert!(v[0]["weights"]
+        .as_str()
+        .unwrap()
+        .contains("just fetch-model smollm2"));
+}

@@ -1,0 +1,33 @@
+# kvbench: the entry points. `just --list` shows them with their descriptions.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+# List the recipes.
+default:
+    @just --list
+
+# Fetch real model weights into models/ (idempotent; known: smollm2).
+fetch-model name="smollm2":
+    scripts/fetch-model.sh {{name}}
+
+# Build the kvbench binary in release mode.
+build:
+    cargo build --release -p kvbench
+
+# One prompt through one engine, e.g. just generate --model smollm2-135m-instruct --prompt "Hi"
+generate *args:
+    cargo run --quiet --release -p kvbench -- generate {{args}}
+
+# List named models and presets with their architecture numbers.
+models *args:
+    cargo run --quiet --release -p kvbench -- models {{args}}
+
+# Formatting, lints and every test: what CI runs.
+test: (fetch-model "smollm2")
+    cargo fmt --all --check
+    cargo clippy --all-targets -- -D warnings
+    cargo test --release --workspace
+
+# Decode tokens/s against candle-transformers' quantized llama (criterion; minutes).
+bench *args: (fetch-model "smollm2")
+    cargo bench -p kvbench-engines --bench decode -- {{args}}
