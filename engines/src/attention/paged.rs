@@ -46,7 +46,6 @@ pub fn paged_attention(
 
 fn run<E: KvElem>(q: &[f32], seqs: &[SeqAttn<'_>], k: &[E], v: &[E], s: AttnShape) -> Vec<f32> {
     let (h, hkv, dh) = (s.num_heads, s.num_kv_heads, s.head_dim);
-    let g_size = h / hkv;
     let rows: usize = seqs.iter().map(|x| x.q_start + x.q_len).max().unwrap_or(0);
     debug_assert!(q.len() >= rows * h * dh);
     // Row → (sequence, absolute position).
@@ -57,83 +56,176 @@ fn run<E: KvElem>(q: &[f32], seqs: &[SeqAttn<'_>], k: &[E], v: &[E], s: AttnShap
         }
     }
     let mut out = vec![0f32; rows * h * dh];
-    let scale = 1.0 / (dh as f32).sqrt();
-    // One work item = one query row × one KV head (its G query heads).
-    out.par_chunks_mut(g_size * dh)
-        .enumerate()
-        .for_each(|(item, o)| {
-            let (row, g) = (item / hkv, item % hkv);
-            let Some((si, pos)) = row_info[row] else {
-                return;
-            };
-            let sq = &seqs[si];
-            let qg = &q[(row * h + g * g_size) * dh..(row * h + (g + 1) * g_size) * dh];
-            attend_row(qg, o, pos + 1, sq.table, k, v, g, s, scale);
-        });
+    // One work item = one query row and a range of KV heads. With enough rows, all KV
+    // heads: a token's K (and V) row of all heads is then read as one contiguous run,
+    // which the hardware prefetcher follows; with few rows (small-batch decode), one KV
+    // head per item so every core has work.
+    let heads_per_item = if rows >= 2 * rayon::current_num_threads() {
+        hkv
+    } else {
+        1
+    };
+    let items_per_row = hkv / heads_per_item;
+    let chunk = heads_per_item * (h / hkv) * dh;
+    out.par_chunks_mut(chunk).enumerate().for_each(|(item, o)| {
+        let (row, part) = (item / items_per_row, item % items_per_row);
+        let Some((si, pos)) = row_info[row] else {
+            return;
+        };
+        let g0 = part * heads_per_item;
+        let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
+        attend_row(
+            qr,
+            o,
+            pos + 1,
+            seqs[si].table,
+            k,
+            v,
+            g0..g0 + heads_per_item,
+            s,
+        );
+    });
     out
 }
 
-/// Attention of the `G` query heads in `qg` (`[G, dh]`) over keys `0..n` of KV head `g`.
+/// Attention of the query heads of KV heads `groups` (`qr`: `[groups × G, dh]`) over
+/// keys `0..n`. Dispatches to a copy compiled for AVX2+FMA when the CPU has it (the
+/// default x86-64 target has only SSE2).
 #[allow(clippy::too_many_arguments)]
 fn attend_row<E: KvElem>(
-    qg: &[f32],
+    qr: &[f32],
     out: &mut [f32],
     n: usize,
     table: &[BlockId],
     k: &[E],
     v: &[E],
-    g: usize,
+    groups: std::ops::Range<usize>,
     s: AttnShape,
-    scale: f32,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports the features the function is compiled for.
+        unsafe { attend_row_avx2(qr, out, n, table, k, v, groups, s) };
+        return;
+    }
+    attend_row_impl(qr, out, n, table, k, v, groups, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_row_avx2<E: KvElem>(
+    qr: &[f32],
+    out: &mut [f32],
+    n: usize,
+    table: &[BlockId],
+    k: &[E],
+    v: &[E],
+    groups: std::ops::Range<usize>,
+    s: AttnShape,
+) {
+    attend_row_impl(qr, out, n, table, k, v, groups, s)
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_row_impl<E: KvElem>(
+    qr: &[f32],
+    out: &mut [f32],
+    n: usize,
+    table: &[BlockId],
+    k: &[E],
+    v: &[E],
+    groups: std::ops::Range<usize>,
+    s: AttnShape,
 ) {
     let (hkv, dh, bs) = (s.num_kv_heads, s.head_dim, s.block_size);
-    let g_size = qg.len() / dh;
-    let mut m = vec![f32::NEG_INFINITY; g_size];
-    let mut l = vec![0f32; g_size];
+    let g_size = s.num_heads / hkv;
+    let nh = groups.len() * g_size; // query heads of this item
+    let scale = 1.0 / (dh as f32).sqrt();
+    let mut m = vec![f32::NEG_INFINITY; nh];
+    let mut l = vec![0f32; nh];
     out.fill(0.0);
-    let mut kf = vec![0f32; bs * dh];
-    let mut vf = vec![0f32; bs * dh];
-    let mut scores = vec![0f32; bs];
+    let row = hkv * dh;
+    let span = groups.start * dh..groups.end * dh;
+    let direct = E::as_f32(k).zip(E::as_f32(v));
+    // 16-bit storage: this block's rows of the item's heads, converted once.
+    let (mut kf, mut vf) = match direct {
+        Some(_) => (Vec::new(), Vec::new()),
+        None => (vec![0f32; bs * span.len()], vec![0f32; bs * span.len()]),
+    };
+    // Scores then probabilities, [head, t].
+    let mut p = vec![0f32; nh * bs];
     let mut start = 0;
     while start < n {
         let blk = table[start / bs] as usize;
         let len = (n - start).min(bs);
-        // Convert this block's keys/values of head g to f32 once for all G heads.
-        for t in 0..len {
-            let off = ((blk * bs + t) * hkv + g) * dh;
-            for (d, x) in kf[t * dh..(t + 1) * dh].iter_mut().zip(&k[off..off + dh]) {
-                *d = x.to_f32();
+        let (kb, vb, stride): (&[f32], &[f32], usize) = match direct {
+            Some((k32, v32)) => {
+                let base = blk * bs * row + span.start;
+                (&k32[base..], &v32[base..], row)
             }
-            for (d, x) in vf[t * dh..(t + 1) * dh].iter_mut().zip(&v[off..off + dh]) {
-                *d = x.to_f32();
+            None => {
+                let w = span.len();
+                for t in 0..len {
+                    let off = (blk * bs + t) * row;
+                    let (src_k, src_v) = (
+                        &k[off + span.start..off + span.end],
+                        &v[off + span.start..off + span.end],
+                    );
+                    for (d, x) in kf[t * w..(t + 1) * w].iter_mut().zip(src_k) {
+                        *d = x.to_f32();
+                    }
+                    for (d, x) in vf[t * w..(t + 1) * w].iter_mut().zip(src_v) {
+                        *d = x.to_f32();
+                    }
+                }
+                (&kf, &vf, w)
+            }
+        };
+        // Scores: token-major so the K rows stream in order.
+        for t in 0..len {
+            let kt = &kb[t * stride..];
+            for hq in 0..nh {
+                let gi = hq / g_size;
+                p[hq * bs + t] =
+                    dot(&qr[hq * dh..(hq + 1) * dh], &kt[gi * dh..(gi + 1) * dh]) * scale;
             }
         }
-        for hq in 0..g_size {
-            let qh = &qg[hq * dh..(hq + 1) * dh];
-            let mut bmax = f32::NEG_INFINITY;
-            for t in 0..len {
-                let sc = dot(qh, &kf[t * dh..(t + 1) * dh]) * scale;
-                scores[t] = sc;
-                bmax = bmax.max(sc);
-            }
+        // Online softmax per head.
+        for hq in 0..nh {
+            let ph = &mut p[hq * bs..hq * bs + len];
+            let bmax = ph.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
             let m_new = m[hq].max(bmax);
-            let alpha = (m[hq] - m_new).exp();
-            let oh = &mut out[hq * dh..(hq + 1) * dh];
-            if alpha != 1.0 {
-                oh.iter_mut().for_each(|x| *x *= alpha);
-            }
+            let alpha = exp(m[hq] - m_new);
             let mut sum = 0f32;
-            for t in 0..len {
-                let p = (scores[t] - m_new).exp();
-                sum += p;
-                axpy(p, &vf[t * dh..(t + 1) * dh], oh);
+            for x in ph.iter_mut() {
+                *x = exp(*x - m_new);
+                sum += *x;
+            }
+            if alpha != 1.0 {
+                out[hq * dh..(hq + 1) * dh]
+                    .iter_mut()
+                    .for_each(|x| *x *= alpha);
             }
             l[hq] = l[hq] * alpha + sum;
             m[hq] = m_new;
         }
+        // Values: token-major again.
+        for t in 0..len {
+            let vt = &vb[t * stride..];
+            for hq in 0..nh {
+                let gi = hq / g_size;
+                axpy(
+                    p[hq * bs + t],
+                    &vt[gi * dh..(gi + 1) * dh],
+                    &mut out[hq * dh..(hq + 1) * dh],
+                );
+            }
+        }
         start += len;
     }
-    for hq in 0..g_size {
+    for hq in 0..nh {
         let inv = 1.0 / l[hq];
         out[hq * dh..(hq + 1) * dh]
             .iter_mut()
@@ -141,8 +233,27 @@ fn attend_row<E: KvElem>(
     }
 }
 
+/// `e^x` for x ≤ 0 (softmax arguments), inlined so the score loops stay in registers
+/// instead of calling libm per element. Range reduction x = k·ln2 + r, |r| ≤ ln2/2, and
+/// a degree-6 polynomial: relative error below 3e-7 (tested against `f32::exp`).
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    if x < -87.0 {
+        return 0.0;
+    }
+    let k = (x * std::f32::consts::LOG2_E).round();
+    // ln 2 split in two (Cody–Waite) so k·ln2 is exact enough in f32.
+    let r = (x - k * 0.693_359_4) + k * 2.121_944_4e-4;
+    let poly = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    // 2^k by building the exponent bits; k ≥ -126 here.
+    f32::from_bits(((k as i32 + 127) as u32) << 23) * poly
+}
+
 /// Dot product with eight independent accumulators so the compiler vectorizes it.
-#[inline]
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -159,9 +270,28 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-#[inline]
+#[inline(always)]
 fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += a * xi;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fast_exp_matches_libm() {
+        let mut worst = 0f32;
+        let mut x = -87.0f32;
+        while x <= 0.0 {
+            let (a, b) = (exp(x), x.exp());
+            worst = worst.max((a - b).abs() / b);
+            x += 0.001;
+        }
+        assert!(worst < 3e-7, "{worst}");
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(0.0), 1.0);
     }
 }

@@ -37,6 +37,10 @@ impl KvDtype {
 pub trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
+    /// The slice itself when the storage already is f32 (kernels then read it in place).
+    fn as_f32(_s: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl KvElem for f32 {
@@ -47,6 +51,10 @@ impl KvElem for f32 {
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
+    }
+    #[inline(always)]
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 
