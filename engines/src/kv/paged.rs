@@ -1,4 +1,6 @@
-//! Per-layer paged K/V buffers of shape `[num_blocks, block_size, Hkv, dh]`.
+//! Per-layer paged K/V buffers of shape `[num_blocks, Hkv, block_size, dh]`: a block's
+//! keys of one KV head are contiguous (as in vLLM's own layout, which also puts the
+//! head before the token), so attention streams them instead of striding per token.
 //!
 //! The buffers are zero-allocated up front (the vLLM pool); on CPU untouched pages cost
 //! no resident memory, so reserving a large pool is cheap while its bytes still count
@@ -171,21 +173,25 @@ impl PagedKv {
         table[pos / self.block_size] as usize * self.block_size + pos % self.block_size
     }
 
-    /// Write one token's K and V (`Hkv × dh` each, f32) into `slot` of `layer`.
+    /// Write one token's K and V (`[Hkv, dh]` each, f32) into `slot` of `layer`.
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
-        let stride = self.token_stride();
+        let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
+        let (blk, t) = (slot / bs, slot % bs);
         let (kb, vb) = &mut self.layers[layer];
         let dtype = self.dtype;
         for (buf, src) in [(kb, k), (vb, v)] {
-            let dst = slot * stride..(slot + 1) * stride;
-            match buf {
-                Buf::F32(b) => b[dst].copy_from_slice(src),
-                Buf::U16(b) => {
-                    for (d, &s) in b[dst].iter_mut().zip(src) {
-                        *d = match dtype {
-                            KvDtype::Bf16 => bf16::from_f32(s).to_bits(),
-                            _ => f16::from_f32(s).to_bits(),
-                        };
+            for g in 0..hkv {
+                let dst = ((blk * hkv + g) * bs + t) * dh;
+                let (dst, src) = (dst..dst + dh, &src[g * dh..(g + 1) * dh]);
+                match buf {
+                    Buf::F32(b) => b[dst].copy_from_slice(src),
+                    Buf::U16(b) => {
+                        for (d, &s) in b[dst].iter_mut().zip(src) {
+                            *d = match dtype {
+                                KvDtype::Bf16 => bf16::from_f32(s).to_bits(),
+                                _ => f16::from_f32(s).to_bits(),
+                            };
+                        }
                     }
                 }
             }
