@@ -350,3 +350,108 @@ fn tiny_greedy_output_is_not_degenerate() {
     distinct.dedup();
     assert!(distinct.len() >= 4, "{out:?}");
 }
+
+#[test]
+fn a_step_past_the_capacity_fails_with_oom_and_nothing_is_lost() {
+    // The pool leaves room for the profiled step (8 tokens, 8 logit rows); sequential
+    // prefill runs a whole 700-token prompt in one step, whose activations do not fit.
+    let model = tiny();
+    let cap = model.weights_bytes() + 64 * block_bytes_tiny() + model.activation_bytes(8, 8);
+    let mut cfg = EngineConfig {
+        num_blocks: Some(64),
+        device_memory: Some(cap),
+        max_model_len: Some(1024),
+        ..Default::default()
+    };
+    cfg.scheduler.max_batched_tokens = 8;
+    cfg.scheduler.prefill = PrefillMode::Sequential;
+    let mut e = Engine::new(model, cfg).unwrap();
+    let mut seed = 1;
+    e.add_request(Request {
+        prompt: random_tokens(4, &mut seed),
+        max_new_tokens: 2,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    })
+    .unwrap();
+    e.run().unwrap();
+    assert_eq!(e.finished().len(), 1, "a small step fits");
+    e.add_request(Request {
+        prompt: random_tokens(700, &mut seed),
+        max_new_tokens: 2,
+        arrival_s: 0.0,
+        stop_tokens: vec![],
+    })
+    .unwrap();
+    match e.run() {
+        Err(Error::OutOfMemory {
+            component: Component::Activations,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(e.finished().len(), 1, "the finished request is still there");
+}
+
+/// A policy sees the layer input and can re-rotate raw keys to any positions.
+struct Inspect {
+    inner: FullPolicy,
+    layers_seen: usize,
+}
+
+impl KvPolicy for Inspect {
+    fn name(&self) -> &'static str {
+        "inspect"
+    }
+    fn reserve(&mut self, seq: u64, total: usize) -> bool {
+        self.inner.reserve(seq, total)
+    }
+    fn fits(&self, total: usize) -> bool {
+        self.inner.fits(total)
+    }
+    fn release(&mut self, seq: u64) {
+        self.inner.release(seq)
+    }
+    fn attend(
+        &mut self,
+        batch: &StepBatch,
+        input: &kvbench_engines::policy::LayerInput<'_>,
+    ) -> kvbench_engines::Result<candle_core::Tensor> {
+        let again = input.rope.rotate(input.k_raw, input.positions)?;
+        let d = (&again - input.k)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert_eq!(d, 0.0, "rotating raw keys reproduces the model's keys");
+        let q0 = input
+            .rope
+            .rotate(input.q_raw, &vec![0; input.positions.len()])?;
+        let d = (&q0 - input.q_raw)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(d < 1e-6, "position 0 is the identity");
+        assert_eq!(input.x.dims(), &[batch.num_tokens, 64]);
+        self.layers_seen += 1;
+        self.inner.attend(batch, input)
+    }
+    fn memory(&self) -> kvbench_engines::policy::PolicyMemory {
+        self.inner.memory()
+    }
+    fn seq_device_bytes(&self, seq: u64) -> u64 {
+        self.inner.seq_device_bytes(seq)
+    }
+    fn take_stats(&mut self) -> kvbench_engines::policy::PolicyStats {
+        self.inner.take_stats()
+    }
+}
+
+#[test]
+fn policies_see_layer_inputs_and_can_re_rotate_keys() {
+    let model = tiny();
+    let mut p = Inspect {
+        inner: FullPolicy::new(&model.cfg, FullOptions::default(), 16),
+        layers_seen: 0,
+    };
+    let mut batch = StepBatch::default();
+    assert!(p.reserve(0, 6));
+    batch.push(0, 0, 6);
+    let toks = [5u32, 6, 7, 8, 9, 10];
+    let pos: Vec<u32> = (0..6).collect();
+    model.forward(&toks, &pos, &batch, &[5], &mut p).unwrap();
+    assert_eq!(p.layers_seen, 2);
+}

@@ -7,12 +7,12 @@ pub mod load;
 use crate::attention::dense::causal_attention;
 use crate::config::{rope_inv_freq, ModelConfig};
 use crate::error::Result;
-use crate::policy::{KvPolicy, StepBatch};
+use crate::policy::{KvPolicy, LayerInput, Rope, StepBatch};
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor};
 
-/// Attention of one layer: (layer, normed input, q, k, v) → output `[T, H, dh]`.
-type AttendFn<'a> = dyn FnMut(usize, &Tensor, &Tensor, &Tensor, &Tensor) -> Result<Tensor> + 'a;
+/// Attention of one layer → output `[T, H, dh]`.
+type AttendFn<'a> = dyn FnMut(&LayerInput<'_>) -> Result<Tensor> + 'a;
 
 /// How weights are held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -212,9 +212,8 @@ impl Llama {
         sample_rows: &[u32],
         policy: &mut dyn KvPolicy,
     ) -> Result<Tensor> {
-        self.forward_with(tokens, positions, sample_rows, &mut |layer, h, q, k, v| {
-            policy.observe_input(layer, batch, h)?;
-            policy.attend(layer, batch, q, k, v)
+        self.forward_with(tokens, positions, sample_rows, &mut |input| {
+            policy.attend(batch, input)
         })
     }
 
@@ -222,8 +221,8 @@ impl Llama {
     /// Returns logits for every position, `[T, vocab]`.
     pub fn forward_dense(&self, tokens: &[u32]) -> Result<Tensor> {
         let positions: Vec<u32> = (0..tokens.len() as u32).collect();
-        self.forward_with(tokens, &positions, &positions, &mut |_, _, q, k, v| {
-            Ok(causal_attention(q, k, v)?)
+        self.forward_with(tokens, &positions, &positions, &mut |i| {
+            Ok(causal_attention(i.q, i.k, i.v)?)
         })
     }
 
@@ -242,12 +241,22 @@ impl Llama {
         let (cos, sin) = self.rope_tables(positions)?;
         for (li, l) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &l.attn_norm, eps)?;
-            let q = l.wq.forward(&h)?.reshape((t, c.num_heads, c.head_dim))?;
-            let k = l.wk.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
+            let q_raw = l.wq.forward(&h)?.reshape((t, c.num_heads, c.head_dim))?;
+            let k_raw = l.wk.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
             let v = l.wv.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
-            let q = self.rope(&q, &cos, &sin)?;
-            let k = self.rope(&k, &cos, &sin)?;
-            let a = attend(li, &h, &q, &k, &v)?;
+            let q = self.rope(&q_raw, &cos, &sin)?;
+            let k = self.rope(&k_raw, &cos, &sin)?;
+            let a = attend(&LayerInput {
+                layer: li,
+                x: &h,
+                q: &q,
+                k: &k,
+                v: &v,
+                q_raw: &q_raw,
+                k_raw: &k_raw,
+                positions,
+                rope: self,
+            })?;
             let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
             x = (x + a)?;
             let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
@@ -259,5 +268,12 @@ impl Llama {
         let x = x.index_select(&rows, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+    }
+}
+
+impl Rope for Llama {
+    fn rotate(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor> {
+        let (cos, sin) = self.rope_tables(positions)?;
+        self.rope(x, &cos, &sin)
     }
 }

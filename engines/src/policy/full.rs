@@ -1,7 +1,7 @@
 //! `full`: the vLLM paradigm. One paged block pool sized at start-up, a block table per
 //! sequence, no eviction; attention reads K/V through the block tables.
 
-use super::{KvPolicy, PolicyMemory, PolicyStats, SeqId, StepBatch};
+use super::{KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch};
 use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -136,14 +136,8 @@ impl KvPolicy for FullPolicy {
         }
     }
 
-    fn attend(
-        &mut self,
-        layer: usize,
-        batch: &StepBatch,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor> {
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        let (layer, q, k, v) = (input.layer, input.q, input.k, input.v);
         let t0 = Instant::now();
         let stride = self.store.token_stride();
         let kf = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;

@@ -46,6 +46,31 @@ impl StepBatch {
     }
 }
 
+/// Rotary position embedding of the model, for policies that place keys at positions
+/// other than their own (StreamingLLM's rolling positions).
+pub trait Rope {
+    /// Rotate `x` (`[T, heads, dh]`, not yet rotated) to `positions` (one per row).
+    fn rotate(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor>;
+}
+
+/// What one layer hands its KV policy in one step.
+pub struct LayerInput<'a> {
+    pub layer: usize,
+    /// The layer's input after its RMSNorm, `[T, hidden]`.
+    pub x: &'a Tensor,
+    /// Queries `[T, H, dh]` and keys `[T, Hkv, dh]` with RoPE at their positions.
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    /// Values `[T, Hkv, dh]`.
+    pub v: &'a Tensor,
+    /// Queries and keys before RoPE.
+    pub q_raw: &'a Tensor,
+    pub k_raw: &'a Tensor,
+    /// Absolute position of each row.
+    pub positions: &'a [u32],
+    pub rope: &'a dyn Rope,
+}
+
 /// Memory a policy holds, in bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct PolicyMemory {
@@ -81,21 +106,10 @@ pub trait KvPolicy: Send {
     /// Free everything held for `seq`.
     fn release(&mut self, seq: SeqId);
 
-    /// Sees each layer's (normed) input before its attention; InfiniGen speculates here.
-    fn observe_input(&mut self, _layer: usize, _batch: &StepBatch, _x: &Tensor) -> Result<()> {
-        Ok(())
-    }
-
-    /// Store the step's new K/V (`k`, `v`: `[T, Hkv, dh]`, RoPE applied) and return the
-    /// attention output `[T, H, dh]` for the queries `q` (`[T, H, dh]`).
-    fn attend(
-        &mut self,
-        layer: usize,
-        batch: &StepBatch,
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Tensor>;
+    /// Store the step's new K/V and return the attention output `[T, H, dh]` for the
+    /// layer's queries. Everything the layer knows is in `input`, including its (normed)
+    /// input, which InfiniGen uses to speculate on the next layer.
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor>;
 
     /// After all layers of a step.
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
