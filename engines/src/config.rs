@@ -170,39 +170,33 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             eos_token_ids: vec![128_001, 128_008, 128_009],
             ..base(name)
         },
-        "llama-3.1-8b" => ModelConfig {
-            num_layers: 32,
-            hidden_size: 4096,
-            intermediate_size: 14_336,
-            num_heads: 32,
-            num_kv_heads: 8,
-            head_dim: 128,
-            vocab_size: 128_256,
-            max_position_embeddings: 131_072,
-            rope_theta: 500_000.0,
-            rope_scaling: Some(LLAMA3_SCALING_8B),
-            bos_token_id: Some(128_000),
-            eos_token_ids: vec![128_001, 128_008, 128_009],
-            ..base(name)
-        },
-        "llama-3.1-70b" => ModelConfig {
-            num_layers: 80,
-            hidden_size: 8192,
-            intermediate_size: 28_672,
-            num_heads: 64,
-            num_kv_heads: 8,
-            head_dim: 128,
-            vocab_size: 128_256,
-            max_position_embeddings: 131_072,
-            rope_theta: 500_000.0,
-            rope_scaling: Some(LLAMA3_SCALING_8B),
-            bos_token_id: Some(128_000),
-            eos_token_ids: vec![128_001, 128_008, 128_009],
-            ..base(name)
-        },
+        "llama-3.1-8b" => llama31(name, 32, 4096, 14_336, 32),
+        "llama-3.1-70b" => llama31(name, 80, 8192, 28_672, 64),
         _ => return None,
     };
     Some(cfg)
+}
+
+/// Llama 3.1 (8B, 70B): 8 KV heads of 128 dims, the Llama 3 vocabulary and 128K context.
+fn llama31(name: &str, layers: usize, hidden: usize, ff: usize, heads: usize) -> ModelConfig {
+    ModelConfig {
+        name: format!("preset:{name}"),
+        num_layers: layers,
+        hidden_size: hidden,
+        intermediate_size: ff,
+        num_heads: heads,
+        num_kv_heads: 8,
+        head_dim: 128,
+        vocab_size: 128_256,
+        max_position_embeddings: 131_072,
+        rope_theta: 500_000.0,
+        rope_scaling: Some(LLAMA3_SCALING_8B),
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: false,
+        rope_interleaved: false,
+        bos_token_id: Some(128_000),
+        eos_token_ids: vec![128_001, 128_008, 128_009],
+    }
 }
 
 /// Inverse RoPE frequencies, with Llama 3 scaling when configured.

@@ -455,3 +455,56 @@ fn policies_see_layer_inputs_and_can_re_rotate_keys() {
     model.forward(&toks, &pos, &batch, &[5], &mut p).unwrap();
     assert_eq!(p.layers_seen, 2);
 }
+
+#[test]
+fn bf16_weights_and_kv_stay_close_to_the_bf16_dense_forward() {
+    use candle_core::Device;
+    use kvbench_engines::config::preset;
+    use kvbench_engines::model::load::load_preset;
+    use kvbench_engines::model::WeightDtype;
+    let model = load_preset(preset("tiny").unwrap(), WeightDtype::Bf16, 7, &Device::Cpu).unwrap();
+    let opts = FullOptions {
+        block_size: 4,
+        kv_dtype: KvDtype::Bf16,
+        shuffle_seed: Some(2),
+    };
+    let mut policy = FullPolicy::new(&model.cfg, opts, 32);
+    let mut seed = 3;
+    let toks = random_tokens(20, &mut seed);
+    let dense = model
+        .forward_dense(&toks)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap();
+    let scale = dense.iter().flatten().fold(0f32, |a, &b| a.max(b.abs()));
+    // Prefill 12 tokens, then decode the rest one by one.
+    let mut worst = 0f32;
+    for (start, n) in [(0usize, 12usize)]
+        .into_iter()
+        .chain((12..20).map(|i| (i, 1)))
+    {
+        assert!(policy.reserve(0, start + n));
+        let mut batch = StepBatch::default();
+        batch.push(0, start, n);
+        let pos: Vec<u32> = (start as u32..(start + n) as u32).collect();
+        let l = model
+            .forward(
+                &toks[start..start + n],
+                &pos,
+                &batch,
+                &[n as u32 - 1],
+                &mut policy,
+            )
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        worst = worst.max(max_abs_diff(&l[0], &dense[start + n - 1]));
+    }
+    println!("bf16: max |Δlogit| {worst}, max |logit| {scale}");
+    // bf16 keeps 8 bits of mantissa: relative error of a few 1e-3 per value.
+    assert!(
+        worst < 0.05 * scale,
+        "max |Δlogit| {worst} vs max |logit| {scale}"
+    );
+    assert_eq!(policy.seq_device_bytes(0), 20 * 2 * 2 * 16 * 2 * 2);
+}

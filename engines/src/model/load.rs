@@ -148,14 +148,13 @@ fn fnv1a(b: &[u8]) -> u64 {
     })
 }
 
-struct MapSource<'a> {
+struct MapSource {
     model: String,
     map: HashMap<String, Tensor>,
     dtype: DType,
-    _p: std::marker::PhantomData<&'a ()>,
 }
 
-impl WeightSource for MapSource<'_> {
+impl WeightSource for MapSource {
     fn linear(&mut self, name: &str, shape: (usize, usize)) -> Result<Linear> {
         Ok(Linear::Dense(self.dense(name, &[shape.0, shape.1])?))
     }
@@ -180,15 +179,8 @@ pub fn load_preset(cfg: ModelConfig, wd: WeightDtype, seed: u64, device: &Device
             "quantized weights need a GGUF file; use f32, f16 or bf16 for presets",
         ));
     }
-    let dtype = wd.compute();
-    let map = random_tensors(&cfg, seed, dtype, device)?;
-    let mut src = MapSource {
-        model: cfg.name.clone(),
-        map,
-        dtype,
-        _p: Default::default(),
-    };
-    build(cfg, wd, &mut src)
+    let map = random_tensors(&cfg, seed, wd.compute(), device)?;
+    load_tensors(cfg, wd, map)
 }
 
 /// Build a model from tensors already in memory (Hugging Face names).
@@ -202,7 +194,6 @@ pub fn load_tensors(
         model: cfg.name.clone(),
         map,
         dtype,
-        _p: Default::default(),
     };
     build(cfg, wd, &mut src)
 }
