@@ -1,4 +1,34 @@
-//! kvbench datasets: corpora → prompts of exact token length, chat conversations,
-//! multiple-choice tasks and the retention task. Filled in by the harness and
-//! accuracy work; the crate exists now so the workspace has the layout of the
-//! architecture page.
+//! kvbench datasets: corpora → prompts of exact token length, arrival processes; later
+//! chat conversations, multiple-choice tasks and the retention task.
+//!
+//! The crate knows nothing of the engines: text is turned into tokens through the
+//! [`Tokenize`] trait, which the harness implements with the model's tokenizer.
+
+pub mod arrivals;
+pub mod corpus;
+pub mod prompts;
+
+use std::path::PathBuf;
+
+/// Text → token ids, as the model's tokenizer does it.
+pub trait Tokenize {
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("invalid workload: {0}")]
+    Invalid(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,75 @@
+//! Prompts of exact token length: contiguous windows of a corpus's token stream at
+//! seeded random offsets. Prompts are token ids, so their length is exact (decoding and
+//! re-encoding a window would not always give the same count).
+
+use crate::{Error, Result};
+use rand::{Rng, SeedableRng};
+
+/// How prompt lengths are drawn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LengthDist {
+    Fixed(usize),
+    /// Uniform over `min..=max`.
+    Uniform {
+        min: usize,
+        max: usize,
+    },
+    /// These lengths in order, repeated as needed (a TTFT-vs-length sweep).
+    List(Vec<usize>),
+}
+
+impl LengthDist {
+    pub fn validate(&self) -> Result<()> {
+        let ok = match self {
+            LengthDist::Fixed(n) => *n > 0,
+            LengthDist::Uniform { min, max } => *min > 0 && min <= max,
+            LengthDist::List(l) => !l.is_empty() && l.iter().all(|&n| n > 0),
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Invalid(format!(
+                "prompt lengths {self:?}: lengths must be ≥ 1, uniform needs min ≤ max, a list must not be empty"
+            )))
+        }
+    }
+
+    pub fn max(&self) -> usize {
+        match self {
+            LengthDist::Fixed(n) => *n,
+            LengthDist::Uniform { max, .. } => *max,
+            LengthDist::List(l) => l.iter().copied().max().unwrap_or(0),
+        }
+    }
+
+    /// `n` lengths, reproducible for a seed.
+    pub fn sample(&self, n: usize, seed: u64) -> Result<Vec<usize>> {
+        self.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        Ok(match self {
+            LengthDist::Fixed(l) => vec![*l; n],
+            LengthDist::Uniform { min, max } => {
+                (0..n).map(|_| rng.random_range(*min..=*max)).collect()
+            }
+            LengthDist::List(l) => l.iter().copied().cycle().take(n).collect(),
+        })
+    }
+}
+
+/// One window of `len` tokens per length, each at a seeded random offset of `tokens`.
+pub fn slice_prompts(tokens: &[u32], lengths: &[usize], seed: u64) -> Result<Vec<Vec<u32>>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15);
+    lengths
+        .iter()
+        .map(|&len| {
+            if len == 0 || len > tokens.len() {
+                return Err(Error::Invalid(format!(
+                    "a prompt of {len} tokens does not fit in a corpus of {} tokens",
+                    tokens.len()
+                )));
+            }
+            let start = rng.random_range(0..=tokens.len() - len);
+            Ok(tokens[start..start + len].to_vec())
+        })
+        .collect()
+}
