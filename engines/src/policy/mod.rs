@@ -6,6 +6,7 @@
 //! probabilities when it needs them) and may evict, select or move data. The
 //! scheduler asks it for room before a step and releases finished sequences.
 
+pub mod budget;
 pub mod full;
 
 use crate::error::Result;
