@@ -1,6 +1,8 @@
 # kvbench: the entry points. `just --list` shows them with their descriptions.
 
 set shell := ["bash", "-euo", "pipefail", "-c"]
+# Recipes see their arguments as "$@", so quoted arguments (a prompt) stay whole.
+set positional-arguments
 
 # List the recipes.
 default:
@@ -8,7 +10,7 @@ default:
 
 # Fetch real model weights into models/ (idempotent; known: smollm2).
 fetch-model name="smollm2":
-    scripts/fetch-model.sh {{name}}
+    scripts/fetch-model.sh "$1"
 
 # Build the kvbench binary in release mode.
 build:
@@ -16,11 +18,11 @@ build:
 
 # One prompt through one engine, e.g. just generate --model smollm2-135m-instruct --prompt "Hi"
 generate *args:
-    cargo run --quiet --release -p kvbench -- generate {{args}}
+    cargo run --quiet --release -p kvbench -- generate "$@"
 
 # List named models and presets with their architecture numbers.
 models *args:
-    cargo run --quiet --release -p kvbench -- models {{args}}
+    cargo run --quiet --release -p kvbench -- models "$@"
 
 # Formatting, lints and every test: what CI runs.
 test: (fetch-model "smollm2")
@@ -30,4 +32,4 @@ test: (fetch-model "smollm2")
 
 # Decode tokens/s against candle-transformers' quantized llama (criterion; minutes).
 bench *args: (fetch-model "smollm2")
-    cargo bench -p kvbench-engines --bench decode -- {{args}}
+    cargo bench -p kvbench-engines --bench decode -- "$@"
