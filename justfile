@@ -18,11 +18,11 @@ build:
 
 # One prompt through one engine, e.g. just generate --model smollm2-135m-instruct --prompt "Hi"
 generate *args:
-    cargo run --quiet --release -p kvbench -- generate "$@"
+    @cargo run --quiet --release -p kvbench -- generate "$@"
 
 # List named models and presets with their architecture numbers.
 models *args:
-    cargo run --quiet --release -p kvbench -- models "$@"
+    @cargo run --quiet --release -p kvbench -- models "$@"
 
 # Formatting, lints and every test: what CI runs.
 test: (fetch-model "smollm2")
