@@ -66,32 +66,45 @@ fn run<E: KvElem>(q: &[f32], seqs: &[SeqAttn<'_>], k: &[E], v: &[E], s: AttnShap
     };
     let items_per_row = hkv / heads_per_item;
     let chunk = heads_per_item * (h / hkv) * dh;
-    out.par_chunks_mut(chunk).enumerate().for_each(|(item, o)| {
+    let avx = has_avx2_fma();
+    let work = |(item, o): (usize, &mut [f32])| {
         let (row, part) = (item / items_per_row, item % items_per_row);
         let Some((si, pos)) = row_info[row] else {
             return;
         };
         let g0 = part * heads_per_item;
         let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
-        attend_row(
-            qr,
-            o,
-            pos + 1,
-            seqs[si].table,
-            k,
-            v,
-            g0..g0 + heads_per_item,
-            s,
-        );
-    });
+        let groups = g0..g0 + heads_per_item;
+        attend_row(avx, qr, o, pos + 1, seqs[si].table, k, v, groups, s);
+    };
+    // Handing a few microseconds of work to the pool costs more than it saves.
+    let keys: usize = seqs.iter().map(|x| x.q_len * x.kv_len).sum();
+    if rayon::current_num_threads() == 1 || keys * h * dh < 1 << 18 {
+        out.chunks_mut(chunk).enumerate().for_each(work);
+    } else {
+        out.par_chunks_mut(chunk).enumerate().for_each(work);
+    }
     out
 }
 
+/// Whether the AVX2+FMA build of the kernel can run here (the default x86-64 target
+/// has only SSE2).
+fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Attention of the query heads of KV heads `groups` (`qr`: `[groups × G, dh]`) over
-/// keys `0..n`. Dispatches to a copy compiled for AVX2+FMA when the CPU has it (the
-/// default x86-64 target has only SSE2).
+/// keys `0..n`, in the AVX2+FMA build when `avx` (decided once per call by the caller).
 #[allow(clippy::too_many_arguments)]
 fn attend_row<E: KvElem>(
+    avx: bool,
     qr: &[f32],
     out: &mut [f32],
     n: usize,
@@ -102,11 +115,12 @@ fn attend_row<E: KvElem>(
     s: AttnShape,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU supports the features the function is compiled for.
+    if avx {
+        // SAFETY: `avx` comes from `has_avx2_fma`.
         unsafe { attend_row_avx2(qr, out, n, table, k, v, groups, s) };
         return;
     }
+    let _ = avx;
     attend_row_impl::<E, false>(qr, out, n, table, k, v, groups, s)
 }
 

@@ -38,7 +38,6 @@ impl KvDtype {
 /// A stored K/V element; the kernels compute in f32.
 pub trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
-    fn from_f32(x: f32) -> Self;
     /// The slice itself when the storage already is f32 (kernels then read it in place).
     fn as_f32(_s: &[Self]) -> Option<&[f32]> {
         None
@@ -51,10 +50,6 @@ impl KvElem for f32 {
         self
     }
     #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    #[inline(always)]
     fn as_f32(s: &[Self]) -> Option<&[f32]> {
         Some(s)
     }
@@ -65,20 +60,12 @@ impl KvElem for bf16 {
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
 }
 
 impl KvElem for f16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
     }
 }
 
