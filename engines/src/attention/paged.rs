@@ -89,7 +89,7 @@ fn run<E: KvElem>(q: &[f32], seqs: &[SeqAttn<'_>], k: &[E], v: &[E], s: AttnShap
 
 /// Whether the AVX2+FMA build of the kernel can run here (the default x86-64 target
 /// has only SSE2).
-fn has_avx2_fma() -> bool {
+pub fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
@@ -292,6 +292,27 @@ fn accumulate_n<const N: usize>(p: &[f32], vb: &[f32], out: &mut [f32]) {
         for i in 0..8 {
             out[c * 8 + i] += a[i];
         }
+    }
+}
+
+/// Dot product for kernels outside this file: the AVX2+FMA version when `avx` (from
+/// [`has_avx2_fma`], checked once per call by the caller).
+#[inline]
+pub fn dot_with(avx: bool, a: &[f32], b: &[f32]) -> f32 {
+    if avx {
+        dot_dispatch::<true>(a, b)
+    } else {
+        dot_dispatch::<false>(a, b)
+    }
+}
+
+/// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.
+#[inline]
+pub fn accumulate_with(avx: bool, p: &[f32], vb: &[f32], out: &mut [f32]) {
+    if avx {
+        accumulate_dispatch::<true>(p, vb, out)
+    } else {
+        accumulate_dispatch::<false>(p, vb, out)
     }
 }
 

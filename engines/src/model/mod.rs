@@ -138,6 +138,24 @@ impl Llama {
         self.weight_dtype.compute()
     }
 
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// Token embedding table `[vocab, hidden]`.
+    pub fn embed(&self) -> &Tensor {
+        &self.embed
+    }
+
+    /// Final RMSNorm weight.
+    pub fn final_norm(&self) -> &Tensor {
+        &self.norm
+    }
+
+    pub fn lm_head(&self) -> &Linear {
+        &self.lm_head
+    }
+
     /// Bytes of all weights as held (quantized sizes for quantized matrices; a tied
     /// quantized head counts separately from the dense embedding table).
     pub fn weights_bytes(&self) -> u64 {
@@ -222,6 +240,20 @@ impl Llama {
     pub fn forward_dense(&self, tokens: &[u32]) -> Result<Tensor> {
         let positions: Vec<u32> = (0..tokens.len() as u32).collect();
         self.forward_with(tokens, &positions, &positions, &mut |i| {
+            Ok(causal_attention(i.q, i.k, i.v)?)
+        })
+    }
+
+    /// As [`Llama::forward_dense`], calling `observe` with every layer's input before
+    /// its attention (calibration: InfiniGen's skewing records the queries).
+    pub fn forward_observe(
+        &self,
+        tokens: &[u32],
+        observe: &mut dyn FnMut(&LayerInput<'_>) -> Result<()>,
+    ) -> Result<Tensor> {
+        let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+        self.forward_with(tokens, &positions, &positions, &mut |i| {
+            observe(i)?;
             Ok(causal_attention(i.q, i.k, i.v)?)
         })
     }
