@@ -299,7 +299,8 @@ fn accumulate_n<const N: usize>(p: &[f32], vb: &[f32], out: &mut [f32]) {
 /// [`has_avx2_fma`], checked once per call by the caller).
 #[inline]
 pub fn dot_with(avx: bool, a: &[f32], b: &[f32]) -> f32 {
-    if avx {
+    // Re-checked (a cached load) so a wrong `avx` cannot reach the AVX2 code.
+    if avx && has_avx2_fma() {
         dot_dispatch::<true>(a, b)
     } else {
         dot_dispatch::<false>(a, b)
@@ -309,7 +310,7 @@ pub fn dot_with(avx: bool, a: &[f32], b: &[f32]) -> f32 {
 /// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.
 #[inline]
 pub fn accumulate_with(avx: bool, p: &[f32], vb: &[f32], out: &mut [f32]) {
-    if avx {
+    if avx && has_avx2_fma() {
         accumulate_dispatch::<true>(p, vb, out)
     } else {
         accumulate_dispatch::<false>(p, vb, out)
