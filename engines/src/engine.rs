@@ -2,11 +2,14 @@
 //! done. Sizes the KV pool from the device capacity at start-up (vLLM's
 //! `gpu_memory_utilization`), records a trace per step and events per request.
 
+use crate::attention::prefill::AttentionImpl;
 use crate::error::{Component, Error, Result};
 use crate::kv::KvDtype;
 use crate::ledger::{MemoryLedger, MemoryReport};
 use crate::model::Llama;
+use crate::policy::audit::{allowed_device_bytes, nominal_attended, nominal_device_bytes};
 use crate::policy::full::{FullOptions, FullPolicy};
+use crate::policy::spec::{PolicyEnv, PolicySpec};
 use crate::policy::{KvPolicy, SeqId, StepBatch};
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, Sequence};
 use crate::trace::{EventKind, FinishReason, RequestEvent, RequestOutput, StepKind, StepTrace};
@@ -31,6 +34,17 @@ pub struct EngineConfig {
     pub shuffle_blocks_seed: Option<u64>,
     /// Check the pool's invariants after every step (tests).
     pub check_invariants: bool,
+    /// The KV strategy and its budget.
+    pub policy: PolicySpec,
+    /// Prefill attention implementation.
+    pub attention: AttentionImpl,
+    /// Query rows per chunk for chunked attention.
+    pub chunk_size: usize,
+    /// Host memory an offloading policy may use (default: as much as the device KV).
+    pub host_memory: Option<u64>,
+    /// Fail a step whose decode rows attend or hold more than the nominal budget
+    /// (see `policy::audit`).
+    pub audit: bool,
 }
 
 impl Default for EngineConfig {
@@ -45,6 +59,11 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             shuffle_blocks_seed: None,
             check_invariants: false,
+            policy: PolicySpec::Full,
+            attention: AttentionImpl::Flash,
+            chunk_size: 512,
+            host_memory: None,
+            audit: true,
         }
     }
 }
@@ -58,6 +77,25 @@ pub struct Request {
     pub arrival_s: f64,
     /// Generation stops at any of these (empty: always run to `max_new_tokens`).
     pub stop_tokens: Vec<u32>,
+    /// Teacher forcing: the tokens to emit in order instead of the argmax (scoring a
+    /// continuation through the decode path; comparing engines on the same tokens).
+    pub forced_output: Vec<u32>,
+    /// Keep the logits (f32) of every generated position in the output.
+    pub record_logits: bool,
+}
+
+impl Request {
+    /// A greedy request arriving at t = 0.
+    pub fn greedy(prompt: Vec<u32>, max_new_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_new_tokens,
+            arrival_s: 0.0,
+            stop_tokens: Vec::new(),
+            forced_output: Vec::new(),
+            record_logits: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -86,7 +124,8 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Reserve the weights and the KV pool in the ledger and build the `full` policy.
+    /// Reserve the weights in the ledger, size the KV memory from the device capacity
+    /// and build the configured policy (`full` reserves its whole pool up front).
     pub fn new(model: Llama, cfg: EngineConfig) -> Result<Self> {
         let max_model_len = cfg
             .max_model_len
@@ -100,12 +139,14 @@ impl Engine {
         if cfg.block_size == 0
             || cfg.scheduler.max_num_seqs == 0
             || cfg.scheduler.max_batched_tokens == 0
+            || cfg.chunk_size == 0
         {
             return Err(Error::Config(
-                "block size, max_num_seqs and max_batched_tokens must be > 0".into(),
+                "block size, chunk size, max_num_seqs and max_batched_tokens must be > 0".into(),
             ));
         }
-        let mut ledger = MemoryLedger::new(cfg.device_name.clone(), cfg.device_memory);
+        let mut ledger = MemoryLedger::new(cfg.device_name.clone(), cfg.device_memory)
+            .with_host_capacity(cfg.host_memory);
         ledger.reserve(Component::Weights, model.weights_bytes())?;
         // Profile: the largest step the scheduler can build.
         let sched = cfg.scheduler;
@@ -116,18 +157,20 @@ impl Engine {
         ledger.reserve(Component::Activations, profile)?;
         ledger.release(Component::Activations, profile);
 
-        let opts = FullOptions {
+        let full_opts = FullOptions {
             block_size: cfg.block_size,
             kv_dtype: KvDtype::from_candle(model.dtype()),
             shuffle_seed: cfg.shuffle_blocks_seed,
+            attention: cfg.attention,
+            chunk_size: cfg.chunk_size,
         };
-        let block_bytes = FullPolicy::block_bytes(&model.cfg, &opts);
-        let num_blocks = match (cfg.num_blocks, cfg.device_memory) {
-            (Some(n), _) => n,
+        let block_bytes = FullPolicy::block_bytes(&model.cfg, &full_opts);
+        let kv_bytes = match (cfg.num_blocks, cfg.device_memory) {
+            (Some(n), _) => n as u64 * block_bytes,
             (None, Some(cap)) => {
                 let usable = (cap as f64 * cfg.memory_fraction) as u64;
                 let non_kv = model.weights_bytes() + profile;
-                (usable.saturating_sub(non_kv) / block_bytes) as usize
+                usable.saturating_sub(non_kv) / block_bytes * block_bytes
             }
             (None, None) => {
                 return Err(Error::Config(
@@ -135,19 +178,32 @@ impl Engine {
                 ))
             }
         };
-        // As vLLM: fail at start-up if one max_model_len sequence cannot fit.
-        let need = max_model_len.div_ceil(cfg.block_size);
-        if num_blocks < need {
-            return Err(Error::OutOfMemory {
-                device: cfg.device_name.clone(),
-                component: Component::KvDevice,
-                requested: need as u64 * block_bytes,
-                available: num_blocks as u64 * block_bytes,
-                capacity: cfg.device_memory.unwrap_or(0),
-            });
+        if matches!(cfg.policy, PolicySpec::Full) {
+            // As vLLM: fail at start-up if one max_model_len sequence cannot fit.
+            let need = max_model_len.div_ceil(cfg.block_size) as u64 * block_bytes;
+            if kv_bytes < need {
+                return Err(Error::OutOfMemory {
+                    device: cfg.device_name.clone(),
+                    component: Component::KvDevice,
+                    requested: need,
+                    available: kv_bytes,
+                    capacity: cfg.device_memory.unwrap_or(0),
+                });
+            }
+            ledger.reserve(Component::KvDevice, kv_bytes)?;
         }
-        ledger.reserve(Component::KvDevice, num_blocks as u64 * block_bytes)?;
-        let policy: Box<dyn KvPolicy> = Box::new(FullPolicy::new(&model.cfg, opts, num_blocks));
+        let env = PolicyEnv {
+            device_name: cfg.device_name.clone(),
+            device_capacity: cfg.device_memory,
+            kv_device_bytes: kv_bytes,
+            kv_host_bytes: cfg.host_memory.unwrap_or(kv_bytes),
+            block_size: cfg.block_size,
+            attention: cfg.attention,
+            chunk_size: cfg.chunk_size,
+            kv_dtype: full_opts.kv_dtype,
+            shuffle_seed: cfg.shuffle_blocks_seed,
+        };
+        let policy = cfg.policy.build(&model, env)?;
         Ok(Self {
             model,
             policy,
@@ -187,9 +243,7 @@ impl Engine {
     }
 
     pub fn memory(&self) -> MemoryReport {
-        let mut r = self.ledger.report();
-        r.kv_host = self.policy.memory().host_reserved;
-        r
+        self.ledger.report()
     }
 
     pub fn events(&self) -> &[RequestEvent] {
@@ -257,6 +311,10 @@ impl Engine {
             num_preemptions: 0,
             admitted_s: None,
             token_times_s: Vec::new(),
+            info: None,
+            forced: req.forced_output,
+            record_logits: req.record_logits,
+            logits: Vec::new(),
         });
         Ok(id)
     }
@@ -323,6 +381,11 @@ impl Engine {
 
         let act = self.model.activation_bytes(tokens.len(), sample_rows.len());
         self.ledger.reserve(Component::Activations, act)?;
+        self.policy.set_scratch_limit(
+            self.ledger
+                .device_capacity()
+                .map(|_| self.ledger.device_free()),
+        );
         let t1 = Instant::now();
         let logits = self.model.forward(
             &tokens,
@@ -332,13 +395,34 @@ impl Engine {
             self.policy.as_mut(),
         );
         self.ledger.release(Component::Activations, act);
-        let logits = logits?;
+        let logits = logits.map_err(|e| self.name_oom(e))?;
         self.policy.end_step(&batch)?;
         let forward_s = t1.elapsed().as_secs_f64();
         let stats = self.policy.take_stats();
+        // Score matrices count as activations at the step's peak.
+        if stats.scratch_bytes > 0 {
+            self.ledger.reserve(Component::Activations, act + stats.scratch_bytes)?;
+            self.ledger.release(Component::Activations, act + stats.scratch_bytes);
+        }
+        let mem = self.policy.memory();
+        if !matches!(self.cfg.policy, PolicySpec::Full) {
+            self.ledger.set(Component::KvDevice, mem.device_reserved);
+        }
+        self.ledger.set(Component::KvHost, mem.host_reserved);
+        let (attended, context) = self.audit(&batch)?;
 
         let t2 = Instant::now();
-        let next = argmax_rows(&logits)?;
+        let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut next = argmax(&rows);
+        for (i, id) in sample_ids.iter().enumerate() {
+            let s = self.sched.seqs.get_mut(id).expect("scheduled ids are known");
+            if let Some(&t) = s.forced.get(s.output.len()) {
+                next[i] = t;
+            }
+            if s.record_logits {
+                s.logits.push(rows[i].clone());
+            }
+        }
         let now = self.now();
         for &(id, n) in &plan.entries {
             let s = self
@@ -357,7 +441,6 @@ impl Engine {
                 .check_invariants()
                 .map_err(|e| Error::Config(format!("KV pool invariant broken: {e}")))?;
         }
-        let mem = self.policy.memory();
         let (prefill, decode) = counts;
         let trace = StepTrace {
             step: self.step_no,
@@ -381,11 +464,87 @@ impl Engine {
             transfer_s: stats.transfer_s,
             kv_device_used_bytes: mem.device_used,
             kv_host_used_bytes: mem.host_used,
-            activation_bytes: act,
+            activation_bytes: act + stats.scratch_bytes,
+            attended_tokens: attended,
+            context_tokens: context,
         };
         self.step_no += 1;
         self.traces.push(trace.clone());
         Ok(StepOutcome::Ran(trace))
+    }
+
+    /// Give an out-of-memory error from inside a policy the device's name and capacity.
+    fn name_oom(&self, e: Error) -> Error {
+        match e {
+            Error::OutOfMemory {
+                component,
+                requested,
+                available,
+                ..
+            } => Error::OutOfMemory {
+                device: self.cfg.device_name.clone(),
+                component,
+                requested,
+                available,
+                capacity: self.cfg.device_memory.unwrap_or(0),
+            },
+            other => other,
+        }
+    }
+
+    /// The budget audit of one step: every decode row's attended keys per layer and
+    /// its device bytes against the nominal budget. Returns the attended and context
+    /// tokens summed over decode rows and layers (`None` without decode rows).
+    fn audit(&mut self, batch: &StepBatch) -> Result<(Option<u64>, Option<u64>)> {
+        let records = self.policy.take_attended();
+        if records.is_empty() {
+            return Ok((None, None));
+        }
+        let attended = records.iter().map(|r| r.attended as u64).sum();
+        let context = records.iter().map(|r| r.context as u64).sum();
+        if !self.cfg.audit {
+            return Ok((Some(attended), Some(context)));
+        }
+        let spec = &self.cfg.policy;
+        let info_of = |id: SeqId| self.sched.seqs.get(&id).and_then(|s| s.info);
+        for r in &records {
+            let Some(info) = info_of(r.seq) else { continue };
+            let allowed = nominal_attended(spec, r.layer, &info, r.context);
+            if r.attended > allowed {
+                return Err(Error::Budget(format!(
+                    "{} at budget {}: sequence {} layer {} attended {} keys of {}, the budget allows {}",
+                    spec.name(),
+                    spec.budget(),
+                    r.seq,
+                    r.layer,
+                    r.attended,
+                    r.context,
+                    allowed
+                )));
+            }
+        }
+        let cfg = &self.model.cfg;
+        let elem = KvDtype::from_candle(self.model.dtype()).size();
+        let token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
+        for s in batch.seqs.iter().filter(|s| s.q_len == 1) {
+            let Some(info) = info_of(s.id) else { continue };
+            if s.ctx_before < info.prefill_len {
+                continue;
+            }
+            let n = s.ctx_before + 1;
+            let held = self.policy.seq_device_bytes(s.id);
+            let nominal = nominal_device_bytes(spec, cfg, &info, n, elem);
+            let allowed = allowed_device_bytes(nominal, self.cfg.block_size, token_bytes);
+            if held > allowed {
+                return Err(Error::Budget(format!(
+                    "{} at budget {}: sequence {} holds {held} device KV bytes at {n} tokens, the budget allows {allowed} ({nominal} nominal)",
+                    spec.name(),
+                    spec.budget(),
+                    s.id
+                )));
+            }
+        }
+        Ok((Some(attended), Some(context)))
     }
 
     /// Pack the plan's sequences row-wise: tokens, positions, the batch layout, the rows
@@ -470,6 +629,7 @@ impl Engine {
                 finished_s: now,
                 finish_reason: reason,
                 num_preemptions: s.num_preemptions,
+                logits: s.logits,
                 kv_device_bytes,
                 kv_host_bytes,
             });
@@ -479,9 +639,11 @@ impl Engine {
 
 /// Greedy choice per row; ties go to the smallest token id.
 pub fn argmax_rows(logits: &candle_core::Tensor) -> Result<Vec<u32>> {
-    let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-    Ok(rows
-        .iter()
+    Ok(argmax(&logits.to_dtype(DType::F32)?.to_vec2::<f32>()?))
+}
+
+fn argmax(rows: &[Vec<f32>]) -> Vec<u32> {
+    rows.iter()
         .map(|r| {
             let mut best = 0;
             for (i, &x) in r.iter().enumerate() {
@@ -491,5 +653,5 @@ pub fn argmax_rows(logits: &candle_core::Tensor) -> Result<Vec<u32>> {
             }
             best as u32
         })
-        .collect())
+        .collect()
 }

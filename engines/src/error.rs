@@ -61,6 +61,10 @@ pub enum Error {
     #[error("request {id} rejected: {reason}")]
     RequestRejected { id: u64, reason: String },
 
+    /// The budget audit found a policy attending or holding more than its budget.
+    #[error("budget audit failed: {0}")]
+    Budget(String),
+
     #[error("invalid configuration: {0}")]
     Config(String),
 

@@ -10,8 +10,10 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryReport {
     pub weights: u64,
-    /// KV pool reserved on the device (what the policy allocated up front).
+    /// Most KV bytes held on the device at once (the whole pool for `full`, which
+    /// allocates it up front; what the other policies held at their peak).
     pub kv_device: u64,
+    /// Most KV bytes held in host memory at once.
     pub kv_host: u64,
     /// Largest activation footprint of any step so far (incl. materialized attention).
     pub activations_peak: u64,
@@ -35,6 +37,8 @@ pub struct MemoryLedger {
     transfer_buffers: u64,
     activations_now: u64,
     activations_peak: u64,
+    kv_device_peak: u64,
+    kv_host_peak: u64,
 }
 
 impl MemoryLedger {
@@ -49,6 +53,8 @@ impl MemoryLedger {
             transfer_buffers: 0,
             activations_now: 0,
             activations_peak: 0,
+            kv_device_peak: 0,
+            kv_host_peak: 0,
         }
     }
 
@@ -106,11 +112,23 @@ impl MemoryLedger {
                 });
             }
         }
-        *self.slot(c) += bytes;
-        if c == Component::Activations {
-            self.activations_peak = self.activations_peak.max(self.activations_now);
-        }
+        let now = *self.slot(c) + bytes;
+        self.set(c, now);
         Ok(())
+    }
+
+    /// Set a component to what a policy holds now (policies that allocate as they go
+    /// check their own capacity); KV components keep their peak for the report.
+    pub fn set(&mut self, c: Component, bytes: u64) {
+        *self.slot(c) = bytes;
+        match c {
+            Component::KvDevice => self.kv_device_peak = self.kv_device_peak.max(bytes),
+            Component::KvHost => self.kv_host_peak = self.kv_host_peak.max(bytes),
+            Component::Activations => {
+                self.activations_peak = self.activations_peak.max(self.activations_now)
+            }
+            _ => {}
+        }
     }
 
     pub fn release(&mut self, c: Component, bytes: u64) {
@@ -121,8 +139,8 @@ impl MemoryLedger {
     pub fn report(&self) -> MemoryReport {
         MemoryReport {
             weights: self.weights,
-            kv_device: self.kv_device,
-            kv_host: self.kv_host,
+            kv_device: self.kv_device_peak.max(self.kv_device),
+            kv_host: self.kv_host_peak.max(self.kv_host),
             activations_peak: self.activations_peak,
             transfer_buffers: self.transfer_buffers,
         }

@@ -3,7 +3,7 @@
 //! admission when nothing was preempted; preemption by recompute of the most recently
 //! admitted request when the KV pool runs out.
 
-use crate::policy::{KvPolicy, SeqId};
+use crate::policy::{KvPolicy, SeqId, SeqInfo};
 use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -59,6 +59,13 @@ pub struct Sequence {
     pub num_preemptions: usize,
     pub admitted_s: Option<f64>,
     pub token_times_s: Vec<f64>,
+    /// What the policy was told at the last admission.
+    pub info: Option<SeqInfo>,
+    /// Teacher forcing: emit these tokens instead of the argmax (scoring, verify).
+    pub forced: Vec<u32>,
+    /// Keep the logits of every generated position.
+    pub record_logits: bool,
+    pub logits: Vec<Vec<f32>>,
 }
 
 impl Sequence {
@@ -68,6 +75,14 @@ impl Sequence {
 
     pub fn remaining(&self) -> usize {
         self.total_len() - self.num_computed
+    }
+
+    fn admission_info(&self) -> SeqInfo {
+        SeqInfo {
+            prompt_len: self.prompt.len(),
+            max_new_tokens: self.max_new_tokens,
+            prefill_len: self.total_len(),
+        }
     }
 
     /// Token at absolute position `i` (prompt, then generated tokens).
@@ -137,14 +152,18 @@ impl Scheduler {
             if let Some(&id) = self.waiting.front() {
                 if self.arrived(id, now) && self.running.len() < self.cfg.max_num_seqs {
                     let s = &self.seqs[&id];
+                    let info = s.admission_info();
+                    policy.admit(id, info);
                     if policy.reserve(id, s.total_len()) {
                         let n = s.remaining();
+                        self.seqs.get_mut(&id).expect("waiting ids are known").info = Some(info);
                         self.waiting.pop_front();
                         self.running.push(id);
                         plan.entries.push((id, n));
                         plan.admitted.push(id);
                         return plan;
                     }
+                    policy.release(id);
                 }
             }
             self.schedule_running(usize::MAX, policy, &mut plan);
@@ -165,9 +184,13 @@ impl Scheduler {
             }
             let s = &self.seqs[&id];
             let n = s.remaining().min(budget);
+            let info = s.admission_info();
+            policy.admit(id, info);
             if !policy.reserve(id, s.num_computed + n) {
+                policy.release(id);
                 break;
             }
+            self.seqs.get_mut(&id).expect("waiting ids are known").info = Some(info);
             self.waiting.pop_front();
             self.running.push(id);
             plan.entries.push((id, n));

@@ -34,7 +34,12 @@ pub struct StepTrace {
     /// Device KV bytes holding live tokens after the step.
     pub kv_device_used_bytes: u64,
     pub kv_host_used_bytes: u64,
+    /// Activations at the step's peak, score matrices included.
     pub activation_bytes: u64,
+    /// Keys attended by the decode rows, summed over rows and layers (`None`
+    /// without decode rows); `context_tokens` is what full attention would read.
+    pub attended_tokens: Option<u64>,
+    pub context_tokens: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -85,6 +90,9 @@ pub struct RequestOutput {
     /// Device KV bytes held for this request's tokens just before it finished.
     pub kv_device_bytes: u64,
     pub kv_host_bytes: u64,
+    /// Logits of each generated position when the request asked for them.
+    #[serde(skip)]
+    pub logits: Vec<Vec<f32>>,
 }
 
 impl RequestOutput {

@@ -1,7 +1,11 @@
-//! KV storage: the paged block pool and its per-layer buffers.
+//! KV storage: the paged block pool and its per-layer buffers, slot storage for
+//! policies that keep a per-head subset of tokens, and the host tier of offloading
+//! policies.
 
 pub mod block_pool;
+pub mod host;
 pub mod paged;
+pub mod slots;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use paged::{KvDtype, PagedKv};

@@ -185,6 +185,58 @@ impl PagedKv {
         }
     }
 
+    /// Positions `0..n` of a sequence's K and V in `layer`, contiguous `[n, Hkv, dh]`
+    /// f32 (for attention implementations that want a plain matrix).
+    pub fn gather(&self, layer: usize, table: &[BlockId], n: usize) -> (Vec<f32>, Vec<f32>) {
+        let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
+        let (kb, vb) = &self.layers[layer];
+        let mut out = (vec![0f32; n * hkv * dh], vec![0f32; n * hkv * dh]);
+        for (buf, dst) in [(kb, &mut out.0), (vb, &mut out.1)] {
+            for p in 0..n {
+                let (blk, t) = (table[p / bs] as usize, p % bs);
+                for g in 0..hkv {
+                    let src = ((blk * hkv + g) * bs + t) * dh;
+                    let d = &mut dst[(p * hkv + g) * dh..][..dh];
+                    match buf {
+                        Buf::F32(b) => d.copy_from_slice(&b[src..src + dh]),
+                        Buf::U16(b) => {
+                            for (x, &y) in d.iter_mut().zip(&b[src..src + dh]) {
+                                *x = match self.dtype {
+                                    KvDtype::Bf16 => bf16::from_bits(y).to_f32(),
+                                    _ => f16::from_bits(y).to_f32(),
+                                };
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Copy KV head `g`'s K and V of `src` slot into `dst` slot in `layer` (per-head
+    /// eviction: the new token takes the evicted token's slot).
+    pub fn copy_head(&mut self, layer: usize, g: usize, src: usize, dst: usize) {
+        let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
+        let at = |slot: usize| ((slot / bs * hkv + g) * bs + slot % bs) * dh;
+        let (a, b) = (at(src), at(dst));
+        let (kb, vb) = &mut self.layers[layer];
+        for buf in [kb, vb] {
+            match buf {
+                Buf::F32(x) => x.copy_within(a..a + dh, b),
+                Buf::U16(x) => x.copy_within(a..a + dh, b),
+            }
+        }
+    }
+
+    /// f32 storage of `layer`'s K and V (`None` for 16-bit pools).
+    pub fn f32_views(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        match &self.layers[layer] {
+            (Buf::F32(k), Buf::F32(v)) => Some((k, v)),
+            _ => None,
+        }
+    }
+
     /// Typed views of `layer`'s K and V.
     pub fn views(&self, layer: usize) -> (KvView<'_>, KvView<'_>) {
         let (k, v) = &self.layers[layer];

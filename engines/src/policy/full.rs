@@ -1,10 +1,11 @@
 //! `full`: the vLLM paradigm. One paged block pool sized at start-up, a block table per
 //! sequence, no eviction; attention reads K/V through the block tables.
 
-use super::{KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch};
+use super::{AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch};
 use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
+use crate::attention::prefill::{prefill_attention, AttentionImpl, PrefillShape};
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Component, Error, Result};
 use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
@@ -17,6 +18,10 @@ pub struct FullOptions {
     pub kv_dtype: KvDtype,
     /// Shuffle the free list (tests: random block tables).
     pub shuffle_seed: Option<u64>,
+    /// Prefill attention: `flash` reads the blocks in place (online softmax); `eager`
+    /// and `chunked` gather the sequence's K/V and materialize scores.
+    pub attention: AttentionImpl,
+    pub chunk_size: usize,
 }
 
 impl Default for FullOptions {
@@ -25,6 +30,8 @@ impl Default for FullOptions {
             block_size: 16,
             kv_dtype: KvDtype::F32,
             shuffle_seed: None,
+            attention: AttentionImpl::Flash,
+            chunk_size: 512,
         }
     }
 }
@@ -43,6 +50,9 @@ pub struct FullPolicy {
     pool: BlockPool,
     seqs: HashMap<SeqId, SeqBlocks>,
     stats: PolicyStats,
+    opts: FullOptions,
+    attended: Vec<AttendRecord>,
+    scratch_limit: Option<u64>,
 }
 
 impl FullPolicy {
@@ -71,6 +81,9 @@ impl FullPolicy {
             pool,
             seqs: HashMap::new(),
             stats: PolicyStats::default(),
+            opts,
+            attended: Vec::new(),
+            scratch_limit: None,
         }
     }
 
@@ -165,9 +178,53 @@ impl KvPolicy for FullPolicy {
         self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
 
         let qf = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
+        // Prefill chunks under eager/chunked attention: a plain matrix per sequence.
+        let materialize = |s: &&super::StepSeq| s.q_len > 1 && self.opts.attention != AttentionImpl::Flash;
+        let mut dense_out = Vec::new();
+        for s in batch.seqs.iter().filter(materialize) {
+            let n = s.ctx_before + s.q_len;
+            let (kc, vc) = self.store.gather(layer, &self.seqs[&s.id].table, n);
+            let shape = PrefillShape {
+                num_heads: h,
+                num_kv_heads: self.shape.num_kv_heads,
+                head_dim: dh,
+            };
+            let rows = &qf[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh];
+            let r = prefill_attention(
+                rows,
+                &kc,
+                &vc,
+                s.q_len,
+                n,
+                shape,
+                self.opts.attention,
+                self.opts.chunk_size,
+                None,
+                self.scratch_limit,
+            )
+            .map_err(|e| Error::OutOfMemory {
+                device: "device".into(),
+                component: Component::Activations,
+                requested: e.requested,
+                available: e.limit,
+                capacity: e.limit,
+            })?;
+            self.stats.add_scratch(r.scratch_bytes);
+            dense_out.push((s.q_start, r.out));
+        }
+        for s in batch.seqs.iter().filter(|s| s.q_len == 1) {
+            self.attended.push(AttendRecord {
+                seq: s.id,
+                layer,
+                attended: s.ctx_before + 1,
+                context: s.ctx_before + 1,
+            });
+        }
         let views: Vec<SeqAttn<'_>> = batch
             .seqs
             .iter()
+            .filter(|s| !materialize(s))
             .map(|s| SeqAttn {
                 q_start: s.q_start,
                 q_len: s.q_len,
@@ -176,8 +233,16 @@ impl KvPolicy for FullPolicy {
             })
             .collect();
         let (kv_k, kv_v) = self.store.views(layer);
-        let out = paged_attention(&qf, &views, kv_k, kv_v, self.shape);
-        let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
+        let mut out = if views.is_empty() {
+            vec![0f32; batch.num_tokens * h * dh]
+        } else {
+            paged_attention(&qf, &views, kv_k, kv_v, self.shape)
+        };
+        // The kernel sizes its output by the rows it saw.
+        out.resize(batch.num_tokens * h * dh, 0.0);
+        for (start, o) in dense_out {
+            out[start * h * dh..start * h * dh + o.len()].copy_from_slice(&o);
+        }
         Ok(Tensor::from_vec(out, (batch.num_tokens, h, dh), q.device())?.to_dtype(q.dtype())?)
     }
 
@@ -199,6 +264,14 @@ impl KvPolicy for FullPolicy {
 
     fn take_stats(&mut self) -> PolicyStats {
         std::mem::take(&mut self.stats)
+    }
+
+    fn take_attended(&mut self) -> Vec<AttendRecord> {
+        std::mem::take(&mut self.attended)
+    }
+
+    fn set_scratch_limit(&mut self, limit: Option<u64>) {
+        self.scratch_limit = limit;
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {

@@ -1,0 +1,485 @@
+//! The machinery shared by policies that permanently evict tokens per KV head (H2O,
+//! StreamingLLM): slot storage, prefill with a selectable attention implementation and
+//! column statistics, decode over the kept slots plus the new token (the cache holds
+//! C+1 during a step, algorithms.md §3), then one eviction per (layer, head) once full.
+//! Each strategy supplies only its [`Eviction`] rule.
+
+use super::spec::PolicyEnv;
+use super::{AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch};
+use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
+use crate::attention::prefill::{prefill_attention, AttentionImpl, ColumnStats, PrefillShape};
+use crate::error::{Component, Error, Result};
+use crate::kv::slots::SlotStore;
+use candle_core::{DType, Tensor};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// Kept counts of one sequence once its prefill is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Counts {
+    /// Tokens kept after each step (`C`).
+    pub capacity: usize,
+    /// The most recent tokens always kept (`R`, or StreamingLLM's window `W`).
+    pub recent: usize,
+}
+
+/// A strategy's eviction rule.
+pub trait Eviction: Send + 'static {
+    fn name(&self) -> &'static str;
+    /// `None`: keep everything (budget ≥ 1).
+    fn counts(&self, info: &SeqInfo) -> Option<Counts>;
+    /// Column statistics the prefill needs (`None`: no scores).
+    fn prefill_stats(&self, attention: AttentionImpl) -> Option<ColumnStats>;
+    /// Whether decode accumulates attention probabilities into the slot scores.
+    fn decode_probs(&self) -> bool;
+    /// StreamingLLM: keys are stored without RoPE and rotated by their index in the
+    /// cache at every step.
+    fn rolling_positions(&self) -> bool {
+        false
+    }
+    /// Slots (= positions after a prefill) of one (layer, head) to keep after a
+    /// prefill of `n > capacity` tokens, ascending; `score[j]` of position `j`.
+    fn prefill_keep(&self, c: Counts, n: usize, score: &[f32]) -> Vec<usize>;
+    /// The slot to evict from `capacity + 1` slots (positions `pos`, scores `score`;
+    /// the last slot is the new token) with `n` tokens of context including it.
+    fn victim(&self, c: Counts, n: usize, pos: &[u32], score: &[f32]) -> usize;
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SeqState {
+    info: SeqInfo,
+    counts: Option<Counts>,
+    /// Tokens computed so far (K/V written in every layer).
+    computed: usize,
+}
+
+impl SeqState {
+    fn prefilled(&self) -> bool {
+        self.computed >= self.info.prefill_len
+    }
+}
+
+pub struct EvictingPolicy<E: Eviction> {
+    rule: E,
+    env: PolicyEnv,
+    store: SlotStore,
+    num_layers: usize,
+    shape: PrefillShape,
+    seqs: HashMap<SeqId, SeqState>,
+    stats: PolicyStats,
+    attended: Vec<AttendRecord>,
+    scratch_limit: Option<u64>,
+}
+
+impl<E: Eviction> EvictingPolicy<E> {
+    pub fn new(rule: E, cfg: &crate::config::ModelConfig, env: PolicyEnv) -> Self {
+        let block_bytes = crate::kv::PagedKv::block_bytes(
+            cfg.num_layers,
+            env.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            crate::kv::KvDtype::F32,
+        );
+        let num_blocks = (env.kv_device_bytes / block_bytes) as usize;
+        Self {
+            rule,
+            store: SlotStore::new(
+                cfg.num_layers,
+                num_blocks,
+                env.block_size,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            ),
+            env,
+            num_layers: cfg.num_layers,
+            shape: PrefillShape {
+                num_heads: cfg.num_heads,
+                num_kv_heads: cfg.num_kv_heads,
+                head_dim: cfg.head_dim,
+            },
+            seqs: HashMap::new(),
+            stats: PolicyStats::default(),
+            attended: Vec::new(),
+            scratch_limit: None,
+        }
+    }
+
+    pub fn rule(&self) -> &E {
+        &self.rule
+    }
+
+    /// Positions kept by (layer, KV head) of `seq`, in slot order (tests, traces).
+    pub fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
+        let s = self.store.seqs.get(&seq)?;
+        let p = &s.pos[layer * self.shape.num_kv_heads + g];
+        Some(p[..s.len.min(p.len())].to_vec())
+    }
+
+    /// Scores of the kept slots, same order as [`Self::kept_positions`].
+    pub fn kept_scores(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<f32>> {
+        let s = self.store.seqs.get(&seq)?;
+        let p = &s.score[layer * self.shape.num_kv_heads + g];
+        Some(p[..s.len.min(p.len())].to_vec())
+    }
+
+    fn oom(&self, requested: u64) -> Error {
+        Error::OutOfMemory {
+            device: self.env.device_name.clone(),
+            component: Component::Activations,
+            requested,
+            available: self.scratch_limit.unwrap_or(u64::MAX),
+            capacity: self.env.device_capacity.unwrap_or(0),
+        }
+    }
+
+    /// Keys of `seq` in (layer, head) order of their cache index, rotated to indices
+    /// `0..m` (StreamingLLM's rolling positions); values in the same order.
+    fn rolled(
+        &self,
+        input: &LayerInput<'_>,
+        seq: SeqId,
+        m: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
+        let s = &self.store.seqs[&seq];
+        let (kf, vf) = self
+            .store
+            .kv
+            .f32_views(input.layer)
+            .expect("slot storage is f32");
+        let bs = self.store.block_size();
+        let mut k = vec![0f32; m * hkv * dh];
+        let mut v = vec![0f32; m * hkv * dh];
+        for g in 0..hkv {
+            let pos = &s.pos[input.layer * hkv + g][..m];
+            let mut order: Vec<usize> = (0..m).collect();
+            order.sort_unstable_by_key(|&i| pos[i]);
+            for (rank, &slot) in order.iter().enumerate() {
+                let src = ((s.table[slot / bs] as usize * hkv + g) * bs + slot % bs) * dh;
+                let dst = (rank * hkv + g) * dh;
+                k[dst..dst + dh].copy_from_slice(&kf[src..src + dh]);
+                v[dst..dst + dh].copy_from_slice(&vf[src..src + dh]);
+            }
+        }
+        let idx: Vec<u32> = (0..m as u32).collect();
+        let kt = Tensor::from_vec(k, (m, hkv, dh), input.k.device())?
+            .to_dtype(input.k_raw.dtype())?;
+        let k = input
+            .rope
+            .rotate(&kt, &idx)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        Ok((k, v))
+    }
+}
+
+fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
+    fn name(&self) -> &'static str {
+        self.rule.name()
+    }
+
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+        self.seqs.insert(
+            seq,
+            SeqState {
+                info,
+                counts: self.rule.counts(&info),
+                computed: 0,
+            },
+        );
+    }
+
+    fn set_scratch_limit(&mut self, limit: Option<u64>) {
+        self.scratch_limit = limit;
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let st = *self.seqs.entry(seq).or_insert_with(|| SeqState {
+            info: SeqInfo {
+                prompt_len: total_tokens,
+                max_new_tokens: 0,
+                prefill_len: total_tokens,
+            },
+            counts: None,
+            computed: 0,
+        });
+        let slots = if st.prefilled() {
+            let len = self.store.seqs.get(&seq).map_or(0, |s| s.len);
+            len + (total_tokens - st.computed)
+        } else {
+            total_tokens
+        };
+        self.store.reserve(seq, slots)
+    }
+
+    fn fits(&self, total_tokens: usize) -> bool {
+        total_tokens.div_ceil(self.store.block_size()) <= self.store.num_blocks()
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.store.release(seq);
+        self.seqs.remove(&seq);
+    }
+
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        let layer = input.layer;
+        let (h, hkv, dh) = (
+            self.shape.num_heads,
+            self.shape.num_kv_heads,
+            self.shape.head_dim,
+        );
+        let rolling = self.rule.rolling_positions();
+        let t0 = Instant::now();
+        let kf = to_f32(if rolling { input.k_raw } else { input.k })?;
+        let vf = to_f32(input.v)?;
+        let stride = hkv * dh;
+        for s in &batch.seqs {
+            let st = self.seqs[&s.id];
+            let first_slot = if st.prefilled() {
+                self.store.seqs[&s.id].len
+            } else {
+                s.ctx_before
+            };
+            for i in 0..s.q_len {
+                let r = s.q_start + i;
+                self.store.write(
+                    s.id,
+                    layer,
+                    first_slot + i,
+                    (s.ctx_before + i) as u32,
+                    &kf[r * stride..(r + 1) * stride],
+                    &vf[r * stride..(r + 1) * stride],
+                );
+            }
+        }
+        self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
+
+        let qf = to_f32(input.q)?;
+        let mut out = vec![0f32; batch.num_tokens * h * dh];
+        let decode: Vec<_> = batch
+            .seqs
+            .iter()
+            .filter(|s| self.seqs[&s.id].prefilled())
+            .copied()
+            .collect();
+        let prefill: Vec<_> = batch
+            .seqs
+            .iter()
+            .filter(|s| !self.seqs[&s.id].prefilled())
+            .copied()
+            .collect();
+
+        // Decode: the query over the kept slots and its own token (last slot).
+        let mut probs = Vec::new();
+        if !decode.is_empty() && !rolling {
+            let (kv_k, kv_v) = self
+                .store
+                .kv
+                .f32_views(layer)
+                .expect("slot storage is f32");
+            let rows: Vec<DecodeRow<'_>> = decode
+                .iter()
+                .map(|s| {
+                    let e = &self.store.seqs[&s.id];
+                    DecodeRow {
+                        row: s.q_start,
+                        keys: KeySet::Paged {
+                            k: kv_k,
+                            v: kv_v,
+                            table: &e.table,
+                            len: e.len + 1,
+                            block_size: self.store.block_size(),
+                        },
+                    }
+                })
+                .collect();
+            let shape = DecodeShape {
+                num_heads: h,
+                num_kv_heads: hkv,
+                head_dim: dh,
+            };
+            probs = decode_attention(&qf, &rows, &mut out, shape, self.rule.decode_probs());
+        } else if rolling {
+            let qraw = input.q_raw;
+            for s in &decode {
+                let m = self.store.seqs[&s.id].len + 1;
+                let (k, v) = self.rolled(input, s.id, m)?;
+                let qr = qraw.narrow(0, s.q_start, 1)?;
+                let q = to_f32(&input.rope.rotate(&qr, &[(m - 1) as u32])?)?;
+                let r = prefill_attention(&q, &k, &v, 1, m, self.shape, AttentionImpl::Flash, 1, None, None)
+                    .map_err(|e| self.oom(e.requested))?;
+                out[s.q_start * h * dh..(s.q_start + 1) * h * dh].copy_from_slice(&r.out);
+            }
+        }
+        for s in &decode {
+            self.attended.push(AttendRecord {
+                seq: s.id,
+                layer,
+                attended: self.store.seqs[&s.id].len + 1,
+                context: s.ctx_before + 1,
+            });
+        }
+
+        // Prefill rows: slots are positions until the prefill ends.
+        let stats_mode = self.rule.prefill_stats(self.env.attention);
+        for s in &prefill {
+            let n = s.ctx_before + s.q_len;
+            let (k, v) = if rolling {
+                self.rolled(input, s.id, n)?
+            } else {
+                self.store.kv.gather(layer, &self.store.seqs[&s.id].table, n)
+            };
+            let q = &qf[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh];
+            let r = prefill_attention(
+                q,
+                &k,
+                &v,
+                s.q_len,
+                n,
+                self.shape,
+                self.env.attention,
+                self.env.chunk_size,
+                stats_mode,
+                self.scratch_limit,
+            )
+            .map_err(|e| self.oom(e.requested))?;
+            self.stats.add_scratch(r.scratch_bytes);
+            out[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh].copy_from_slice(&r.out);
+            if let Some(col) = r.col {
+                let e = self.store.seqs.get_mut(&s.id).expect("reserved");
+                for g in 0..hkv {
+                    let sc = &mut e.score[layer * hkv + g];
+                    for (x, c) in sc[..n].iter_mut().zip(&col[g * n..(g + 1) * n]) {
+                        *x += c;
+                    }
+                }
+            }
+        }
+
+        // Statistics and eviction: cache operations.
+        let t1 = Instant::now();
+        for (i, s) in decode.iter().enumerate() {
+            let st = self.seqs[&s.id];
+            let e = self.store.seqs.get_mut(&s.id).expect("reserved");
+            let m = e.len + 1;
+            if self.rule.decode_probs() {
+                for g in 0..hkv {
+                    let sc = &mut e.score[layer * hkv + g];
+                    for (x, p) in sc[..m].iter_mut().zip(&probs[i][g * m..(g + 1) * m]) {
+                        *x += p;
+                    }
+                }
+            }
+            if let Some(c) = st.counts {
+                if m > c.capacity {
+                    let n = s.ctx_before + 1;
+                    for g in 0..hkv {
+                        let e = &self.store.seqs[&s.id];
+                        let victim = self.rule.victim(
+                            c,
+                            n,
+                            &e.pos[layer * hkv + g][..m],
+                            &e.score[layer * hkv + g][..m],
+                        );
+                        self.store.replace(s.id, layer, g, victim, m - 1);
+                    }
+                }
+            }
+        }
+        for s in &prefill {
+            let st = self.seqs[&s.id];
+            let n = s.ctx_before + s.q_len;
+            if n < st.info.prefill_len {
+                continue;
+            }
+            if let Some(c) = st.counts {
+                if n > c.capacity {
+                    for g in 0..hkv {
+                        let keep = {
+                            let e = &self.store.seqs[&s.id];
+                            self.rule.prefill_keep(c, n, &e.score[layer * hkv + g][..n])
+                        };
+                        self.store.compact(s.id, layer, g, &keep);
+                    }
+                }
+            }
+        }
+        if layer + 1 == self.num_layers {
+            for s in &batch.seqs {
+                let st = self.seqs.get_mut(&s.id).expect("admitted");
+                let was_prefilled = st.prefilled();
+                st.computed = s.ctx_before + s.q_len;
+                let e = self.store.seqs.get_mut(&s.id).expect("reserved");
+                let held = if was_prefilled { e.len + 1 } else { st.computed };
+                e.len = match st.counts {
+                    Some(c) if st.prefilled() => held.min(c.capacity),
+                    _ => held,
+                };
+                let keep_slots = if st.prefilled() { e.len + 1 } else { e.len };
+                self.store.shrink(s.id, keep_slots);
+            }
+        }
+        self.stats.cache_ops_s += t1.elapsed().as_secs_f64();
+        Ok(Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
+            .to_dtype(input.q.dtype())?)
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let used = self.store.num_used_blocks() as u64 * self.store.block_bytes();
+        PolicyMemory {
+            device_reserved: used,
+            device_used: used,
+            host_reserved: 0,
+            host_used: 0,
+        }
+    }
+
+    fn seq_device_bytes(&self, seq: SeqId) -> u64 {
+        self.store
+            .seqs
+            .get(&seq)
+            .map_or(0, |s| s.len as u64 * self.store.slot_bytes())
+    }
+
+    fn take_stats(&mut self) -> PolicyStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    fn take_attended(&mut self) -> Vec<AttendRecord> {
+        std::mem::take(&mut self.attended)
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.store.check_invariants()?;
+        for (id, s) in &self.seqs {
+            let Some(e) = self.store.seqs.get(id) else {
+                continue;
+            };
+            if let (Some(c), true) = (s.counts, s.prefilled()) {
+                if e.len > c.capacity {
+                    return Err(format!(
+                        "sequence {id}: {} tokens kept, capacity {}",
+                        e.len, c.capacity
+                    ));
+                }
+                // The most recent R positions are present in every (layer, head).
+                let n = s.computed as u32;
+                let r = c.recent.min(e.len) as u32;
+                for p in &e.pos {
+                    let kept = &p[..e.len.min(p.len())];
+                    for q in n.saturating_sub(r)..n {
+                        if !kept.contains(&q) {
+                            return Err(format!("sequence {id}: recent position {q} missing"));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,160 @@
+//! `h2o`: heavy hitters by accumulated attention plus a recent window, permanent
+//! eviction (algorithms.md §3). Per KV head, scores summed over the query heads of its
+//! group, in f32, never across the batch; one eviction per (layer, head) per decode
+//! step once the cache holds C+1 tokens, after the step's attention.
+
+use super::budget::{h2o_counts, H2oRatio};
+use super::evicting::{Counts, EvictingPolicy, Eviction};
+use super::SeqInfo;
+use crate::attention::prefill::{AttentionImpl, ColumnStats};
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct H2oParams {
+    /// Fraction of the sequence's KV pairs kept (`b ≥ 1`: no eviction).
+    pub budget: f64,
+    /// Heavy-hitter share φ of the kept tokens (default 0.5).
+    pub heavy_fraction: f64,
+    pub ratio: H2oRatio,
+    /// Prefill statistics; `None`: follow the attention implementation (eager →
+    /// eager, chunked → chunked, flash → exact).
+    pub stats: Option<ColumnStats>,
+    /// Keep evicting by score during decode (the originals); `false` freezes the
+    /// prefill's heavy hitters and lets only the window slide.
+    pub decode_update: bool,
+}
+
+impl Default for H2oParams {
+    fn default() -> Self {
+        Self {
+            budget: 1.0,
+            heavy_fraction: 0.5,
+            ratio: H2oRatio::Total,
+            stats: None,
+            decode_update: true,
+        }
+    }
+}
+
+/// The H2O eviction rule.
+#[derive(Debug, Clone, Copy)]
+pub struct H2o(pub H2oParams);
+
+pub type H2oPolicy = EvictingPolicy<H2o>;
+
+/// Total order of rule 2 (algorithms.md §1): higher score first, then older.
+fn better(sa: f32, pa: usize, sb: f32, pb: usize) -> bool {
+    sa > sb || (sa == sb && pa < pb)
+}
+
+impl Eviction for H2o {
+    fn name(&self) -> &'static str {
+        "h2o"
+    }
+
+    fn counts(&self, info: &SeqInfo) -> Option<Counts> {
+        let p = &self.0;
+        h2o_counts(p.budget, info.prompt_len, p.heavy_fraction, p.ratio).map(|c| Counts {
+            capacity: c.capacity,
+            recent: c.recent,
+        })
+    }
+
+    fn prefill_stats(&self, attention: AttentionImpl) -> Option<ColumnStats> {
+        Some(self.0.stats.unwrap_or(match attention {
+            AttentionImpl::Eager => ColumnStats::Eager,
+            AttentionImpl::Chunked => ColumnStats::Chunked,
+            AttentionImpl::Flash => ColumnStats::Exact,
+        }))
+    }
+
+    fn decode_probs(&self) -> bool {
+        true
+    }
+
+    fn prefill_keep(&self, c: Counts, n: usize, score: &[f32]) -> Vec<usize> {
+        let recent = c.recent.min(c.capacity).min(n);
+        let heavy = c.capacity - recent;
+        let mut old: Vec<usize> = (0..n - recent).collect();
+        old.sort_unstable_by(|&a, &b| {
+            if better(score[a], a, score[b], b) {
+                std::cmp::Ordering::Less
+            } else if better(score[b], b, score[a], a) {
+                std::cmp::Ordering::Greater
+            } else {
+                std::cmp::Ordering::Equal
+            }
+        });
+        old.truncate(heavy);
+        old.extend(n - recent..n);
+        old.sort_unstable();
+        old
+    }
+
+    fn victim(&self, c: Counts, n: usize, pos: &[u32], score: &[f32]) -> usize {
+        // Candidates: everything older than the R most recent positions.
+        let window_start = n.saturating_sub(c.recent);
+        let mut best: Option<usize> = None;
+        for (i, &p) in pos.iter().enumerate() {
+            if (p as usize) >= window_start {
+                continue;
+            }
+            best = Some(match best {
+                None => i,
+                Some(b) if self.0.decode_update => {
+                    // Lowest score; ties: the newest goes.
+                    if score[i] < score[b] || (score[i] == score[b] && p > pos[b]) {
+                        i
+                    } else {
+                        b
+                    }
+                }
+                // Frozen heavy hitters: the token that just left the window goes.
+                Some(b) => {
+                    if p > pos[b] {
+                        i
+                    } else {
+                        b
+                    }
+                }
+            });
+        }
+        // With R ≥ 1 and C + 1 slots there is always a candidate; fall back to the
+        // oldest slot if the window covered everything.
+        best.unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_keeps_the_window_and_the_top_scores_with_ties_to_the_older() {
+        let rule = H2o(H2oParams::default());
+        let c = Counts {
+            capacity: 4,
+            recent: 2,
+        };
+        let score = [0.5, 3.0, 1.0, 3.0, 9.0, 0.1, 0.2];
+        // Window: 5, 6. Heavy: 4 (9.0), then 1 and 3 tie at 3.0 → the older (1).
+        assert_eq!(rule.prefill_keep(c, 7, &score), vec![1, 4, 5, 6]);
+    }
+
+    #[test]
+    fn decode_evicts_the_lowest_score_outside_the_window_newest_on_ties() {
+        let rule = H2o(H2oParams::default());
+        let c = Counts {
+            capacity: 4,
+            recent: 2,
+        };
+        // n = 10: window is positions 8, 9.
+        let pos = [1, 4, 7, 8, 9];
+        let score = [2.0, 0.5, 0.5, 0.0, 0.0];
+        assert_eq!(rule.victim(c, 10, &pos, &score), 2);
+        let frozen = H2o(H2oParams {
+            decode_update: false,
+            ..H2oParams::default()
+        });
+        assert_eq!(frozen.victim(c, 10, &pos, &[0.0, 9.0, 9.0, 0.0, 0.0]), 2);
+    }
+}

@@ -1,0 +1,269 @@
+//! Which strategy an engine runs, with its budget and parameters, and the environment
+//! every policy is built in (device capacity, attention implementation).
+
+use super::full::{FullOptions, FullPolicy};
+use super::h2o::{H2o, H2oParams, H2oPolicy};
+use super::infinigen::{InfinigenParams, InfinigenPolicy, Speculation};
+use super::streaming::{Streaming, StreamingParams, StreamingPolicy};
+use super::{budget::H2oRatio, KvPolicy};
+use crate::attention::prefill::{AttentionImpl, ColumnStats};
+use crate::error::{Error, Result};
+use crate::kv::KvDtype;
+use crate::model::Llama;
+use serde_json::json;
+
+/// What a policy is built with.
+#[derive(Debug, Clone)]
+pub struct PolicyEnv {
+    pub device_name: String,
+    pub device_capacity: Option<u64>,
+    /// Device bytes the KV cache may occupy (capacity × fraction − weights −
+    /// activations). `full` allocates all of it up front; the others as they go.
+    pub kv_device_bytes: u64,
+    /// Host bytes an offloading policy may occupy.
+    pub kv_host_bytes: u64,
+    pub block_size: usize,
+    pub attention: AttentionImpl,
+    /// Query rows per chunk for `AttentionImpl::Chunked`.
+    pub chunk_size: usize,
+    /// Storage type of `full`'s pool (the model's compute dtype).
+    pub kv_dtype: KvDtype,
+    /// Shuffle `full`'s free list (tests: random block tables).
+    pub shuffle_seed: Option<u64>,
+}
+
+/// A strategy and its parameters.
+#[derive(Debug, Clone)]
+pub enum PolicySpec {
+    Full,
+    H2o(H2oParams),
+    Streaming(StreamingParams),
+    Infinigen(InfinigenParams),
+}
+
+pub const STRATEGIES: &[&str] = &["full", "h2o", "infinigen", "streaming"];
+
+fn bad(strategy: &str, key: &str, value: &str, expected: &str) -> Error {
+    Error::Config(format!(
+        "{strategy} parameter `{key}={value}`: expected {expected}"
+    ))
+}
+
+fn parse_f64(s: &str, k: &str, v: &str) -> Result<f64> {
+    match v {
+        "inf" | "infinity" => Ok(f64::INFINITY),
+        _ => v
+            .parse::<f64>()
+            .ok()
+            .filter(|x| !x.is_nan())
+            .ok_or_else(|| bad(s, k, v, "a number")),
+    }
+}
+
+fn parse_bool(s: &str, k: &str, v: &str) -> Result<bool> {
+    match v {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" => Ok(false),
+        _ => Err(bad(s, k, v, "true or false")),
+    }
+}
+
+fn parse_usize(s: &str, k: &str, v: &str) -> Result<usize> {
+    v.parse().map_err(|_| bad(s, k, v, "a non-negative integer"))
+}
+
+impl PolicySpec {
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicySpec::Full => "full",
+            PolicySpec::H2o(_) => "h2o",
+            PolicySpec::Streaming(_) => "streaming",
+            PolicySpec::Infinigen(_) => "infinigen",
+        }
+    }
+
+    /// The fraction of KV pairs kept (1 for `full`).
+    pub fn budget(&self) -> f64 {
+        match self {
+            PolicySpec::Full => 1.0,
+            PolicySpec::H2o(p) => p.budget,
+            PolicySpec::Streaming(p) => p.budget,
+            PolicySpec::Infinigen(p) => p.budget,
+        }
+    }
+
+    /// From a strategy name, the budget `b` (fraction of KV pairs kept) and
+    /// `key=value` parameters. Unknown names, keys and values are errors that list
+    /// what is accepted.
+    pub fn parse(name: &str, budget: f64, params: &[(String, String)]) -> Result<Self> {
+        if !(budget > 0.0) || budget.is_nan() {
+            return Err(Error::Config(format!(
+                "budget {budget}: expected the fraction of KV pairs kept, in (0, 1] (≥ 1 keeps everything)"
+            )));
+        }
+        let mut spec = match name {
+            "full" => {
+                if budget < 1.0 {
+                    return Err(Error::Config(format!(
+                        "budget {budget}: `full` keeps every token; budgets apply to h2o, infinigen and streaming"
+                    )));
+                }
+                PolicySpec::Full
+            }
+            "h2o" => PolicySpec::H2o(H2oParams {
+                budget,
+                ..Default::default()
+            }),
+            "streaming" => PolicySpec::Streaming(StreamingParams {
+                budget,
+                ..Default::default()
+            }),
+            "infinigen" => PolicySpec::Infinigen(InfinigenParams {
+                budget,
+                ..Default::default()
+            }),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown engine `{other}`: expected one of {}",
+                    STRATEGIES.join(", ")
+                )))
+            }
+        };
+        for (k, v) in params {
+            spec.set(k, v)?;
+        }
+        Ok(spec)
+    }
+
+    /// Set one parameter.
+    pub fn set(&mut self, k: &str, v: &str) -> Result<()> {
+        let s = self.name();
+        match self {
+            PolicySpec::Full => {
+                return Err(Error::Config(format!(
+                    "`full` takes no parameters (got `{k}={v}`)"
+                )))
+            }
+            PolicySpec::H2o(p) => match k {
+                "heavy_fraction" => {
+                    p.heavy_fraction = parse_f64(s, k, v)?;
+                    if !(0.0..=1.0).contains(&p.heavy_fraction) {
+                        return Err(bad(s, k, v, "a fraction in [0, 1]"));
+                    }
+                }
+                "ratio" => {
+                    p.ratio = match v {
+                        "total" => H2oRatio::Total,
+                        "flexgen_hh" => H2oRatio::FlexgenHh,
+                        _ => return Err(bad(s, k, v, "`total` or `flexgen_hh`")),
+                    }
+                }
+                "stats" => {
+                    p.stats = Some(
+                        v.parse::<ColumnStats>()
+                            .map_err(|_| bad(s, k, v, "`eager`, `chunked` or `exact`"))?,
+                    )
+                }
+                "decode_update" => p.decode_update = parse_bool(s, k, v)?,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown h2o parameter `{k}`: expected heavy_fraction, ratio, stats, decode_update"
+                    )))
+                }
+            },
+            PolicySpec::Streaming(p) => match k {
+                "sinks" => p.sinks = parse_usize(s, k, v)?,
+                "rolling_positions" => p.rolling_positions = parse_bool(s, k, v)?,
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown streaming parameter `{k}`: expected sinks, rolling_positions"
+                    )))
+                }
+            },
+            PolicySpec::Infinigen(p) => match k {
+                "alpha" => {
+                    p.alpha = parse_f64(s, k, v)?;
+                    if p.alpha < 0.0 {
+                        return Err(bad(s, k, v, "a threshold ≥ 0 (inf: no threshold)"));
+                    }
+                }
+                "partial_ratio" => {
+                    p.partial_ratio = parse_f64(s, k, v)?;
+                    if !(p.partial_ratio > 0.0 && p.partial_ratio <= 1.0) {
+                        return Err(bad(s, k, v, "a fraction in (0, 1]"));
+                    }
+                }
+                "relative_to_current" => p.relative_to_current = parse_bool(s, k, v)?,
+                "dense_layers" => {
+                    p.dense_layers = parse_usize(s, k, v)?;
+                    if p.dense_layers == 0 && p.speculation == Speculation::Previous {
+                        return Err(bad(
+                            s,
+                            k,
+                            v,
+                            "at least 1: layer ℓ's selection is speculated in layer ℓ−1",
+                        ));
+                    }
+                }
+                "speculate" => {
+                    p.speculation = match v {
+                        "previous" => Speculation::Previous,
+                        "oracle" => Speculation::Oracle,
+                        _ => return Err(bad(s, k, v, "`previous` or `oracle`")),
+                    }
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "unknown infinigen parameter `{k}`: expected alpha, partial_ratio, relative_to_current, dense_layers, speculate"
+                    )))
+                }
+            },
+        }
+        Ok(())
+    }
+
+    /// Parameters as JSON (reports).
+    pub fn params_json(&self) -> serde_json::Value {
+        match self {
+            PolicySpec::Full => json!({}),
+            PolicySpec::H2o(p) => json!({
+                "heavy_fraction": p.heavy_fraction,
+                "ratio": p.ratio,
+                "stats": p.stats.map(|s| s.to_string()),
+                "decode_update": p.decode_update,
+            }),
+            PolicySpec::Streaming(p) => json!({
+                "sinks": p.sinks,
+                "rolling_positions": p.rolling_positions,
+            }),
+            PolicySpec::Infinigen(p) => json!({
+                "alpha": if p.alpha.is_finite() { json!(p.alpha) } else { json!("inf") },
+                "partial_ratio": p.partial_ratio,
+                "relative_to_current": p.relative_to_current,
+                "dense_layers": p.dense_layers,
+                "speculate": match p.speculation { Speculation::Previous => "previous", Speculation::Oracle => "oracle" },
+            }),
+        }
+    }
+
+    /// Build the policy for `model`.
+    pub fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        let cfg = &model.cfg;
+        Ok(match self {
+            PolicySpec::Full => {
+                let opts = FullOptions {
+                    block_size: env.block_size,
+                    kv_dtype: env.kv_dtype,
+                    shuffle_seed: env.shuffle_seed,
+                    attention: env.attention,
+                    chunk_size: env.chunk_size,
+                };
+                let num_blocks = (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
+                Box::new(FullPolicy::new(cfg, opts, num_blocks))
+            }
+            PolicySpec::H2o(p) => Box::new(H2oPolicy::new(H2o(*p), cfg, env)),
+            PolicySpec::Streaming(p) => Box::new(StreamingPolicy::new(Streaming(*p), cfg, env)),
+            PolicySpec::Infinigen(p) => Box::new(InfinigenPolicy::new(p.clone(), model, env)?),
+        })
+    }
+}
