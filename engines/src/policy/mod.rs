@@ -6,8 +6,15 @@
 //! probabilities when it needs them) and may evict, select or move data. The
 //! scheduler asks it for room before a step and releases finished sequences.
 
+pub mod audit;
 pub mod budget;
+pub mod evicting;
 pub mod full;
+pub mod h2o;
+pub mod infinigen;
+pub mod skew;
+pub mod spec;
+pub mod streaming;
 
 use crate::error::Result;
 use candle_core::Tensor;
@@ -86,16 +93,57 @@ pub struct PolicyMemory {
 /// Work a policy did in one step besides attention itself.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
 pub struct PolicyStats {
-    /// Seconds in cache operations: writing K/V, eviction, selection, transfers.
+    /// Seconds in cache operations: writing K/V, eviction, statistics, selection,
+    /// speculation, transfers (`transfer_s` is part of it).
     pub cache_ops_s: f64,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,
     pub transfer_s: f64,
+    /// Largest attention scratch (score matrices) allocated in the step.
+    pub scratch_bytes: u64,
+}
+
+impl PolicyStats {
+    pub fn add_scratch(&mut self, bytes: u64) {
+        self.scratch_bytes = self.scratch_bytes.max(bytes);
+    }
+}
+
+/// What the scheduler tells a policy when it admits a sequence (again after a
+/// preemption): budgets are computed from these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqInfo {
+    /// The request's prompt length `L0`.
+    pub prompt_len: usize,
+    /// The request's output limit `T`.
+    pub max_new_tokens: usize,
+    /// Tokens this admission prefills: the prompt, or prompt + generated tokens when
+    /// re-admitted after a preemption (recompute). Decode starts after them.
+    pub prefill_len: usize,
+}
+
+/// One decode row's attention in one layer, for the budget audit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct AttendRecord {
+    pub seq: SeqId,
+    pub layer: usize,
+    /// Keys the kernel read for the row's query (the most over the KV heads),
+    /// including the token's own.
+    pub attended: usize,
+    /// Context length including the token.
+    pub context: usize,
 }
 
 pub trait KvPolicy: Send {
     /// Strategy name as used on the command line (`full`, `h2o`, ...).
     fn name(&self) -> &'static str;
+
+    /// A sequence is (re-)admitted; called before its first `reserve`.
+    fn admit(&mut self, _seq: SeqId, _info: SeqInfo) {}
+
+    /// Bytes the next step's attention may allocate for scratch (score matrices);
+    /// `None`: unlimited. Past it, `attend` fails with the typed out-of-memory error.
+    fn set_scratch_limit(&mut self, _limit: Option<u64>) {}
 
     /// Make room so `seq` holds `total_tokens` tokens after this step, all or nothing.
     /// `false` when the pool is full: the scheduler then preempts.
@@ -129,6 +177,9 @@ pub trait KvPolicy: Send {
 
     /// Counters since the last call.
     fn take_stats(&mut self) -> PolicyStats;
+
+    /// Keys attended by each decode row per layer since the last call (budget audit).
+    fn take_attended(&mut self) -> Vec<AttendRecord>;
 
     /// Internal consistency (pool accounting); a description of the first violation.
     fn check_invariants(&self) -> std::result::Result<(), String> {
