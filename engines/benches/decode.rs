@@ -62,6 +62,8 @@ fn ours(wd: WeightDtype, batch: usize) -> Engine {
             max_new_tokens: 8192 - PROMPT,
             arrival_s: 0.0,
             stop_tokens: vec![],
+            forced_output: vec![],
+            record_logits: false,
         })
         .unwrap();
     }

@@ -121,6 +121,8 @@ fn quantized_logits_and_answer_match_candle_quantized_llama() {
         max_new_tokens: 3,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     })
     .unwrap();
     e.run().unwrap();

@@ -44,6 +44,8 @@ fn f32_logits_and_32_greedy_tokens_match_dequantized_candle_llama() {
         max_new_tokens: 32,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     })
     .unwrap();
     e.run().unwrap();

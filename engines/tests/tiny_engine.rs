@@ -26,6 +26,7 @@ fn paged_incremental_decode_equals_recompute() {
             block_size: 4,
             kv_dtype: KvDtype::F32,
             shuffle_seed: Some(11),
+            ..Default::default()
         },
         256,
     );
@@ -125,6 +126,8 @@ fn run_all(e: &mut Engine, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
             max_new_tokens: n,
             arrival_s: 0.0,
             stop_tokens: vec![],
+            forced_output: vec![],
+            record_logits: false,
         })
         .unwrap();
     }
@@ -215,6 +218,8 @@ fn impossible_requests_are_rejected_not_looped() {
         max_new_tokens: 10,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     });
     match too_long {
         Err(Error::RequestRejected { reason, .. }) => {
@@ -227,6 +232,8 @@ fn impossible_requests_are_rejected_not_looped() {
         max_new_tokens: 1,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     });
     assert!(matches!(bad_token, Err(Error::RequestRejected { .. })));
     let empty = e.add_request(Request {
@@ -234,6 +241,8 @@ fn impossible_requests_are_rejected_not_looped() {
         max_new_tokens: 1,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     });
     assert!(matches!(empty, Err(Error::RequestRejected { .. })));
     assert!(!e.has_unfinished());
@@ -315,6 +324,8 @@ fn later_arrivals_wait_and_stop_tokens_end_early() {
         max_new_tokens: 3,
         arrival_s: 0.3,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     })
     .unwrap();
     e.add_request(Request {
@@ -322,6 +333,8 @@ fn later_arrivals_wait_and_stop_tokens_end_early() {
         max_new_tokens: 6,
         arrival_s: 0.0,
         stop_tokens: vec![first[k]],
+        forced_output: vec![],
+        record_logits: false,
     })
     .unwrap();
     assert!(matches!(e.step().unwrap(), StepOutcome::Ran(_)));
@@ -372,6 +385,8 @@ fn a_step_past_the_capacity_fails_with_oom_and_nothing_is_lost() {
         max_new_tokens: 2,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     })
     .unwrap();
     e.run().unwrap();
@@ -381,6 +396,8 @@ fn a_step_past_the_capacity_fails_with_oom_and_nothing_is_lost() {
         max_new_tokens: 2,
         arrival_s: 0.0,
         stop_tokens: vec![],
+        forced_output: vec![],
+        record_logits: false,
     })
     .unwrap();
     match e.run() {
@@ -438,6 +455,9 @@ impl KvPolicy for Inspect {
     fn take_stats(&mut self) -> kvbench_engines::policy::PolicyStats {
         self.inner.take_stats()
     }
+    fn take_attended(&mut self) -> Vec<kvbench_engines::policy::AttendRecord> {
+        self.inner.take_attended()
+    }
 }
 
 #[test]
@@ -467,6 +487,7 @@ fn bf16_weights_and_kv_stay_close_to_the_bf16_dense_forward() {
         block_size: 4,
         kv_dtype: KvDtype::Bf16,
         shuffle_seed: Some(2),
+        ..Default::default()
     };
     let mut policy = FullPolicy::new(&model.cfg, opts, 32);
     let mut seed = 3;

@@ -4,6 +4,7 @@ use crate::setup::{build_engine, load_model, EngineArgs, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_engines::engine::Request;
+use kvbench_engines::policy::budget::kvpress_compression_ratio;
 use serde::Serialize;
 use std::io::IsTerminal;
 
@@ -41,6 +42,13 @@ struct Output {
     text: String,
     model: String,
     engine: &'static str,
+    /// Fraction of KV pairs kept (the study's convention).
+    budget: f64,
+    /// The same budget in kvpress's convention (fraction removed).
+    kvpress_compression_ratio: f64,
+    attention: String,
+    chunk_size: usize,
+    params: serde_json::Value,
     device: String,
     weights_dtype: String,
     prompt_tokens: usize,
@@ -51,9 +59,15 @@ struct Output {
     e2e_s: f64,
     /// KV bytes on the device held for this request's tokens.
     kv_device_bytes: u64,
-    /// KV bytes the engine reserved on the device (the pool).
+    /// Most KV bytes the engine held on the device (for `full`, its whole pool).
     kv_pool_bytes: u64,
+    /// KV bytes in the host tier for this request's tokens.
     kv_host_bytes: u64,
+    /// Most KV bytes the engine held in host memory.
+    kv_host_peak_bytes: u64,
+    /// Bytes moved host→device and device→host over the run.
+    h2d_bytes: u64,
+    d2h_bytes: u64,
     weights_bytes: u64,
     activations_peak_bytes: u64,
     device_memory_bytes: Option<u64>,
@@ -68,7 +82,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give a prompt with --prompt TEXT or --prompt-file FILE"),
     };
     let setup = load_model(&a.model, &a.engine.device)?;
-    let mut engine = build_engine(&setup, &a.engine)?;
+    let mut engine = build_engine(&setup, &a.engine, &a.model.models_dir)?;
     let tok = &setup.loaded.tokenizer;
     let ids = tok.encode(&prompt)?;
     let stop = if a.ignore_eos {
@@ -82,6 +96,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         max_new_tokens: a.max_new_tokens,
         arrival_s: 0.0,
         stop_tokens: stop,
+        forced_output: vec![],
+        record_logits: false,
     })?;
     engine.run()?;
     let r = engine
@@ -93,6 +109,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         text: tok.decode(&r.output)?,
         model: setup.spec.clone(),
         engine: engine.policy().name(),
+        budget: engine.config().policy.budget(),
+        kvpress_compression_ratio: kvpress_compression_ratio(engine.config().policy.budget()),
+        attention: engine.config().attention.to_string(),
+        chunk_size: engine.config().chunk_size,
+        params: engine.config().policy.params_json(),
         device: setup.device.to_string(),
         weights_dtype: setup.loaded.model.weight_dtype.to_string(),
         prompt_tokens: ids.len(),
@@ -103,7 +124,10 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         e2e_s: r.finished_s - r.arrival_s,
         kv_device_bytes: r.kv_device_bytes,
         kv_pool_bytes: mem.kv_device,
-        kv_host_bytes: mem.kv_host,
+        kv_host_bytes: r.kv_host_bytes,
+        kv_host_peak_bytes: mem.kv_host,
+        h2d_bytes: engine.traces().iter().map(|t| t.h2d_bytes).sum(),
+        d2h_bytes: engine.traces().iter().map(|t| t.d2h_bytes).sum(),
         weights_bytes: mem.weights,
         activations_peak_bytes: mem.activations_peak,
         device_memory_bytes: engine.config().device_memory,
@@ -129,8 +153,8 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         out.model, setup.loaded.origin, out.weights_dtype
     );
     println!(
-        "engine    {} on {} ({} threads)",
-        out.engine, out.device, out.threads
+        "engine    {} on {} ({} threads), budget {}, {} attention",
+        out.engine, out.device, out.threads, out.budget, out.attention
     );
     println!(
         "tokens    prompt {}, output {} ({:?})",
@@ -139,11 +163,18 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     println!("TTFT      {}", f(out.ttft_s, "s"));
     println!("decode    {}", f(out.decode_tok_s, "tok/s"));
     println!(
-        "KV        {} held for this request, pool {} reserved, host {}",
+        "KV        device {} held for this request (engine peak {}), host {}",
         human(out.kv_device_bytes),
         human(out.kv_pool_bytes),
         human(out.kv_host_bytes)
     );
+    if out.h2d_bytes > 0 {
+        println!(
+            "moved     {} host→device, {} device→host",
+            human(out.h2d_bytes),
+            human(out.d2h_bytes)
+        );
+    }
     println!("weights   {}", human(out.weights_bytes));
     Ok(())
 }

@@ -3,7 +3,11 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use kvbench_engines::device::{parse_bytes, DeviceKind};
+use kvbench_engines::attention::prefill::AttentionImpl;
 use kvbench_engines::engine::{Engine, EngineConfig};
+use kvbench_engines::policy::skew::load_or_calibrate;
+use kvbench_engines::policy::spec::PolicySpec;
+use std::sync::Arc;
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::source::{LoadOptions, Loaded, ModelSource};
@@ -35,6 +39,43 @@ impl DtypeArg {
 pub enum EngineArg {
     /// Paged full cache with continuous batching (the vLLM paradigm).
     Full,
+    /// Heavy hitters + recent window, permanent eviction (H2O).
+    H2o,
+    /// Full KV in host memory, per-step speculative selection and prefetch (InfiniGen).
+    Infinigen,
+    /// Attention sinks + sliding window (StreamingLLM).
+    Streaming,
+}
+
+impl EngineArg {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineArg::Full => "full",
+            EngineArg::H2o => "h2o",
+            EngineArg::Infinigen => "infinigen",
+            EngineArg::Streaming => "streaming",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AttentionArg {
+    /// Materialize the whole score matrix (the originals' prefill; O(n²) memory).
+    Eager,
+    /// Query rows in chunks of --chunk-size, each chunk's scores materialized.
+    Chunked,
+    /// Tiled with online softmax, O(n) extra memory.
+    Flash,
+}
+
+impl AttentionArg {
+    pub fn imp(self) -> AttentionImpl {
+        match self {
+            AttentionArg::Eager => AttentionImpl::Eager,
+            AttentionArg::Chunked => AttentionImpl::Chunked,
+            AttentionArg::Flash => AttentionImpl::Flash,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -104,6 +145,99 @@ pub struct EngineArgs {
     /// How prompts are prefilled.
     #[arg(long, value_enum, default_value_t = PrefillArg::Chunked)]
     pub prefill: PrefillArg,
+
+    /// KV budget: the fraction of each sequence's KV pairs a layer keeps on the device
+    /// (the study's convention; kvpress's compression ratio is 1 − budget). 1 keeps
+    /// everything.
+    #[arg(long, default_value_t = 1.0)]
+    pub budget: f64,
+
+    /// Prefill attention implementation.
+    #[arg(long, value_enum, default_value_t = AttentionArg::Flash)]
+    pub attention: AttentionArg,
+
+    /// Query rows per chunk for --attention chunked.
+    #[arg(long, default_value_t = 512)]
+    pub chunk_size: usize,
+
+    /// Strategy parameter KEY=VALUE, repeatable. h2o: heavy_fraction, ratio
+    /// (total|flexgen_hh), stats (eager|chunked|exact), decode_update; streaming: sinks,
+    /// rolling_positions; infinigen: alpha (or inf), partial_ratio, relative_to_current,
+    /// dense_layers, speculate (previous|oracle).
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_kv)]
+    pub set: Vec<(String, String)>,
+
+    /// Text whose first 2048 tokens calibrate InfiniGen's skewing matrices (cached
+    /// next to the models, keyed by the weights). Default: seeded random tokens.
+    #[arg(long, env = "KVBENCH_CALIBRATION")]
+    pub calibration: Option<std::path::PathBuf>,
+
+    /// Host memory an offloading engine may use (default: physical memory).
+    #[arg(long, value_parser = parse_size)]
+    pub host_memory: Option<u64>,
+
+    /// Do not fail when a strategy attends or holds more than its budget allows.
+    #[arg(long)]
+    pub no_audit: bool,
+}
+
+fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() && !v.is_empty() => Ok((k.trim().into(), v.trim().into())),
+        _ => Err(format!("`{s}`: expected KEY=VALUE")),
+    }
+}
+
+/// Tokens InfiniGen calibrates on: the first 2048 of the given text, or seeded random
+/// ids (enough for shapes; real text gives better skewing on trained weights).
+fn calibration_tokens(setup: &Setup, e: &EngineArgs) -> Result<Vec<u32>> {
+    const N: usize = 2048;
+    let cfg = &setup.loaded.model.cfg;
+    let n = N.min(cfg.max_position_embeddings);
+    if let Some(path) = &e.calibration {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --calibration {}", path.display()))?;
+        let mut ids = setup.loaded.tokenizer.encode(&text)?;
+        if ids.len() < 64 {
+            bail!(
+                "--calibration {}: {} tokens, expected at least 64",
+                path.display(),
+                ids.len()
+            );
+        }
+        ids.truncate(n);
+        return Ok(ids);
+    }
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    Ok((0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % cfg.vocab_size as u64) as u32
+        })
+        .collect())
+}
+
+/// The strategy with its budget and parameters; InfiniGen's skewing matrices are
+/// loaded from the cache or calibrated.
+pub fn policy_spec(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path) -> Result<PolicySpec> {
+    let mut spec = PolicySpec::parse(e.engine.name(), e.budget, &e.set)?;
+    if let PolicySpec::Infinigen(p) = &mut spec {
+        let tokens = calibration_tokens(setup, e)?;
+        let dir = models_dir.join("skewing");
+        let (skew, cached) = load_or_calibrate(&setup.loaded.model, &tokens, &dir)
+            .context("InfiniGen skewing calibration")?;
+        if !cached {
+            eprintln!(
+                "calibrated InfiniGen skewing on {} tokens, cached in {}",
+                tokens.len(),
+                dir.display()
+            );
+        }
+        p.skewing = Some(Arc::new(skew));
+    }
+    Ok(spec)
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {
@@ -145,7 +279,7 @@ pub fn load_model(m: &ModelArgs, device: &str) -> Result<Setup> {
     })
 }
 
-pub fn build_engine(setup: &Setup, e: &EngineArgs) -> Result<Engine> {
+pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path) -> Result<Engine> {
     if !(e.memory_fraction > 0.0 && e.memory_fraction <= 1.0) {
         bail!(
             "--memory-fraction {}: expected a number in (0, 1]",
@@ -176,6 +310,11 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs) -> Result<Engine> {
         },
         shuffle_blocks_seed: None,
         check_invariants: false,
+        policy: policy_spec(setup, e, models_dir)?,
+        attention: e.attention.imp(),
+        chunk_size: e.chunk_size,
+        host_memory: Some(e.host_memory.unwrap_or_else(host_memory_bytes)),
+        audit: !e.no_audit,
     };
     Engine::new(setup.loaded.model.clone(), cfg).context("starting the engine")
 }
