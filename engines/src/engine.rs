@@ -204,6 +204,29 @@ impl Engine {
             shuffle_seed: cfg.shuffle_blocks_seed,
         };
         let policy = cfg.policy.build(&model, env)?;
+        Self::assemble(model, cfg, policy, ledger, max_model_len)
+    }
+
+    /// An engine around a policy built elsewhere (tests: the budget audit must catch
+    /// a policy that does not do what `cfg.policy` says). Its memory is not checked
+    /// against the device capacity at start-up.
+    pub fn with_policy(model: Llama, cfg: EngineConfig, policy: Box<dyn KvPolicy>) -> Result<Self> {
+        let max_model_len = cfg
+            .max_model_len
+            .unwrap_or(model.cfg.max_position_embeddings);
+        let mut ledger = MemoryLedger::new(cfg.device_name.clone(), cfg.device_memory)
+            .with_host_capacity(cfg.host_memory);
+        ledger.reserve(Component::Weights, model.weights_bytes())?;
+        Self::assemble(model, cfg, policy, ledger, max_model_len)
+    }
+
+    fn assemble(
+        model: Llama,
+        cfg: EngineConfig,
+        policy: Box<dyn KvPolicy>,
+        ledger: MemoryLedger,
+        max_model_len: usize,
+    ) -> Result<Self> {
         Ok(Self {
             model,
             policy,

@@ -108,13 +108,6 @@ impl<E: Eviction> EvictingPolicy<E> {
         &self.rule
     }
 
-    /// Positions kept by (layer, KV head) of `seq`, in slot order (tests, traces).
-    pub fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
-        let s = self.store.seqs.get(&seq)?;
-        let p = &s.pos[layer * self.shape.num_kv_heads + g];
-        Some(p[..s.len.min(p.len())].to_vec())
-    }
-
     /// Scores of the kept slots, same order as [`Self::kept_positions`].
     pub fn kept_scores(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<f32>> {
         let s = self.store.seqs.get(&seq)?;
@@ -452,6 +445,13 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
 
     fn take_attended(&mut self) -> Vec<AttendRecord> {
         std::mem::take(&mut self.attended)
+    }
+
+    /// Kept positions in slot order.
+    fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
+        let s = self.store.seqs.get(&seq)?;
+        let p = &s.pos[layer * self.shape.num_kv_heads + g];
+        Some(p[..s.len.min(p.len())].to_vec())
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {

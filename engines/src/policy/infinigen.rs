@@ -73,6 +73,10 @@ struct Staging {
     v: Vec<f32>,
     /// Tokens per KV head (the same k for every head).
     count: usize,
+    /// The selected positions per KV head.
+    sel: Vec<Vec<u32>>,
+    /// Layer of `sel` (kept after the selection is consumed).
+    last_layer: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -141,7 +145,60 @@ fn top_k(score: &[f32], k: usize) -> Vec<u32> {
     idx
 }
 
+/// The speculative selection of one decode row (algorithms.md §4 steps 1–4):
+/// `q` `[H, dh]` the (speculative) rotated query, per KV head `p[g]` = `P` (`[dh, r]`)
+/// and `khat[g]` the partial keys (`[n, r]`). Per query head the estimated scaled
+/// logits ŝ; `k = min(⌊mean_h |{j : ŝ_h(j) > max ŝ_h − α}|⌋, k_max)`, at least 1; per
+/// KV head the estimate is the max over its query heads and the top-k positions are
+/// selected (ties: older first), ascending.
+pub fn select_tokens(
+    q: &[f32],
+    p: &[&[f32]],
+    khat: &[&[f32]],
+    shape: PrefillShape,
+    r: usize,
+    alpha: f32,
+    k_max: usize,
+) -> Vec<Vec<u32>> {
+    let (h, hkv, dh) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let g_size = h / hkv;
+    let n = khat.first().map_or(0, |k| k.len() / r.max(1));
+    let scale = 1.0 / (dh as f32).sqrt();
+    let mut counts = 0usize;
+    let mut est = vec![vec![f32::NEG_INFINITY; n]; hkv];
+    let mut s = vec![0f32; n];
+    let mut qhat = vec![0f32; r];
+    for hq in 0..h {
+        let g = hq / g_size;
+        let qh = &q[hq * dh..(hq + 1) * dh];
+        qhat.fill(0.0);
+        for (d, &x) in qh.iter().enumerate() {
+            for (c, y) in qhat.iter_mut().enumerate() {
+                *y += x * p[g][d * r + c];
+            }
+        }
+        for (j, sj) in s.iter_mut().enumerate() {
+            let kr = &khat[g][j * r..(j + 1) * r];
+            *sj = scale * qhat.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>();
+        }
+        let m = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        counts += s.iter().filter(|&&x| x > m - alpha).count();
+        for (e, &x) in est[g].iter_mut().zip(&s) {
+            *e = e.max(x);
+        }
+    }
+    let k = (counts / h).clamp(1, k_max.max(1));
+    est.iter().map(|e| top_k(e, k)).collect()
+}
+
 impl InfinigenPolicy {
+    /// Positions selected for `layer` of `seq` in the step that just ran (tests,
+    /// traces); `None` if that layer attended densely.
+    pub fn selection(&self, seq: SeqId, layer: usize) -> Option<&[Vec<u32>]> {
+        let b = &self.seqs.get(&seq)?.staging[layer % 2];
+        (b.last_layer == Some(layer)).then_some(b.sel.as_slice())
+    }
+
     pub fn new(params: InfinigenParams, model: &Llama, env: PolicyEnv) -> Result<Self> {
         let cfg = &model.cfg;
         let skew = params.skewing.clone().ok_or_else(|| {
@@ -257,48 +314,17 @@ impl InfinigenPolicy {
     /// Select layer `layer`'s tokens for one decode row from the speculative query
     /// `q` (`[H, dh]`, rotated) and gather them into the staging buffer of that layer.
     fn select_and_fetch(&mut self, seq: SeqId, layer: usize, q: &[f32], n: usize) {
-        let (h, hkv, dh, r) = (
-            self.shape.num_heads,
-            self.shape.num_kv_heads,
-            self.shape.head_dim,
-            self.r,
-        );
-        let g_size = h / hkv;
+        let (hkv, r) = (self.shape.num_kv_heads, self.r);
         let t0 = Instant::now();
         let st = &self.seqs[&seq];
         let k_max = self.k_max(st, n + 1).min(st.cap);
         let li = layer - self.dense;
-        let sel: Vec<Vec<u32>> = if n <= k_max {
+        let sel = if n <= k_max {
             vec![(0..n as u32).collect(); hkv]
         } else {
-            let scale = 1.0 / (dh as f32).sqrt();
-            let alpha = self.params.alpha as f32;
-            let mut counts = 0usize;
-            let mut est = vec![vec![f32::NEG_INFINITY; n]; hkv];
-            let mut s = vec![0f32; n];
-            for hq in 0..h {
-                let g = hq / g_size;
-                let p = &st.p[li * hkv + g];
-                let qh = &q[hq * dh..(hq + 1) * dh];
-                let mut qhat = vec![0f32; r];
-                for (d, &x) in qh.iter().enumerate() {
-                    for (c, y) in qhat.iter_mut().enumerate() {
-                        *y += x * p[d * r + c];
-                    }
-                }
-                let khat = &st.khat[li * hkv + g];
-                for (j, sj) in s.iter_mut().enumerate() {
-                    let kr = &khat[j * r..(j + 1) * r];
-                    *sj = scale * qhat.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>();
-                }
-                let m = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                counts += s.iter().filter(|&&x| x > m - alpha).count();
-                for (e, &x) in est[g].iter_mut().zip(&s) {
-                    *e = e.max(x);
-                }
-            }
-            let k = (counts / h).clamp(1, k_max);
-            est.iter().map(|e| top_k(e, k)).collect()
+            let p: Vec<&[f32]> = (0..hkv).map(|g| st.p[li * hkv + g].as_slice()).collect();
+            let khat: Vec<&[f32]> = (0..hkv).map(|g| &st.khat[li * hkv + g][..n * r]).collect();
+            select_tokens(q, &p, &khat, self.shape, r, self.params.alpha as f32, k_max)
         };
         let spec_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
@@ -310,6 +336,8 @@ impl InfinigenPolicy {
             .gather(seq, layer, &sel, cap, &mut buf.k, &mut buf.v);
         buf.layer = Some(layer);
         buf.count = sel[0].len();
+        buf.sel = sel;
+        buf.last_layer = Some(layer);
         let transfer = t1.elapsed().as_secs_f64();
         self.stats.h2d_bytes += bytes;
         self.stats.transfer_s += transfer;
@@ -386,6 +414,8 @@ impl KvPolicy for InfinigenPolicy {
             k: vec![0f32; if off == 0 { 0 } else { hkv * cap * dh }],
             v: vec![0f32; if off == 0 { 0 } else { hkv * cap * dh }],
             count: 0,
+            sel: Vec::new(),
+            last_layer: None,
         };
         self.seqs.insert(
             seq,
@@ -694,6 +724,10 @@ impl KvPolicy for InfinigenPolicy {
 
     fn take_attended(&mut self) -> Vec<AttendRecord> {
         std::mem::take(&mut self.attended)
+    }
+
+    fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
+        self.selection(seq, layer).and_then(|s| s.get(g).cloned())
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {

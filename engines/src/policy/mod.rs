@@ -181,6 +181,12 @@ pub trait KvPolicy: Send {
     /// Keys attended by each decode row per layer since the last call (budget audit).
     fn take_attended(&mut self) -> Vec<AttendRecord>;
 
+    /// Positions (layer, KV head) of `seq` holds on the device or attended in the last
+    /// step, for policies that keep or select a subset (tests, traces).
+    fn kept_positions(&self, _seq: SeqId, _layer: usize, _kv_head: usize) -> Option<Vec<u32>> {
+        None
+    }
+
     /// Internal consistency (pool accounting); a description of the first violation.
     fn check_invariants(&self) -> std::result::Result<(), String> {
         Ok(())

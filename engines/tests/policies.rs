@@ -1,0 +1,467 @@
+//! The strategies against full attention and against what algorithms.md says they keep.
+
+mod common;
+
+use common::{lcg, max_abs_diff, tiny};
+use kvbench_engines::attention::prefill::{
+    prefill_attention, AttentionImpl, ColumnStats, PrefillShape,
+};
+use kvbench_engines::engine::{Engine, EngineConfig, Request};
+use kvbench_engines::error::Error;
+use kvbench_engines::model::Llama;
+use kvbench_engines::policy::budget::{h2o_counts, H2oRatio};
+use kvbench_engines::policy::full::{FullOptions, FullPolicy};
+use kvbench_engines::policy::skew::calibrate;
+use kvbench_engines::policy::spec::PolicySpec;
+use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
+use std::sync::Arc;
+
+fn random_tokens(n: usize, seed: &mut u64) -> Vec<u32> {
+    (0..n).map(|_| (lcg(seed) % 49152) as u32).collect()
+}
+
+fn spec(model: &Llama, name: &str, budget: f64, params: &[(&str, &str)]) -> PolicySpec {
+    let params: Vec<(String, String)> = params
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let mut s = PolicySpec::parse(name, budget, &params).unwrap();
+    if let PolicySpec::Infinigen(p) = &mut s {
+        let mut seed = 99;
+        let cal = random_tokens(96, &mut seed);
+        p.skewing = Some(Arc::new(calibrate(model, &cal).unwrap()));
+    }
+    s
+}
+
+fn cfg(policy: PolicySpec, attention: AttentionImpl, prefill: PrefillMode) -> EngineConfig {
+    EngineConfig {
+        num_blocks: Some(512),
+        max_model_len: Some(256),
+        check_invariants: true,
+        policy,
+        attention,
+        chunk_size: 7,
+        scheduler: SchedulerConfig {
+            max_num_seqs: 8,
+            max_batched_tokens: 2048,
+            prefill,
+        },
+        ..Default::default()
+    }
+}
+
+/// Logits of every generated position of each request, teacher-forced on `forced`.
+fn run_forced(
+    cfg: EngineConfig,
+    prompts: &[Vec<u32>],
+    forced: &[Vec<u32>],
+) -> Result<Vec<Vec<Vec<f32>>>, Error> {
+    let mut e = Engine::new(tiny(), cfg)?;
+    for (p, f) in prompts.iter().zip(forced) {
+        e.add_request(Request {
+            forced_output: f.clone(),
+            record_logits: true,
+            ..Request::greedy(p.clone(), f.len())
+        })?;
+    }
+    e.run()?;
+    let mut out: Vec<_> = e.finished().to_vec();
+    out.sort_by_key(|r| r.id);
+    Ok(out.into_iter().map(|r| r.logits).collect())
+}
+
+fn workload() -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let mut seed = 21;
+    let prompts = vec![random_tokens(40, &mut seed), random_tokens(23, &mut seed)];
+    let forced = vec![random_tokens(12, &mut seed), random_tokens(9, &mut seed)];
+    (prompts, forced)
+}
+
+#[test]
+fn every_policy_and_attention_at_budget_one_reproduces_full_eager() {
+    let model = tiny();
+    let (prompts, forced) = workload();
+    let reference = run_forced(
+        cfg(PolicySpec::Full, AttentionImpl::Eager, PrefillMode::Chunked),
+        &prompts,
+        &forced,
+    )
+    .unwrap();
+    let specs = [
+        spec(&model, "full", 1.0, &[]),
+        spec(&model, "h2o", 1.0, &[]),
+        spec(&model, "streaming", 1.0, &[]),
+        spec(&model, "streaming", 1.0, &[("rolling_positions", "false")]),
+        spec(&model, "infinigen", 1.0, &[("dense_layers", "1")]),
+        spec(
+            &model,
+            "infinigen",
+            1.0,
+            &[("dense_layers", "1"), ("alpha", "inf")],
+        ),
+    ];
+    for s in &specs {
+        for imp in [AttentionImpl::Eager, AttentionImpl::Chunked, AttentionImpl::Flash] {
+            for prefill in [PrefillMode::Chunked, PrefillMode::Sequential] {
+                let got = run_forced(cfg(s.clone(), imp, prefill), &prompts, &forced).unwrap();
+                for (a, b) in reference.iter().zip(&got) {
+                    assert_eq!(a.len(), b.len());
+                    for (x, y) in a.iter().zip(b) {
+                        let d = max_abs_diff(x, y);
+                        assert!(d < 1e-4, "{} {imp} {prefill:?}: Δ {d}", s.name());
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn small_budgets_change_the_logits_and_pass_the_audit() {
+    let model = tiny();
+    let (prompts, forced) = workload();
+    let reference = run_forced(
+        cfg(PolicySpec::Full, AttentionImpl::Flash, PrefillMode::Sequential),
+        &prompts,
+        &forced,
+    )
+    .unwrap();
+    for s in [
+        spec(&model, "h2o", 0.3, &[]),
+        spec(&model, "h2o", 0.3, &[("ratio", "flexgen_hh")]),
+        spec(&model, "h2o", 0.02, &[]),
+        spec(&model, "h2o", 0.3, &[("decode_update", "false")]),
+        spec(&model, "streaming", 0.3, &[]),
+        spec(&model, "streaming", 0.02, &[("sinks", "1")]),
+        spec(&model, "infinigen", 0.3, &[("dense_layers", "1")]),
+        spec(&model, "infinigen", 0.1, &[("dense_layers", "1"), ("alpha", "1")]),
+    ] {
+        for imp in [AttentionImpl::Eager, AttentionImpl::Flash] {
+            let got = run_forced(cfg(s.clone(), imp, PrefillMode::Sequential), &prompts, &forced)
+                .unwrap_or_else(|e| panic!("{} {:?}: {e}", s.name(), s.params_json()));
+            let d = max_abs_diff(&reference[0][11], &got[0][11]);
+            assert!(d > 1e-4, "{} at budget {} changed nothing", s.name(), s.budget());
+        }
+    }
+}
+
+#[test]
+fn the_audit_fails_a_policy_that_keeps_everything() {
+    let model = tiny();
+    let (prompts, forced) = workload();
+    let c = cfg(
+        spec(&model, "h2o", 0.3, &[]),
+        AttentionImpl::Flash,
+        PrefillMode::Sequential,
+    );
+    let full = FullPolicy::new(&model.cfg, FullOptions::default(), 512);
+    let mut e = Engine::with_policy(tiny(), c, Box::new(full)).unwrap();
+    e.add_request(Request::greedy(prompts[0].clone(), forced[0].len()))
+        .unwrap();
+    match e.run() {
+        Err(Error::Budget(m)) => assert!(m.contains("attended"), "{m}"),
+        other => panic!("expected a budget failure, got {other:?}"),
+    }
+}
+
+/// Drive a policy step by step (sequential prefill, then decode) and return it.
+fn drive(
+    model: &Llama,
+    s: &PolicySpec,
+    seqs: &[(u64, Vec<u32>)],
+    decode_steps: usize,
+) -> Engine {
+    let mut c = cfg(s.clone(), AttentionImpl::Flash, PrefillMode::Sequential);
+    c.audit = true;
+    let mut e = Engine::new(model.clone(), c).unwrap();
+    for (_, p) in seqs {
+        e.add_request(Request::greedy(p.clone(), 64)).unwrap();
+    }
+    for _ in 0..seqs.len() + decode_steps {
+        e.step().unwrap();
+    }
+    e
+}
+
+/// Column sums of the prompt's softmax per (layer, KV head), from the model's own
+/// layer inputs and a naive softmax (independent of the policies).
+fn naive_column_sums(model: &Llama, prompt: &[u32]) -> Vec<Vec<Vec<f32>>> {
+    let c = &model.cfg;
+    let (h, hkv, dh) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let n = prompt.len();
+    let mut out = Vec::new();
+    model
+        .forward_observe(prompt, &mut |i| {
+            let q = i.q.flatten_all()?.to_vec1::<f32>()?;
+            let k = i.k.flatten_all()?.to_vec1::<f32>()?;
+            let mut col = vec![vec![0f32; n]; hkv];
+            for hq in 0..h {
+                let g = hq / (h / hkv);
+                for row in 0..n {
+                    let s: Vec<f64> = (0..=row)
+                        .map(|j| {
+                            (0..dh)
+                                .map(|d| {
+                                    q[(row * h + hq) * dh + d] as f64
+                                        * k[(j * hkv + g) * dh + d] as f64
+                                })
+                                .sum::<f64>()
+                                / (dh as f64).sqrt()
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                    for (j, x) in s.iter().enumerate() {
+                        col[g][j] += ((x - m).exp() / z) as f32;
+                    }
+                }
+            }
+            out.push(col);
+            Ok(())
+        })
+        .unwrap();
+    out
+}
+
+#[test]
+fn h2o_keeps_the_window_and_the_heavy_hitters_of_the_exact_statistics() {
+    let model = tiny();
+    let mut seed = 4;
+    let prompt = random_tokens(60, &mut seed);
+    let budget = 0.3;
+    let c = h2o_counts(budget, prompt.len(), 0.5, H2oRatio::Total).unwrap();
+    let cols = naive_column_sums(&model, &prompt);
+    for stats in ["exact", "eager"] {
+        let s = spec(&model, "h2o", budget, &[("stats", stats)]);
+        let e = drive(&model, &s, &[(0, prompt.clone())], 0);
+        for (layer, col) in cols.iter().enumerate() {
+            for (g, col) in col.iter().enumerate() {
+                let mut kept = e.policy().kept_positions(0, layer, g).unwrap();
+                kept.sort_unstable();
+                let n = prompt.len();
+                let mut old: Vec<usize> = (0..n - c.recent).collect();
+                old.sort_by(|&a, &b| col[b].partial_cmp(&col[a]).unwrap().then(a.cmp(&b)));
+                let mut want: Vec<u32> = old[..c.heavy].iter().map(|&x| x as u32).collect();
+                want.extend((n - c.recent) as u32..n as u32);
+                want.sort_unstable();
+                assert_eq!(kept, want, "stats {stats}, layer {layer}, head {g}");
+            }
+        }
+    }
+}
+
+#[test]
+fn h2o_kept_sets_are_the_same_alone_and_in_a_batch() {
+    let model = tiny();
+    let mut seed = 8;
+    let a = random_tokens(50, &mut seed);
+    let b = random_tokens(31, &mut seed);
+    let s = spec(&model, "h2o", 0.3, &[]);
+    let alone = drive(&model, &s, &[(0, a.clone())], 6);
+    let batched = drive(&model, &s, &[(0, a), (1, b)], 6);
+    for layer in 0..2 {
+        for g in 0..2 {
+            let x = alone.policy().kept_positions(0, layer, g).unwrap();
+            let y = batched.policy().kept_positions(0, layer, g).unwrap();
+            assert_eq!(x, y, "layer {layer} head {g}");
+            // C tokens kept after each step, including the whole recent window.
+            assert_eq!(x.len(), 15);
+            for p in (56 - 7)..56 {
+                assert!(x.contains(&p), "recent position {p} missing");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_token_that_takes_all_attention_mass_is_never_evicted() {
+    // Hand-built: key 3 has a huge dot product with every query.
+    let (h, hkv, dh, n) = (4, 2, 8, 24);
+    let mut q = vec![0f32; n * h * dh];
+    let mut k = vec![0f32; n * hkv * dh];
+    let v = vec![1f32; n * hkv * dh];
+    for row in 0..n {
+        for hq in 0..h {
+            q[(row * h + hq) * dh] = 10.0;
+        }
+    }
+    for g in 0..hkv {
+        k[(3 * hkv + g) * dh] = 10.0;
+    }
+    let shape = PrefillShape {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: dh,
+    };
+    let r = prefill_attention(
+        &q,
+        &k,
+        &v,
+        n,
+        n,
+        shape,
+        AttentionImpl::Flash,
+        8,
+        Some(ColumnStats::Exact),
+        None,
+    )
+    .unwrap();
+    let col = r.col.unwrap();
+    use kvbench_engines::policy::evicting::{Counts, Eviction};
+    use kvbench_engines::policy::h2o::{H2o, H2oParams};
+    let rule = H2o(H2oParams::default());
+    let keep = rule.prefill_keep(
+        Counts {
+            capacity: 4,
+            recent: 2,
+        },
+        n,
+        &col[..n],
+    );
+    assert!(keep.contains(&3), "{keep:?}");
+}
+
+#[test]
+fn streaming_keeps_sinks_and_the_last_window_in_both_position_modes() {
+    let model = tiny();
+    let mut seed = 12;
+    let prompt = random_tokens(80, &mut seed);
+    for rolling in ["true", "false"] {
+        let s = spec(
+            &model,
+            "streaming",
+            0.2,
+            &[("sinks", "4"), ("rolling_positions", rolling)],
+        );
+        // S + W = 16: sinks 0..4 and the last 12 positions.
+        let e = drive(&model, &s, &[(0, prompt.clone())], 5);
+        let n = 85u32;
+        for layer in 0..2 {
+            let mut kept = e.policy().kept_positions(0, layer, 1).unwrap();
+            kept.sort_unstable();
+            let want: Vec<u32> = (0..4).chain(n - 12..n).collect();
+            assert_eq!(kept, want, "rolling {rolling}");
+        }
+    }
+}
+
+#[test]
+fn infinigen_with_full_partial_keys_and_the_true_query_selects_the_exact_top_k() {
+    // With ρ = 1 the partial keys are the whole skewed keys, so the estimated logits are
+    // the true ones; with the layer's own query (oracle) the selection is the true top-k.
+    let model = tiny();
+    let mut seed = 30;
+    let prompt = random_tokens(70, &mut seed);
+    let s = spec(
+        &model,
+        "infinigen",
+        0.2,
+        &[
+            ("dense_layers", "1"),
+            ("partial_ratio", "1"),
+            ("speculate", "oracle"),
+            ("alpha", "inf"),
+        ],
+    );
+    let e = drive(&model, &s, &[(0, prompt.clone())], 1);
+    // The decode token's query in layer 1, from the model itself.
+    let out = e.finished();
+    assert!(out.is_empty());
+    let mut toks = prompt.clone();
+    // The token the engine generated at the end of the prefill (greedy).
+    let logits = model.forward_dense(&prompt).unwrap();
+    let last = logits.get(prompt.len() - 1).unwrap().unsqueeze(0).unwrap();
+    toks.push(kvbench_engines::engine::argmax_rows(&last).unwrap()[0]);
+    let c = &model.cfg;
+    let (h, hkv, dh) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let mut layer1 = None;
+    model
+        .forward_observe(&toks, &mut |i| {
+            if i.layer == 1 {
+                layer1 = Some((
+                    i.q.flatten_all()?.to_vec1::<f32>()?,
+                    i.k.flatten_all()?.to_vec1::<f32>()?,
+                ));
+            }
+            Ok(())
+        })
+        .unwrap();
+    let (q, k) = layer1.unwrap();
+    let n = prompt.len();
+    let k_max = (0.2f64 * (70 + 64) as f64).ceil() as usize;
+    for g in 0..hkv {
+        let est: Vec<f32> = (0..n)
+            .map(|j| {
+                (g * (h / hkv)..(g + 1) * (h / hkv))
+                    .map(|hq| {
+                        (0..dh)
+                            .map(|d| q[(n * h + hq) * dh + d] * k[(j * hkv + g) * dh + d])
+                            .sum::<f32>()
+                    })
+                    .fold(f32::NEG_INFINITY, f32::max)
+            })
+            .collect();
+        let mut idx: Vec<usize> = (0..n).collect();
+        idx.sort_by(|&a, &b| est[b].partial_cmp(&est[a]).unwrap().then(a.cmp(&b)));
+        let mut want: Vec<u32> = idx[..k_max].iter().map(|&x| x as u32).collect();
+        want.sort_unstable();
+        let got = e.policy().kept_positions(0, 1, g).unwrap();
+        // Ties within fp noise of the boundary may differ; require near-total overlap.
+        let overlap = got.iter().filter(|p| want.contains(p)).count();
+        assert!(
+            overlap + 1 >= want.len() && got.len() == want.len(),
+            "head {g}: {overlap} of {} ({got:?} vs {want:?})",
+            want.len()
+        );
+    }
+}
+
+#[test]
+fn an_eager_prefill_past_the_device_capacity_is_a_typed_oom_and_flash_fits() {
+    let model = tiny();
+    let mut seed = 40;
+    let prompt = random_tokens(200, &mut seed);
+    let mk = |imp, capacity| EngineConfig {
+        device_memory: Some(capacity),
+        memory_fraction: 1.0,
+        max_model_len: Some(256),
+        policy: PolicySpec::parse("h2o", 0.5, &[("stats".into(), "exact".into())]).unwrap(),
+        attention: imp,
+        // One sequence: the start-up profile leaves little headroom past the prompt.
+        scheduler: SchedulerConfig {
+            max_num_seqs: 1,
+            max_batched_tokens: 256,
+            prefill: PrefillMode::Sequential,
+        },
+        ..Default::default()
+    };
+    let run = |imp, capacity| -> Result<u64, Error> {
+        let mut e = Engine::new(tiny(), mk(imp, capacity))?;
+        e.add_request(Request::greedy(prompt.clone(), 4))?;
+        e.run()?;
+        Ok(e.memory().device_total())
+    };
+    // What a flash prefill needs, then a capacity 200 kB above it: the eager score
+    // matrix (4 heads × 200 × 200 f32 = 640 kB) cannot fit.
+    let need = run(AttentionImpl::Flash, model.weights_bytes() * 10).unwrap();
+    let capacity = need + 200_000;
+    run(AttentionImpl::Flash, capacity).unwrap();
+    let err = run(AttentionImpl::Eager, capacity).unwrap_err();
+    assert!(err.is_oom(), "{err}");
+    assert!(err.to_string().contains("activations"), "{err}");
+}
+
+#[test]
+fn parameters_are_checked_with_errors_that_name_them() {
+    let e = PolicySpec::parse("h2o", 0.3, &[("heavy".into(), "1".into())]).unwrap_err();
+    assert!(e.to_string().contains("heavy_fraction"), "{e}");
+    let e = PolicySpec::parse("lru", 0.3, &[]).unwrap_err();
+    assert!(e.to_string().contains("full, h2o"), "{e}");
+    let e = PolicySpec::parse("full", 0.3, &[]).unwrap_err();
+    assert!(e.to_string().contains("budgets apply"), "{e}");
+    let e = PolicySpec::parse("h2o", -1.0, &[]).unwrap_err();
+    assert!(e.to_string().contains("fraction"), "{e}");
+    let e = PolicySpec::parse("infinigen", 0.3, &[("alpha".into(), "x".into())]).unwrap_err();
+    assert!(e.to_string().contains("alpha=x"), "{e}");
+}
