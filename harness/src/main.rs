@@ -3,6 +3,7 @@
 mod generate;
 mod models;
 mod setup;
+mod verify;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -24,6 +25,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// List the named models and presets with their architecture numbers.
     Models(models::ModelsArgs),
+    /// Check every strategy × attention implementation against full + eager at budget
+    /// 1.0, and each strategy's KV bytes against a small budget.
+    Verify(verify::VerifyArgs),
 }
 
 fn main() -> Result<()> {
@@ -36,5 +40,6 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Models(a) => models::run(a),
+        Command::Verify(a) => verify::run(a),
     }
 }

@@ -5,7 +5,7 @@ use clap::{Args, ValueEnum};
 use kvbench_engines::device::{parse_bytes, DeviceKind};
 use kvbench_engines::attention::prefill::AttentionImpl;
 use kvbench_engines::engine::{Engine, EngineConfig};
-use kvbench_engines::policy::skew::load_or_calibrate;
+use kvbench_engines::policy::skew::{load_or_calibrate, Skewing};
 use kvbench_engines::policy::spec::PolicySpec;
 use std::sync::Arc;
 use kvbench_engines::model::WeightDtype;
@@ -190,11 +190,11 @@ fn parse_kv(s: &str) -> std::result::Result<(String, String), String> {
 
 /// Tokens InfiniGen calibrates on: the first 2048 of the given text, or seeded random
 /// ids (enough for shapes; real text gives better skewing on trained weights).
-fn calibration_tokens(setup: &Setup, e: &EngineArgs) -> Result<Vec<u32>> {
+fn calibration_tokens(setup: &Setup, calibration: Option<&std::path::Path>) -> Result<Vec<u32>> {
     const N: usize = 2048;
     let cfg = &setup.loaded.model.cfg;
     let n = N.min(cfg.max_position_embeddings);
-    if let Some(path) = &e.calibration {
+    if let Some(path) = calibration {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading --calibration {}", path.display()))?;
         let mut ids = setup.loaded.tokenizer.encode(&text)?;
@@ -224,20 +224,31 @@ fn calibration_tokens(setup: &Setup, e: &EngineArgs) -> Result<Vec<u32>> {
 pub fn policy_spec(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path) -> Result<PolicySpec> {
     let mut spec = PolicySpec::parse(e.engine.name(), e.budget, &e.set)?;
     if let PolicySpec::Infinigen(p) = &mut spec {
-        let tokens = calibration_tokens(setup, e)?;
-        let dir = models_dir.join("skewing");
-        let (skew, cached) = load_or_calibrate(&setup.loaded.model, &tokens, &dir)
-            .context("InfiniGen skewing calibration")?;
-        if !cached {
-            eprintln!(
-                "calibrated InfiniGen skewing on {} tokens, cached in {}",
-                tokens.len(),
-                dir.display()
-            );
-        }
-        p.skewing = Some(Arc::new(skew));
+        p.skewing = Some(skewing(setup, e.calibration.as_deref(), models_dir)?);
     }
     Ok(spec)
+}
+
+/// InfiniGen's skewing matrices for the loaded model: from the cache under
+/// `models_dir/skewing` (keyed by the weights and the calibration tokens) or
+/// calibrated now.
+pub fn skewing(
+    setup: &Setup,
+    calibration: Option<&std::path::Path>,
+    models_dir: &std::path::Path,
+) -> Result<Arc<Skewing>> {
+    let tokens = calibration_tokens(setup, calibration)?;
+    let dir = models_dir.join("skewing");
+    let (skew, cached) = load_or_calibrate(&setup.loaded.model, &tokens, &dir)
+        .context("InfiniGen skewing calibration")?;
+    if !cached {
+        eprintln!(
+            "calibrated InfiniGen skewing on {} tokens, cached in {}",
+            tokens.len(),
+            dir.display()
+        );
+    }
+    Ok(Arc::new(skew))
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {

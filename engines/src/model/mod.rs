@@ -245,14 +245,16 @@ impl Llama {
     }
 
     /// As [`Llama::forward_dense`], calling `observe` with every layer's input before
-    /// its attention (calibration: InfiniGen's skewing records the queries).
+    /// its attention (calibration: InfiniGen's skewing records the queries). Returns
+    /// the last position's logits only (`[1, vocab]`): calibration texts are long.
     pub fn forward_observe(
         &self,
         tokens: &[u32],
         observe: &mut dyn FnMut(&LayerInput<'_>) -> Result<()>,
     ) -> Result<Tensor> {
         let positions: Vec<u32> = (0..tokens.len() as u32).collect();
-        self.forward_with(tokens, &positions, &positions, &mut |i| {
+        let last = [positions.len().saturating_sub(1) as u32];
+        self.forward_with(tokens, &positions, &last, &mut |i| {
             observe(i)?;
             Ok(causal_attention(i.q, i.k, i.v)?)
         })

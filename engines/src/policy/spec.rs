@@ -96,7 +96,7 @@ impl PolicySpec {
     /// `key=value` parameters. Unknown names, keys and values are errors that list
     /// what is accepted.
     pub fn parse(name: &str, budget: f64, params: &[(String, String)]) -> Result<Self> {
-        if !(budget > 0.0) || budget.is_nan() {
+        if budget.is_nan() || budget <= 0.0 {
             return Err(Error::Config(format!(
                 "budget {budget}: expected the fraction of KV pairs kept, in (0, 1] (≥ 1 keeps everything)"
             )));

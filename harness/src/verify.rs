@@ -1,0 +1,346 @@
+//! `kvbench verify`: every strategy × attention implementation at budget 1.0 must
+//! reproduce `full` + `eager` (the universal regression test of algorithms.md §1), and
+//! at a small budget each strategy must hold and attend what its budget allows (the
+//! audit).
+
+use crate::setup::{host_memory_bytes, load_model, skewing, ModelArgs};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvbench_engines::attention::prefill::AttentionImpl;
+use kvbench_engines::engine::{Engine, EngineConfig, Request};
+use kvbench_engines::model::WeightDtype;
+use kvbench_engines::policy::audit::{allowed_device_bytes, nominal_device_bytes};
+use kvbench_engines::policy::spec::PolicySpec;
+use kvbench_engines::policy::SeqInfo;
+use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
+use serde::Serialize;
+
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+
+    /// Device: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu", env = "KVBENCH_DEVICE")]
+    pub device: String,
+
+    /// Tokens of the first prompt (a second one has two thirds of it).
+    #[arg(long, default_value_t = 96)]
+    pub prompt_tokens: usize,
+
+    /// Generated tokens compared per request.
+    #[arg(long, default_value_t = 16)]
+    pub steps: usize,
+
+    /// Largest |Δlogit| accepted at budget 1.0. Default: 1e-3 for f32 weights, 5e-2
+    /// for 16-bit weights.
+    #[arg(long)]
+    pub tolerance: Option<f32>,
+
+    /// Budget of the audit pass.
+    #[arg(long, default_value_t = 0.3)]
+    pub audit_budget: f64,
+
+    /// Text calibrating InfiniGen's skewing (default: seeded random tokens).
+    #[arg(long, env = "KVBENCH_CALIBRATION")]
+    pub calibration: Option<std::path::PathBuf>,
+
+    /// Print exactly one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    engine: &'static str,
+    attention: String,
+    budget: f64,
+    params: serde_json::Value,
+    /// Largest |Δlogit| against full + eager (budget 1.0 rows only).
+    max_abs_logit_diff: Option<f32>,
+    /// Device KV bytes held for the first request just before it finished.
+    kv_device_bytes: u64,
+    /// What the budget allows for it (audit rows only).
+    kv_device_allowed_bytes: Option<u64>,
+    pass: bool,
+    error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    weights_dtype: String,
+    device: String,
+    tolerance: f32,
+    prompt_tokens: Vec<usize>,
+    steps: usize,
+    results: Vec<Row>,
+    pass: bool,
+}
+
+struct Outcome {
+    logits: Vec<Vec<Vec<f32>>>,
+    outputs: Vec<Vec<u32>>,
+    kv_device_bytes: u64,
+}
+
+pub fn run(mut a: VerifyArgs) -> Result<()> {
+    // Quantized matmuls amplify fp noise by orders of magnitude (README), so the
+    // comparison runs on dequantized weights unless a dtype is asked for.
+    if a.model.dtype == crate::setup::DtypeArg::Auto && a.device == "cpu" {
+        a.model.dtype = crate::setup::DtypeArg::F32;
+    }
+    if a.prompt_tokens < 8 || a.steps == 0 {
+        bail!("--prompt-tokens must be at least 8 and --steps at least 1");
+    }
+    if !(a.audit_budget > 0.0 && a.audit_budget < 1.0) {
+        bail!(
+            "--audit-budget {}: expected a fraction in (0, 1)",
+            a.audit_budget
+        );
+    }
+    let setup = load_model(&a.model, &a.device)?;
+    let model = &setup.loaded.model;
+    let cfg = &model.cfg;
+    let tolerance = a.tolerance.unwrap_or(match model.weight_dtype {
+        WeightDtype::F32 => 1e-3,
+        WeightDtype::Quantized => 1e-2,
+        WeightDtype::F16 | WeightDtype::Bf16 => 5e-2,
+    });
+    let total = a.prompt_tokens + a.steps;
+    if total > cfg.max_position_embeddings {
+        bail!(
+            "--prompt-tokens {} + --steps {} exceed the model's context of {}",
+            a.prompt_tokens,
+            a.steps,
+            cfg.max_position_embeddings
+        );
+    }
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut tokens = |n: usize| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state % cfg.vocab_size as u64) as u32
+            })
+            .collect()
+    };
+    let prompts = vec![tokens(a.prompt_tokens), tokens(a.prompt_tokens * 2 / 3)];
+    let skew = skewing(&setup, a.calibration.as_deref(), &a.model.models_dir)?;
+    // InfiniGen speculates layer ℓ in ℓ−1: keep at least one offloaded layer.
+    let dense = if cfg.num_layers <= 2 { "1" } else { "2" };
+    let make = |name: &str, budget: f64, extra: &[(&str, &str)]| -> Result<PolicySpec> {
+        let mut params: Vec<(String, String)> = extra
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        if name == "infinigen" {
+            params.push(("dense_layers".into(), dense.into()));
+        }
+        let mut s = PolicySpec::parse(name, budget, &params)?;
+        if let PolicySpec::Infinigen(p) = &mut s {
+            p.skewing = Some(skew.clone());
+        }
+        Ok(s)
+    };
+    let host = host_memory_bytes();
+    let engine_cfg = |policy: PolicySpec, attention: AttentionImpl| EngineConfig {
+        device_name: setup.device.to_string(),
+        device_memory: Some(host),
+        memory_fraction: 0.9,
+        // Enough blocks for both requests; small steps so prompts span several
+        // chunks and mix with decodes.
+        num_blocks: Some(4 * total.div_ceil(16) + 8),
+        max_model_len: Some(total),
+        scheduler: SchedulerConfig {
+            max_num_seqs: 4,
+            max_batched_tokens: (a.prompt_tokens / 2).max(8),
+            prefill: PrefillMode::Chunked,
+        },
+        policy,
+        attention,
+        chunk_size: 16,
+        host_memory: Some(host),
+        check_invariants: true,
+        ..Default::default()
+    };
+    let run_one = |policy: PolicySpec,
+                   attention: AttentionImpl,
+                   forced: Option<&[Vec<u32>]>|
+     -> Result<Outcome> {
+        let mut e = Engine::new(model.clone(), engine_cfg(policy, attention))?;
+        for (i, p) in prompts.iter().enumerate() {
+            e.add_request(Request {
+                forced_output: forced.map_or(Vec::new(), |f| f[i].clone()),
+                record_logits: true,
+                ..Request::greedy(p.clone(), a.steps)
+            })?;
+        }
+        e.run()?;
+        let mut out = e.finished().to_vec();
+        out.sort_by_key(|r| r.id);
+        Ok(Outcome {
+            kv_device_bytes: out.first().map_or(0, |r| r.kv_device_bytes),
+            outputs: out.iter().map(|r| r.output.clone()).collect(),
+            logits: out.into_iter().map(|r| r.logits).collect(),
+        })
+    };
+
+    let reference = run_one(PolicySpec::Full, AttentionImpl::Eager, None)
+        .context("reference run (full + eager)")?;
+    let forced = reference.outputs.clone();
+    let mut rows = Vec::new();
+    let impls = [AttentionImpl::Eager, AttentionImpl::Chunked, AttentionImpl::Flash];
+    let mut combos: Vec<(PolicySpec, AttentionImpl)> = Vec::new();
+    for imp in impls {
+        for (name, extra) in [
+            ("full", &[][..]),
+            ("h2o", &[][..]),
+            ("streaming", &[][..]),
+            ("streaming", &[("rolling_positions", "false")][..]),
+            ("infinigen", &[][..]),
+            ("infinigen", &[("alpha", "inf")][..]),
+        ] {
+            combos.push((make(name, 1.0, extra)?, imp));
+        }
+    }
+    for (spec, imp) in combos {
+        let (engine, params) = (spec.name(), spec.params_json());
+        let row = match run_one(spec, imp, Some(&forced)) {
+            Ok(o) => {
+                let d = reference
+                    .logits
+                    .iter()
+                    .flatten()
+                    .zip(o.logits.iter().flatten())
+                    .flat_map(|(x, y)| x.iter().zip(y).map(|(a, b)| (a - b).abs()))
+                    .fold(0f32, f32::max);
+                let complete = o.logits.iter().map(Vec::len).sum::<usize>()
+                    == reference.logits.iter().map(Vec::len).sum::<usize>();
+                Row {
+                    engine,
+                    attention: imp.to_string(),
+                    budget: 1.0,
+                    params,
+                    max_abs_logit_diff: Some(d),
+                    kv_device_bytes: o.kv_device_bytes,
+                    kv_device_allowed_bytes: None,
+                    pass: complete && d <= tolerance,
+                    error: None,
+                }
+            }
+            Err(e) => Row {
+                engine,
+                attention: imp.to_string(),
+                budget: 1.0,
+                params,
+                max_abs_logit_diff: None,
+                kv_device_bytes: 0,
+                kv_device_allowed_bytes: None,
+                pass: false,
+                error: Some(format!("{e:#}")),
+            },
+        };
+        rows.push(row);
+    }
+
+    // The audit at a small budget: the engine fails the run on any step that attends
+    // more keys than the budget allows; the bytes held are checked here as well.
+    let b = a.audit_budget;
+    let info = SeqInfo {
+        prompt_len: prompts[0].len(),
+        max_new_tokens: a.steps,
+        prefill_len: prompts[0].len(),
+    };
+    let token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
+    let elem = kvbench_engines::kv::KvDtype::from_candle(model.dtype()).size();
+    for name in ["h2o", "streaming", "infinigen"] {
+        let spec = make(name, b, &[])?;
+        let params = spec.params_json();
+        let n = prompts[0].len() + a.steps - 1;
+        let allowed = allowed_device_bytes(nominal_device_bytes(&spec, cfg, &info, n, elem), 16, token_bytes);
+        let row = match run_one(spec.clone(), AttentionImpl::Flash, Some(&forced)) {
+            Ok(o) => Row {
+                engine: spec.name(),
+                attention: "flash".into(),
+                budget: b,
+                params,
+                max_abs_logit_diff: None,
+                kv_device_bytes: o.kv_device_bytes,
+                kv_device_allowed_bytes: Some(allowed),
+                pass: o.kv_device_bytes <= allowed && o.kv_device_bytes > 0,
+                error: None,
+            },
+            Err(e) => Row {
+                engine: spec.name(),
+                attention: "flash".into(),
+                budget: b,
+                params,
+                max_abs_logit_diff: None,
+                kv_device_bytes: 0,
+                kv_device_allowed_bytes: Some(allowed),
+                pass: false,
+                error: Some(format!("{e:#}")),
+            },
+        };
+        rows.push(row);
+    }
+
+    let pass = rows.iter().all(|r| r.pass);
+    let report = Report {
+        model: setup.spec.clone(),
+        weights_dtype: model.weight_dtype.to_string(),
+        device: setup.device.to_string(),
+        tolerance,
+        prompt_tokens: prompts.iter().map(Vec::len).collect(),
+        steps: a.steps,
+        results: rows,
+        pass,
+    };
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        print_table(&report);
+    }
+    if !pass {
+        bail!(
+            "verify failed: {} of {} combinations",
+            report.results.iter().filter(|r| !r.pass).count(),
+            report.results.len()
+        );
+    }
+    Ok(())
+}
+
+fn print_table(r: &Report) {
+    println!(
+        "kvbench verify: {} ({} weights) on {}; prompts {:?} tokens, {} steps; tolerance {:e}",
+        r.model, r.weights_dtype, r.device, r.prompt_tokens, r.steps, r.tolerance
+    );
+    println!(
+        "{:<10} {:<8} {:>6}  {:<28} {:>12}  {:>22}  result",
+        "engine", "attn", "budget", "params", "max|Δlogit|", "KV device bytes"
+    );
+    for x in &r.results {
+        let params = x.params.to_string();
+        let params = if params == "{}" { String::new() } else { params };
+        let d = x.max_abs_logit_diff.map_or("-".into(), |d| format!("{d:.2e}"));
+        let bytes = match x.kv_device_allowed_bytes {
+            Some(a) => format!("{} ≤ {}", x.kv_device_bytes, a),
+            None => x.kv_device_bytes.to_string(),
+        };
+        let res = match (&x.error, x.pass) {
+            (Some(e), _) => format!("FAIL: {e}"),
+            (None, true) => "ok".into(),
+            (None, false) => "FAIL".into(),
+        };
+        let params: String = params.chars().take(28).collect();
+        println!(
+            "{:<10} {:<8} {:>6}  {:<28} {:>12}  {:>22}  {res}",
+            x.engine, x.attention, x.budget, params, d, bytes
+        );
+    }
+    println!("{}", if r.pass { "all passed" } else { "FAILED" });
+}
