@@ -424,8 +424,10 @@ impl Engine {
         let stats = self.policy.take_stats();
         // Score matrices count as activations at the step's peak.
         if stats.scratch_bytes > 0 {
-            self.ledger.reserve(Component::Activations, act + stats.scratch_bytes)?;
-            self.ledger.release(Component::Activations, act + stats.scratch_bytes);
+            self.ledger
+                .reserve(Component::Activations, act + stats.scratch_bytes)?;
+            self.ledger
+                .release(Component::Activations, act + stats.scratch_bytes);
         }
         let mem = self.policy.memory();
         if !matches!(self.cfg.policy, PolicySpec::Full) {
@@ -438,7 +440,11 @@ impl Engine {
         let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let mut next = argmax(&rows);
         for (i, id) in sample_ids.iter().enumerate() {
-            let s = self.sched.seqs.get_mut(id).expect("scheduled ids are known");
+            let s = self
+                .sched
+                .seqs
+                .get_mut(id)
+                .expect("scheduled ids are known");
             if let Some(&t) = s.forced.get(s.output.len()) {
                 next[i] = t;
             }

@@ -102,7 +102,11 @@ fn every_policy_and_attention_at_budget_one_reproduces_full_eager() {
         ),
     ];
     for s in &specs {
-        for imp in [AttentionImpl::Eager, AttentionImpl::Chunked, AttentionImpl::Flash] {
+        for imp in [
+            AttentionImpl::Eager,
+            AttentionImpl::Chunked,
+            AttentionImpl::Flash,
+        ] {
             for prefill in [PrefillMode::Chunked, PrefillMode::Sequential] {
                 let got = run_forced(cfg(s.clone(), imp, prefill), &prompts, &forced).unwrap();
                 for (a, b) in reference.iter().zip(&got) {
@@ -122,7 +126,11 @@ fn small_budgets_change_the_logits_and_pass_the_audit() {
     let model = tiny();
     let (prompts, forced) = workload();
     let reference = run_forced(
-        cfg(PolicySpec::Full, AttentionImpl::Flash, PrefillMode::Sequential),
+        cfg(
+            PolicySpec::Full,
+            AttentionImpl::Flash,
+            PrefillMode::Sequential,
+        ),
         &prompts,
         &forced,
     )
@@ -135,13 +143,27 @@ fn small_budgets_change_the_logits_and_pass_the_audit() {
         spec(&model, "streaming", 0.3, &[]),
         spec(&model, "streaming", 0.02, &[("sinks", "1")]),
         spec(&model, "infinigen", 0.3, &[("dense_layers", "1")]),
-        spec(&model, "infinigen", 0.1, &[("dense_layers", "1"), ("alpha", "1")]),
+        spec(
+            &model,
+            "infinigen",
+            0.1,
+            &[("dense_layers", "1"), ("alpha", "1")],
+        ),
     ] {
         for imp in [AttentionImpl::Eager, AttentionImpl::Flash] {
-            let got = run_forced(cfg(s.clone(), imp, PrefillMode::Sequential), &prompts, &forced)
-                .unwrap_or_else(|e| panic!("{} {:?}: {e}", s.name(), s.params_json()));
+            let got = run_forced(
+                cfg(s.clone(), imp, PrefillMode::Sequential),
+                &prompts,
+                &forced,
+            )
+            .unwrap_or_else(|e| panic!("{} {:?}: {e}", s.name(), s.params_json()));
             let d = max_abs_diff(&reference[0][11], &got[0][11]);
-            assert!(d > 1e-4, "{} at budget {} changed nothing", s.name(), s.budget());
+            assert!(
+                d > 1e-4,
+                "{} at budget {} changed nothing",
+                s.name(),
+                s.budget()
+            );
         }
     }
 }
@@ -166,12 +188,7 @@ fn the_audit_fails_a_policy_that_keeps_everything() {
 }
 
 /// Drive a policy step by step (sequential prefill, then decode) and return it.
-fn drive(
-    model: &Llama,
-    s: &PolicySpec,
-    seqs: &[(u64, Vec<u32>)],
-    decode_steps: usize,
-) -> Engine {
+fn drive(model: &Llama, s: &PolicySpec, seqs: &[(u64, Vec<u32>)], decode_steps: usize) -> Engine {
     let mut c = cfg(s.clone(), AttentionImpl::Flash, PrefillMode::Sequential);
     c.audit = true;
     let mut e = Engine::new(model.clone(), c).unwrap();

@@ -2,15 +2,15 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
-use kvbench_engines::device::{parse_bytes, DeviceKind};
 use kvbench_engines::attention::prefill::AttentionImpl;
+use kvbench_engines::device::{parse_bytes, DeviceKind};
 use kvbench_engines::engine::{Engine, EngineConfig};
+use kvbench_engines::model::WeightDtype;
 use kvbench_engines::policy::skew::{load_or_calibrate, Skewing};
 use kvbench_engines::policy::spec::PolicySpec;
-use std::sync::Arc;
-use kvbench_engines::model::WeightDtype;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::source::{LoadOptions, Loaded, ModelSource};
+use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DtypeArg {
@@ -221,7 +221,11 @@ fn calibration_tokens(setup: &Setup, calibration: Option<&std::path::Path>) -> R
 
 /// The strategy with its budget and parameters; InfiniGen's skewing matrices are
 /// loaded from the cache or calibrated.
-pub fn policy_spec(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path) -> Result<PolicySpec> {
+pub fn policy_spec(
+    setup: &Setup,
+    e: &EngineArgs,
+    models_dir: &std::path::Path,
+) -> Result<PolicySpec> {
     let mut spec = PolicySpec::parse(e.engine.name(), e.budget, &e.set)?;
     if let PolicySpec::Infinigen(p) = &mut spec {
         p.skewing = Some(skewing(setup, e.calibration.as_deref(), models_dir)?);

@@ -127,7 +127,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
             })
             .collect()
     };
-    let prompts = vec![tokens(a.prompt_tokens), tokens(a.prompt_tokens * 2 / 3)];
+    let prompts = [tokens(a.prompt_tokens), tokens(a.prompt_tokens * 2 / 3)];
     let skew = skewing(&setup, a.calibration.as_deref(), &a.model.models_dir)?;
     // InfiniGen speculates layer ℓ in ℓ−1: keep at least one offloaded layer.
     let dense = if cfg.num_layers <= 2 { "1" } else { "2" };
@@ -192,7 +192,11 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         .context("reference run (full + eager)")?;
     let forced = reference.outputs.clone();
     let mut rows = Vec::new();
-    let impls = [AttentionImpl::Eager, AttentionImpl::Chunked, AttentionImpl::Flash];
+    let impls = [
+        AttentionImpl::Eager,
+        AttentionImpl::Chunked,
+        AttentionImpl::Flash,
+    ];
     let mut combos: Vec<(PolicySpec, AttentionImpl)> = Vec::new();
     for imp in impls {
         for (name, extra) in [
@@ -260,7 +264,11 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         let spec = make(name, b, &[])?;
         let params = spec.params_json();
         let n = prompts[0].len() + a.steps - 1;
-        let allowed = allowed_device_bytes(nominal_device_bytes(&spec, cfg, &info, n, elem), 16, token_bytes);
+        let allowed = allowed_device_bytes(
+            nominal_device_bytes(&spec, cfg, &info, n, elem),
+            16,
+            token_bytes,
+        );
         let row = match run_one(spec.clone(), AttentionImpl::Flash, Some(&forced)) {
             Ok(o) => Row {
                 engine: spec.name(),
@@ -325,8 +333,14 @@ fn print_table(r: &Report) {
     );
     for x in &r.results {
         let params = x.params.to_string();
-        let params = if params == "{}" { String::new() } else { params };
-        let d = x.max_abs_logit_diff.map_or("-".into(), |d| format!("{d:.2e}"));
+        let params = if params == "{}" {
+            String::new()
+        } else {
+            params
+        };
+        let d = x
+            .max_abs_logit_diff
+            .map_or("-".into(), |d| format!("{d:.2e}"));
         let bytes = match x.kv_device_allowed_bytes {
             Some(a) => format!("{} ≤ {}", x.kv_device_bytes, a),
             None => x.kv_device_bytes.to_string(),

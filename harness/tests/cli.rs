@@ -246,3 +246,130 @@ fn models_lists_presets_and_named_models() {
         .unwrap()
         .contains("just fetch-model smollm2"));
 }
+
+#[test]
+fn verify_tiny_passes_and_reports_every_combination_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = kvbench(dir.path(), &["verify", "--model", "preset:tiny", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    // 6 strategy variants × 3 attention implementations at budget 1, 3 audit rows.
+    assert_eq!(rows.len(), 21);
+    for r in rows {
+        for k in [
+            "engine",
+            "attention",
+            "budget",
+            "max_abs_logit_diff",
+            "kv_device_bytes",
+            "pass",
+        ] {
+            assert!(r.get(k).is_some(), "{k} missing in {r}");
+        }
+        assert_eq!(r["pass"], true, "{r}");
+    }
+    let audit: Vec<_> = rows.iter().filter(|r| r["budget"] == 0.3).collect();
+    assert_eq!(audit.len(), 3);
+    let full = rows[0]["kv_device_bytes"].as_u64().unwrap();
+    let h2o = audit[0]["kv_device_bytes"].as_u64().unwrap();
+    // The 96-token request keeps ⌊0.3·96⌋ = 28 of its 111 tokens.
+    assert_eq!(rows[0]["engine"], "full");
+    assert!(h2o * 3 < full, "h2o {h2o} vs full {full}");
+    // The skewing matrices were calibrated once and cached under the models dir.
+    assert!(dir.path().join("skewing").read_dir().unwrap().count() == 1);
+}
+
+#[test]
+fn verify_smollm2_passes() {
+    let o = kvbench(
+        &repo_models(),
+        &[
+            "verify",
+            "--model",
+            "smollm2-135m-instruct",
+            "--prompt-tokens",
+            "64",
+            "--steps",
+            "8",
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", stderr(&o));
+    assert!(out.contains("all passed"), "{out}");
+    assert!(out.contains("f32 weights"), "{out}");
+}
+
+#[test]
+fn generate_with_each_engine_reports_its_budget_and_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+    let mut device = Vec::new();
+    for (engine, extra) in [
+        ("full", vec![]),
+        ("h2o", vec!["--budget", "0.25", "--attention", "eager"]),
+        ("streaming", vec!["--budget", "0.25", "--set", "sinks=2"]),
+        (
+            "infinigen",
+            vec![
+                "--budget",
+                "0.25",
+                "--set",
+                "dense_layers=1",
+                "--set",
+                "alpha=3",
+            ],
+        ),
+    ] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            "preset:tiny",
+            "--prompt",
+            &prompt,
+            "--max-new-tokens",
+            "6",
+            "--ignore-eos",
+            "--device-memory",
+            "1GiB",
+            "--json",
+            "--engine",
+            engine,
+        ];
+        args.extend(extra);
+        let o = kvbench(dir.path(), &args);
+        assert!(o.status.success(), "{engine}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        assert_eq!(v["engine"], engine);
+        let b = v["budget"].as_f64().unwrap();
+        assert!((v["kvpress_compression_ratio"].as_f64().unwrap() - (1.0 - b)).abs() < 1e-9);
+        device.push(v["kv_device_bytes"].as_u64().unwrap());
+        if engine == "infinigen" {
+            assert!(v["kv_host_bytes"].as_u64().unwrap() > 0, "{v}");
+            assert!(v["h2d_bytes"].as_u64().unwrap() > 0, "{v}");
+            assert_eq!(v["params"]["alpha"], 3.0);
+        } else {
+            assert_eq!(v["kv_host_bytes"], 0, "{v}");
+        }
+    }
+    // Budgets show in the bytes held: h2o and streaming keep a quarter of the prompt.
+    assert!(device[1] * 3 < device[0], "{device:?}");
+    assert!(device[2] * 3 < device[0], "{device:?}");
+    // Bad parameters are named.
+    let o = kvbench(
+        dir.path(),
+        &[
+            "generate",
+            "--model",
+            "preset:tiny",
+            "--prompt",
+            "x",
+            "--engine",
+            "h2o",
+            "--set",
+            "stats=maybe",
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("stats=maybe"), "{}", stderr(&o));
+}

@@ -132,12 +132,12 @@ pub fn decode_attention(
         .flat_map(|ri| (0..hkv).map(move |g| (ri, g)))
         .collect();
     let work: usize = rows.iter().map(|r| r.keys.count()).sum::<usize>() * h * dh;
-    let results: Vec<(Vec<f32>, Vec<f32>)> =
-        if rayon::current_num_threads() == 1 || work < 1 << 16 {
-            items.iter().copied().map(item).collect()
-        } else {
-            items.par_iter().copied().map(item).collect()
-        };
+    let results: Vec<(Vec<f32>, Vec<f32>)> = if rayon::current_num_threads() == 1 || work < 1 << 16
+    {
+        items.iter().copied().map(item).collect()
+    } else {
+        items.par_iter().copied().map(item).collect()
+    };
     let mut all_probs: Vec<Vec<f32>> = rows
         .iter()
         .map(|r| {
@@ -170,7 +170,10 @@ mod tests {
         let s: Vec<f64> = keys
             .iter()
             .map(|k| {
-                q.iter().zip(*k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                q.iter()
+                    .zip(*k)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
                     / (dh as f64).sqrt()
             })
             .collect();
@@ -193,9 +196,8 @@ mod tests {
         let (h, hkv, dh, bs) = (6, 2, 16, 4);
         let g_size = h / hkv;
         let blocks = 8;
-        let mut rnd = |n: usize| -> Vec<f32> {
-            (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect()
-        };
+        let mut rnd =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect() };
         let kp = rnd(blocks * hkv * bs * dh);
         let vp = rnd(blocks * hkv * bs * dh);
         let table: Vec<BlockId> = vec![5, 2, 7];

@@ -118,7 +118,15 @@ impl SlotStore {
 
     /// Write one token's K and V (`[Hkv, dh]`) into `slot` of `layer` for every head,
     /// recording `position` with score 0.
-    pub fn write(&mut self, seq: SeqId, layer: usize, slot: usize, position: u32, k: &[f32], v: &[f32]) {
+    pub fn write(
+        &mut self,
+        seq: SeqId,
+        layer: usize,
+        slot: usize,
+        position: u32,
+        k: &[f32],
+        v: &[f32],
+    ) {
         let hkv = self.num_kv_heads;
         let e = self.seqs.get_mut(&seq).expect("reserved before writing");
         let phys = self.kv.slot(&e.table, slot);
@@ -176,7 +184,11 @@ impl SlotStore {
         let bs = self.kv.block_size();
         for (id, s) in &self.seqs {
             if s.len > s.table.len() * bs {
-                return Err(format!("sequence {id}: {} slots in {} blocks", s.len, s.table.len()));
+                return Err(format!(
+                    "sequence {id}: {} slots in {} blocks",
+                    s.len,
+                    s.table.len()
+                ));
             }
             for p in &s.pos {
                 let mut sorted = p.clone();

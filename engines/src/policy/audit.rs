@@ -71,14 +71,24 @@ pub fn nominal_device_bytes(
             let (hkv, dh) = (cfg.num_kv_heads as u64, cfg.head_dim as u64);
             let r = ((p.partial_ratio * cfg.head_dim as f64).floor() as u64).clamp(1, dh);
             let n_max = (info.prefill_len + info.max_new_tokens) as u64;
-            let cap = infinigen_k_max(p.budget, info.prompt_len, info.max_new_tokens, n_max as usize, false)
-                .max(if p.relative_to_current {
-                    infinigen_k_max(p.budget, 0, 0, n_max as usize, true)
-                } else {
-                    0
-                })
-                .min(n_max as usize) as u64;
-            let staging = if off == 0 { 0 } else { 2 * 2 * hkv * cap * dh * 4 };
+            let cap = infinigen_k_max(
+                p.budget,
+                info.prompt_len,
+                info.max_new_tokens,
+                n_max as usize,
+                false,
+            )
+            .max(if p.relative_to_current {
+                infinigen_k_max(p.budget, 0, 0, n_max as usize, true)
+            } else {
+                0
+            })
+            .min(n_max as usize) as u64;
+            let staging = if off == 0 {
+                0
+            } else {
+                2 * 2 * hkv * cap * dh * 4
+            };
             n as u64 * token(dense, 4) + off * hkv * (n_max * r + dh * r) * 4 + staging
         }
     }

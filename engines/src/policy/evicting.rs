@@ -5,7 +5,9 @@
 //! Each strategy supplies only its [`Eviction`] rule.
 
 use super::spec::PolicyEnv;
-use super::{AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch};
+use super::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
 use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
 use crate::attention::prefill::{prefill_attention, AttentionImpl, ColumnStats, PrefillShape};
 use crate::error::{Component, Error, Result};
@@ -127,12 +129,7 @@ impl<E: Eviction> EvictingPolicy<E> {
 
     /// Keys of `seq` in (layer, head) order of their cache index, rotated to indices
     /// `0..m` (StreamingLLM's rolling positions); values in the same order.
-    fn rolled(
-        &self,
-        input: &LayerInput<'_>,
-        seq: SeqId,
-        m: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+    fn rolled(&self, input: &LayerInput<'_>, seq: SeqId, m: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
         let s = &self.store.seqs[&seq];
         let (kf, vf) = self
@@ -155,8 +152,8 @@ impl<E: Eviction> EvictingPolicy<E> {
             }
         }
         let idx: Vec<u32> = (0..m as u32).collect();
-        let kt = Tensor::from_vec(k, (m, hkv, dh), input.k.device())?
-            .to_dtype(input.k_raw.dtype())?;
+        let kt =
+            Tensor::from_vec(k, (m, hkv, dh), input.k.device())?.to_dtype(input.k_raw.dtype())?;
         let k = input
             .rope
             .rotate(&kt, &idx)?
@@ -270,11 +267,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         // Decode: the query over the kept slots and its own token (last slot).
         let mut probs = Vec::new();
         if !decode.is_empty() && !rolling {
-            let (kv_k, kv_v) = self
-                .store
-                .kv
-                .f32_views(layer)
-                .expect("slot storage is f32");
+            let (kv_k, kv_v) = self.store.kv.f32_views(layer).expect("slot storage is f32");
             let rows: Vec<DecodeRow<'_>> = decode
                 .iter()
                 .map(|s| {
@@ -304,8 +297,19 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 let (k, v) = self.rolled(input, s.id, m)?;
                 let qr = qraw.narrow(0, s.q_start, 1)?;
                 let q = to_f32(&input.rope.rotate(&qr, &[(m - 1) as u32])?)?;
-                let r = prefill_attention(&q, &k, &v, 1, m, self.shape, AttentionImpl::Flash, 1, None, None)
-                    .map_err(|e| self.oom(e.requested))?;
+                let r = prefill_attention(
+                    &q,
+                    &k,
+                    &v,
+                    1,
+                    m,
+                    self.shape,
+                    AttentionImpl::Flash,
+                    1,
+                    None,
+                    None,
+                )
+                .map_err(|e| self.oom(e.requested))?;
                 out[s.q_start * h * dh..(s.q_start + 1) * h * dh].copy_from_slice(&r.out);
             }
         }
@@ -325,7 +329,9 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             let (k, v) = if rolling {
                 self.rolled(input, s.id, n)?
             } else {
-                self.store.kv.gather(layer, &self.store.seqs[&s.id].table, n)
+                self.store
+                    .kv
+                    .gather(layer, &self.store.seqs[&s.id].table, n)
             };
             let q = &qf[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh];
             let r = prefill_attention(
@@ -408,7 +414,11 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 let was_prefilled = st.prefilled();
                 st.computed = s.ctx_before + s.q_len;
                 let e = self.store.seqs.get_mut(&s.id).expect("reserved");
-                let held = if was_prefilled { e.len + 1 } else { st.computed };
+                let held = if was_prefilled {
+                    e.len + 1
+                } else {
+                    st.computed
+                };
                 e.len = match st.counts {
                     Some(c) if st.prefilled() => held.min(c.capacity),
                     _ => held,
@@ -418,8 +428,10 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             }
         }
         self.stats.cache_ops_s += t1.elapsed().as_secs_f64();
-        Ok(Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
-            .to_dtype(input.q.dtype())?)
+        Ok(
+            Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
+                .to_dtype(input.q.dtype())?,
+        )
     }
 
     fn memory(&self) -> PolicyMemory {

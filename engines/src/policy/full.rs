@@ -180,7 +180,8 @@ impl KvPolicy for FullPolicy {
         let qf = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
         // Prefill chunks under eager/chunked attention: a plain matrix per sequence.
-        let materialize = |s: &&super::StepSeq| s.q_len > 1 && self.opts.attention != AttentionImpl::Flash;
+        let materialize =
+            |s: &&super::StepSeq| s.q_len > 1 && self.opts.attention != AttentionImpl::Flash;
         let mut dense_out = Vec::new();
         for s in batch.seqs.iter().filter(materialize) {
             let n = s.ctx_before + s.q_len;

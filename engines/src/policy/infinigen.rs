@@ -12,7 +12,9 @@
 use super::budget::infinigen_k_max;
 use super::skew::Skewing;
 use super::spec::PolicyEnv;
-use super::{AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch};
+use super::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
 use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
 use crate::attention::prefill::{prefill_attention, PrefillShape};
 use crate::error::{Component, Error, Result};
@@ -219,7 +221,8 @@ impl InfinigenPolicy {
                 "infinigen: dense_layers must be ≥ 1 (layer ℓ is speculated in layer ℓ−1)".into(),
             ));
         }
-        let r = ((params.partial_ratio * cfg.head_dim as f64).floor() as usize).clamp(1, cfg.head_dim);
+        let r =
+            ((params.partial_ratio * cfg.head_dim as f64).floor() as usize).clamp(1, cfg.head_dim);
         let bs = env.block_size;
         let dense_block =
             PagedKv::block_bytes(dense, bs, cfg.num_kv_heads, cfg.head_dim, KvDtype::F32).max(1);
@@ -247,7 +250,14 @@ impl InfinigenPolicy {
             r,
             skew,
             wq: model.layers().iter().map(|l| l.wq.clone()).collect(),
-            dense_kv: PagedKv::new(dense, dense_blocks, bs, cfg.num_kv_heads, cfg.head_dim, KvDtype::F32),
+            dense_kv: PagedKv::new(
+                dense,
+                dense_blocks,
+                bs,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                KvDtype::F32,
+            ),
             dense_pool: BlockPool::new(dense_blocks),
             dense_tables: HashMap::new(),
             host: Box::new(CpuHostTier::new(
@@ -287,7 +297,11 @@ impl InfinigenPolicy {
 
     fn device_used(&self) -> u64 {
         self.dense_pool.num_used() as u64 * self.dense_block_bytes()
-            + self.seqs.values().map(|s| s.fixed_device_bytes).sum::<u64>()
+            + self
+                .seqs
+                .values()
+                .map(|s| s.fixed_device_bytes)
+                .sum::<u64>()
     }
 
     fn k_max(&self, s: &IgSeq, n: usize) -> usize {
@@ -307,7 +321,11 @@ impl InfinigenPolicy {
         let off = (self.num_layers - self.dense) as u64;
         let khat = off * (hkv * n_max * r) as u64 * 4;
         let p = off * (hkv * dh * r) as u64 * 4;
-        let staging = if off == 0 { 0 } else { 2 * 2 * (hkv * cap * dh) as u64 * 4 };
+        let staging = if off == 0 {
+            0
+        } else {
+            2 * 2 * (hkv * cap * dh) as u64 * 4
+        };
         khat + p + staging
     }
 
@@ -345,9 +363,17 @@ impl InfinigenPolicy {
     }
 
     /// Speculative queries `[rows, H, dh]` of layer `target` from this layer's input.
-    fn speculative_q(&self, input: &LayerInput<'_>, rows: &[usize], target: usize) -> Result<Vec<f32>> {
+    fn speculative_q(
+        &self,
+        input: &LayerInput<'_>,
+        rows: &[usize],
+        target: usize,
+    ) -> Result<Vec<f32>> {
         let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
-        let idx = Tensor::new(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), input.x.device())?;
+        let idx = Tensor::new(
+            rows.iter().map(|&r| r as u32).collect::<Vec<_>>(),
+            input.x.device(),
+        )?;
         let x = input.x.index_select(&idx, 0)?;
         let q = self.wq[target].forward(&x)?.reshape((rows.len(), h, dh))?;
         let pos: Vec<u32> = rows.iter().map(|&r| input.positions[r]).collect();
@@ -401,13 +427,19 @@ impl KvPolicy for InfinigenPolicy {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
         let off = self.num_layers - self.dense;
         let n_max = info.prefill_len + info.max_new_tokens;
-        let cap = infinigen_k_max(self.params.budget, info.prompt_len, info.max_new_tokens, n_max, false)
-            .max(if self.params.relative_to_current {
-                infinigen_k_max(self.params.budget, 0, 0, n_max, true)
-            } else {
-                0
-            })
-            .min(n_max);
+        let cap = infinigen_k_max(
+            self.params.budget,
+            info.prompt_len,
+            info.max_new_tokens,
+            n_max,
+            false,
+        )
+        .max(if self.params.relative_to_current {
+            infinigen_k_max(self.params.budget, 0, 0, n_max, true)
+        } else {
+            0
+        })
+        .min(n_max);
         let fixed_device_bytes = self.fixed_bytes(n_max, cap);
         let staging = || Staging {
             layer: None,
@@ -472,7 +504,9 @@ impl KvPolicy for InfinigenPolicy {
         let dense_ok = self.dense == 0
             || total_tokens.div_ceil(self.env.block_size) <= self.dense_pool.num_blocks();
         let host_ok = self.num_layers == self.dense || self.host.fits(total_tokens);
-        dense_ok && host_ok && self.fixed_bytes(total_tokens, total_tokens) <= self.env.kv_device_bytes
+        dense_ok
+            && host_ok
+            && self.fixed_bytes(total_tokens, total_tokens) <= self.env.kv_device_bytes
     }
 
     fn release(&mut self, seq: SeqId) {
@@ -501,11 +535,16 @@ impl KvPolicy for InfinigenPolicy {
         for s in &batch.seqs {
             for i in 0..s.q_len {
                 let row = s.q_start + i;
-                let (k, v) = (&kf[row * stride..(row + 1) * stride], &vf[row * stride..(row + 1) * stride]);
+                let (k, v) = (
+                    &kf[row * stride..(row + 1) * stride],
+                    &vf[row * stride..(row + 1) * stride],
+                );
                 if offloaded {
                     self.host.write(s.id, layer, s.ctx_before + i, k, v);
                 } else {
-                    let slot = self.dense_kv.slot(&self.dense_tables[&s.id], s.ctx_before + i);
+                    let slot = self
+                        .dense_kv
+                        .slot(&self.dense_tables[&s.id], s.ctx_before + i);
                     self.dense_kv.write(layer, slot, k, v);
                 }
             }
@@ -631,7 +670,11 @@ impl KvPolicy for InfinigenPolicy {
                         }
                     })
                     .collect();
-                let shape = DecodeShape { num_heads: h, num_kv_heads: hkv, head_dim: dh };
+                let shape = DecodeShape {
+                    num_heads: h,
+                    num_kv_heads: hkv,
+                    head_dim: dh,
+                };
                 decode_attention(&qf, &rows, &mut out, shape, false);
                 for (s, row) in decode.iter().zip(&rows) {
                     self.attended.push(AttendRecord {
@@ -660,7 +703,11 @@ impl KvPolicy for InfinigenPolicy {
                         },
                     })
                     .collect();
-                let shape = DecodeShape { num_heads: h, num_kv_heads: hkv, head_dim: dh };
+                let shape = DecodeShape {
+                    num_heads: h,
+                    num_kv_heads: hkv,
+                    head_dim: dh,
+                };
                 decode_attention(&qf, &rows, &mut out, shape, false);
                 for s in &decode {
                     self.attended.push(AttendRecord {
@@ -682,7 +729,12 @@ impl KvPolicy for InfinigenPolicy {
                 let q = self.speculative_q(input, &rows, next)?;
                 self.stats.cache_ops_s += t.elapsed().as_secs_f64();
                 for (i, s) in decode.iter().enumerate() {
-                    self.select_and_fetch(s.id, next, &q[i * h * dh..(i + 1) * h * dh], s.ctx_before);
+                    self.select_and_fetch(
+                        s.id,
+                        next,
+                        &q[i * h * dh..(i + 1) * h * dh],
+                        s.ctx_before,
+                    );
                 }
             }
         }
@@ -694,8 +746,10 @@ impl KvPolicy for InfinigenPolicy {
                 }
             }
         }
-        Ok(Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
-            .to_dtype(input.q.dtype())?)
+        Ok(
+            Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
+                .to_dtype(input.q.dtype())?,
+        )
     }
 
     fn memory(&self) -> PolicyMemory {
@@ -710,7 +764,8 @@ impl KvPolicy for InfinigenPolicy {
     }
 
     fn seq_device_bytes(&self, seq: SeqId) -> u64 {
-        let dense = self.dense_tables.get(&seq).map_or(0, |t| t.len() as u64) * self.dense_block_bytes();
+        let dense =
+            self.dense_tables.get(&seq).map_or(0, |t| t.len() as u64) * self.dense_block_bytes();
         dense + self.seqs.get(&seq).map_or(0, |s| s.fixed_device_bytes)
     }
 

@@ -69,7 +69,8 @@ fn parse_bool(s: &str, k: &str, v: &str) -> Result<bool> {
 }
 
 fn parse_usize(s: &str, k: &str, v: &str) -> Result<usize> {
-    v.parse().map_err(|_| bad(s, k, v, "a non-negative integer"))
+    v.parse()
+        .map_err(|_| bad(s, k, v, "a non-negative integer"))
 }
 
 impl PolicySpec {
@@ -258,7 +259,8 @@ impl PolicySpec {
                     attention: env.attention,
                     chunk_size: env.chunk_size,
                 };
-                let num_blocks = (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
+                let num_blocks =
+                    (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
                 Box::new(FullPolicy::new(cfg, opts, num_blocks))
             }
             PolicySpec::H2o(p) => Box::new(H2oPolicy::new(H2o(*p), cfg, env)),
