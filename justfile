@@ -31,5 +31,8 @@ test: (fetch-model "smollm2")
     cargo test --release --workspace
 
 # Decode tokens/s against candle-transformers' quantized llama (criterion; minutes).
-bench *args: (fetch-model "smollm2")
-    cargo bench -p kvbench-engines --bench decode -- "$@"
+bench which="decode" *args: (fetch-model "smollm2")
+    #!/usr/bin/env bash
+    set -euo pipefail
+    shift
+    cargo bench -p kvbench-engines --bench "{{which}}" -- "$@"

@@ -189,13 +189,38 @@ fn the_audit_fails_a_policy_that_keeps_everything() {
 
 /// Drive a policy step by step (sequential prefill, then decode) and return it.
 fn drive(model: &Llama, s: &PolicySpec, seqs: &[(u64, Vec<u32>)], decode_steps: usize) -> Engine {
+    drive_with(model, s, seqs, decode_steps, None)
+}
+
+/// As [`drive`]; with `chunk`, prompts are prefilled `chunk` tokens per step.
+fn drive_with(
+    model: &Llama,
+    s: &PolicySpec,
+    seqs: &[(u64, Vec<u32>)],
+    decode_steps: usize,
+    chunk: Option<usize>,
+) -> Engine {
     let mut c = cfg(s.clone(), AttentionImpl::Flash, PrefillMode::Sequential);
-    c.audit = true;
+    if let Some(n) = chunk {
+        c.scheduler.prefill = PrefillMode::Chunked;
+        c.scheduler.max_batched_tokens = n;
+    }
     let mut e = Engine::new(model.clone(), c).unwrap();
     for (_, p) in seqs {
         e.add_request(Request::greedy(p.clone(), 64)).unwrap();
     }
-    for _ in 0..seqs.len() + decode_steps {
+    // Step until every prompt is prefilled, then the decode steps.
+    let prompt_tokens: usize = seqs.iter().map(|(_, p)| p.len()).sum();
+    while e
+        .traces()
+        .iter()
+        .map(|t| t.num_prefill_tokens)
+        .sum::<usize>()
+        < prompt_tokens
+    {
+        e.step().unwrap();
+    }
+    for _ in 0..decode_steps {
         e.step().unwrap();
     }
     e
@@ -249,9 +274,15 @@ fn h2o_keeps_the_window_and_the_heavy_hitters_of_the_exact_statistics() {
     let budget = 0.3;
     let c = h2o_counts(budget, prompt.len(), 0.5, H2oRatio::Total).unwrap();
     let cols = naive_column_sums(&model, &prompt);
-    for stats in ["exact", "eager"] {
+    // Exact statistics are exact whatever the scheduler's prefill chunks.
+    for (stats, chunk) in [
+        ("exact", None),
+        ("eager", None),
+        ("exact", Some(13)),
+        ("exact", Some(1)),
+    ] {
         let s = spec(&model, "h2o", budget, &[("stats", stats)]);
-        let e = drive(&model, &s, &[(0, prompt.clone())], 0);
+        let e = drive_with(&model, &s, &[(0, prompt.clone())], 0, chunk);
         for (layer, col) in cols.iter().enumerate() {
             for (g, col) in col.iter().enumerate() {
                 let mut kept = e.policy().kept_positions(0, layer, g).unwrap();
@@ -262,7 +293,10 @@ fn h2o_keeps_the_window_and_the_heavy_hitters_of_the_exact_statistics() {
                 let mut want: Vec<u32> = old[..c.heavy].iter().map(|&x| x as u32).collect();
                 want.extend((n - c.recent) as u32..n as u32);
                 want.sort_unstable();
-                assert_eq!(kept, want, "stats {stats}, layer {layer}, head {g}");
+                assert_eq!(
+                    kept, want,
+                    "stats {stats}, chunk {chunk:?}, layer {layer}, head {g}"
+                );
             }
         }
     }
@@ -481,4 +515,27 @@ fn parameters_are_checked_with_errors_that_name_them() {
     assert!(e.to_string().contains("fraction"), "{e}");
     let e = PolicySpec::parse("infinigen", 0.3, &[("alpha".into(), "x".into())]).unwrap_err();
     assert!(e.to_string().contains("alpha=x"), "{e}");
+}
+
+#[test]
+fn prompts_shorter_than_the_budget_evict_only_once_the_context_passes_it() {
+    let model = tiny();
+    let mut seed = 50;
+    let prompt = random_tokens(20, &mut seed);
+    // FlexGen's ratio at 0.8 keeps 2·⌊0.8·20⌋ = 32 tokens: more than the prompt.
+    let s = spec(&model, "h2o", 0.8, &[("ratio", "flexgen_hh")]);
+    let e = drive(&model, &s, &[(0, prompt.clone())], 1);
+    assert_eq!(e.policy().kept_positions(0, 1, 0).unwrap().len(), 21);
+    let e = drive(&model, &s, &[(0, prompt.clone())], 15);
+    let kept = e.policy().kept_positions(0, 1, 0).unwrap();
+    assert_eq!(kept.len(), 32, "35 tokens of context, capacity 32");
+    // StreamingLLM with S + W = S + 1 = 5 and a 3-token prompt.
+    let s = spec(&model, "streaming", 0.01, &[]);
+    let short = random_tokens(3, &mut seed);
+    let e = drive(&model, &s, &[(0, short.clone())], 1);
+    assert_eq!(e.policy().kept_positions(0, 0, 0).unwrap().len(), 4);
+    let e = drive(&model, &s, &[(0, short)], 6);
+    let mut kept = e.policy().kept_positions(0, 0, 0).unwrap();
+    kept.sort_unstable();
+    assert_eq!(kept, vec![0, 1, 2, 3, 8], "four sinks and a window of one");
 }

@@ -310,4 +310,21 @@ impl Rope for Llama {
         let (cos, sin) = self.rope_tables(positions)?;
         self.rope(x, &cos, &sin)
     }
+
+    fn tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        let mut cos = Vec::with_capacity(positions.len() * self.inv_freq.len());
+        let mut sin = Vec::with_capacity(cos.capacity());
+        for &p in positions {
+            for &f in &self.inv_freq {
+                let a = p as f32 * f;
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        (cos, sin)
+    }
+
+    fn interleaved(&self) -> bool {
+        self.cfg.rope_interleaved
+    }
 }

@@ -71,6 +71,8 @@ pub struct EvictingPolicy<E: Eviction> {
     stats: PolicyStats,
     attended: Vec<AttendRecord>,
     scratch_limit: Option<u64>,
+    /// cos, sin and length of the rotation table of cache indices (rolling positions).
+    rope_cache: (Vec<f32>, Vec<f32>, usize),
 }
 
 impl<E: Eviction> EvictingPolicy<E> {
@@ -103,6 +105,7 @@ impl<E: Eviction> EvictingPolicy<E> {
             stats: PolicyStats::default(),
             attended: Vec::new(),
             scratch_limit: None,
+            rope_cache: (Vec::new(), Vec::new(), 0),
         }
     }
 
@@ -127,21 +130,33 @@ impl<E: Eviction> EvictingPolicy<E> {
         }
     }
 
-    /// Keys of `seq` in (layer, head) order of their cache index, rotated to indices
-    /// `0..m` (StreamingLLM's rolling positions); values in the same order.
-    fn rolled(&self, input: &LayerInput<'_>, seq: SeqId, m: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    /// cos/sin of cache indices `0..m` (StreamingLLM's rolling positions), cached.
+    fn rope_rows(&mut self, rope: &dyn super::Rope, m: usize) {
+        if self.rope_cache.2 < m {
+            let idx: Vec<u32> = (0..m.next_power_of_two() as u32).collect();
+            let (c, s) = rope.tables(&idx);
+            self.rope_cache = (c, s, idx.len());
+        }
+    }
+
+    /// Keys of `seq` ordered by position and rotated to their index in the cache
+    /// `0..m` (StreamingLLM's rolling positions), values in the same order, `[m, Hkv, dh]`.
+    fn rolled(
+        &self,
+        layer: usize,
+        seq: SeqId,
+        m: usize,
+        interleaved: bool,
+    ) -> (Vec<f32>, Vec<f32>) {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
+        let half = dh / 2;
         let s = &self.store.seqs[&seq];
-        let (kf, vf) = self
-            .store
-            .kv
-            .f32_views(input.layer)
-            .expect("slot storage is f32");
+        let (kf, vf) = self.store.kv.f32_views(layer).expect("slot storage is f32");
         let bs = self.store.block_size();
         let mut k = vec![0f32; m * hkv * dh];
         let mut v = vec![0f32; m * hkv * dh];
         for g in 0..hkv {
-            let pos = &s.pos[input.layer * hkv + g][..m];
+            let pos = &s.pos[layer * hkv + g][..m];
             let mut order: Vec<usize> = (0..m).collect();
             order.sort_unstable_by_key(|&i| pos[i]);
             for (rank, &slot) in order.iter().enumerate() {
@@ -149,18 +164,16 @@ impl<E: Eviction> EvictingPolicy<E> {
                 let dst = (rank * hkv + g) * dh;
                 k[dst..dst + dh].copy_from_slice(&kf[src..src + dh]);
                 v[dst..dst + dh].copy_from_slice(&vf[src..src + dh]);
+                let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
+                super::rotate_in_place(
+                    &mut k[dst..dst + dh],
+                    &c[rank * half..(rank + 1) * half],
+                    &sn[rank * half..(rank + 1) * half],
+                    interleaved,
+                );
             }
         }
-        let idx: Vec<u32> = (0..m as u32).collect();
-        let kt =
-            Tensor::from_vec(k, (m, hkv, dh), input.k.device())?.to_dtype(input.k_raw.dtype())?;
-        let k = input
-            .rope
-            .rotate(&kt, &idx)?
-            .to_dtype(DType::F32)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        Ok((k, v))
+        (k, v)
     }
 }
 
@@ -291,12 +304,23 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             };
             probs = decode_attention(&qf, &rows, &mut out, shape, self.rule.decode_probs());
         } else if rolling {
-            let qraw = input.q_raw;
+            // Every cached key re-rotated to its index in the cache, the query to the
+            // last index: the original's per-step cost, paid in place in f32.
+            let qraw = to_f32(input.q_raw)?;
+            let interleaved = input.rope.interleaved();
+            let half = dh / 2;
             for s in &decode {
                 let m = self.store.seqs[&s.id].len + 1;
-                let (k, v) = self.rolled(input, s.id, m)?;
-                let qr = qraw.narrow(0, s.q_start, 1)?;
-                let q = to_f32(&input.rope.rotate(&qr, &[(m - 1) as u32])?)?;
+                self.rope_rows(input.rope, m);
+                let (k, v) = self.rolled(layer, s.id, m, interleaved);
+                let mut q = qraw[s.q_start * h * dh..(s.q_start + 1) * h * dh].to_vec();
+                let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
+                super::rotate_in_place(
+                    &mut q,
+                    &c[(m - 1) * half..m * half],
+                    &sn[(m - 1) * half..m * half],
+                    interleaved,
+                );
                 let r = prefill_attention(
                     &q,
                     &k,
@@ -327,7 +351,8 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         for s in &prefill {
             let n = s.ctx_before + s.q_len;
             let (k, v) = if rolling {
-                self.rolled(input, s.id, n)?
+                self.rope_rows(input.rope, n);
+                self.rolled(layer, s.id, n, input.rope.interleaved())
             } else {
                 self.store
                     .kv

@@ -59,6 +59,30 @@ impl StepBatch {
 pub trait Rope {
     /// Rotate `x` (`[T, heads, dh]`, not yet rotated) to `positions` (one per row).
     fn rotate(&self, x: &Tensor, positions: &[u32]) -> Result<Tensor>;
+
+    /// f32 cos and sin of each position's angles (`[T, dh/2]` each), for kernels that
+    /// rotate in place with [`rotate_in_place`].
+    fn tables(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>);
+
+    /// Whether rotated pairs are adjacent (`2i, 2i+1`) rather than halves (`i, i+dh/2`).
+    fn interleaved(&self) -> bool;
+}
+
+/// Rotate `x` (`[heads, dh]` of one row) with one position's `cos`/`sin` (`[dh/2]`).
+pub fn rotate_in_place(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
+    let half = cos.len();
+    for head in x.chunks_exact_mut(2 * half) {
+        for i in 0..half {
+            let (a, b) = if interleaved {
+                (2 * i, 2 * i + 1)
+            } else {
+                (i, i + half)
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * cos[i] - x1 * sin[i];
+            head[b] = x0 * sin[i] + x1 * cos[i];
+        }
+    }
 }
 
 /// What one layer hands its KV policy in one step.
