@@ -458,13 +458,17 @@ fn infinigen_with_full_partial_keys_and_the_true_query_selects_the_exact_top_k()
         let mut want: Vec<u32> = idx[..k_max].iter().map(|&x| x as u32).collect();
         want.sort_unstable();
         let got = e.policy().kept_positions(0, 1, g).unwrap();
-        // Ties within fp noise of the boundary may differ; require near-total overlap.
-        let overlap = got.iter().filter(|p| want.contains(p)).count();
-        assert!(
-            overlap + 1 >= want.len() && got.len() == want.len(),
-            "head {g}: {overlap} of {} ({got:?} vs {want:?})",
-            want.len()
-        );
+        assert_eq!(got.len(), want.len(), "head {g}");
+        // Identical sets, except that a token whose true score is within fp noise
+        // (the skewing is orthogonal to ~1e-6 here) of the k-th may swap with it.
+        let kth = est[idx[k_max - 1]];
+        for p in got.iter().filter(|p| !want.contains(p)) {
+            let d = (est[*p as usize] - kth).abs();
+            assert!(
+                d < 1e-4 * kth.abs().max(1.0),
+                "head {g}: {p} selected, {d} below the k-th"
+            );
+        }
     }
 }
 

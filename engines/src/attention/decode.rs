@@ -19,6 +19,13 @@ pub enum KeySet<'a> {
         len: usize,
         block_size: usize,
     },
+    /// `len` contiguous rows per KV head (`[Hkv, len, dh]`), the row's own token among
+    /// them (keys re-rotated to their cache index, StreamingLLM).
+    Dense {
+        k: &'a [f32],
+        v: &'a [f32],
+        len: usize,
+    },
     /// `len` gathered rows per KV head (`[Hkv, cap, dh]`), then the row's own token
     /// (`own_k`, `own_v`: `[Hkv, dh]`) as key `len`.
     Tile {
@@ -35,7 +42,7 @@ impl KeySet<'_> {
     /// Keys the row attends (per KV head).
     pub fn count(&self) -> usize {
         match *self {
-            KeySet::Paged { len, .. } => len,
+            KeySet::Paged { len, .. } | KeySet::Dense { len, .. } => len,
             KeySet::Tile { len, .. } => len + 1,
         }
     }
@@ -52,6 +59,10 @@ impl KeySet<'_> {
             } => {
                 let blk = table[j / bs] as usize;
                 let base = ((blk * hkv + g) * bs + j % bs) * dh;
+                (&k[base..base + dh], &v[base..base + dh])
+            }
+            KeySet::Dense { k, v, len } => {
+                let base = (g * len + j) * dh;
                 (&k[base..base + dh], &v[base..base + dh])
             }
             KeySet::Tile {
@@ -207,7 +218,9 @@ mod tests {
         let vt = rnd(hkv * cap * dh);
         let own_k = rnd(hkv * dh);
         let own_v = rnd(hkv * dh);
-        let q = rnd(3 * h * dh);
+        let kd = rnd(hkv * 5 * dh);
+        let vd = rnd(hkv * 5 * dh);
+        let q = rnd(4 * h * dh);
         let rows = [
             DecodeRow {
                 row: 0,
@@ -230,8 +243,16 @@ mod tests {
                     own_v: &own_v,
                 },
             },
+            DecodeRow {
+                row: 3,
+                keys: KeySet::Dense {
+                    k: &kd,
+                    v: &vd,
+                    len: 5,
+                },
+            },
         ];
-        let mut out = vec![7f32; 3 * h * dh];
+        let mut out = vec![7f32; 4 * h * dh];
         let shape = DecodeShape {
             num_heads: h,
             num_kv_heads: hkv,

@@ -140,13 +140,15 @@ impl<E: Eviction> EvictingPolicy<E> {
     }
 
     /// Keys of `seq` ordered by position and rotated to their index in the cache
-    /// `0..m` (StreamingLLM's rolling positions), values in the same order, `[m, Hkv, dh]`.
+    /// `0..m` (StreamingLLM's rolling positions), values in the same order:
+    /// `[m, Hkv, dh]`, or `[Hkv, m, dh]` when `head_major` (the decode kernel's layout).
     fn rolled(
         &self,
         layer: usize,
         seq: SeqId,
         m: usize,
         interleaved: bool,
+        head_major: bool,
     ) -> (Vec<f32>, Vec<f32>) {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
         let half = dh / 2;
@@ -161,7 +163,11 @@ impl<E: Eviction> EvictingPolicy<E> {
             order.sort_unstable_by_key(|&i| pos[i]);
             for (rank, &slot) in order.iter().enumerate() {
                 let src = ((s.table[slot / bs] as usize * hkv + g) * bs + slot % bs) * dh;
-                let dst = (rank * hkv + g) * dh;
+                let dst = if head_major {
+                    (g * m + rank) * dh
+                } else {
+                    (rank * hkv + g) * dh
+                };
                 k[dst..dst + dh].copy_from_slice(&kf[src..src + dh]);
                 v[dst..dst + dh].copy_from_slice(&vf[src..src + dh]);
                 let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
@@ -309,33 +315,34 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             let qraw = to_f32(input.q_raw)?;
             let interleaved = input.rope.interleaved();
             let half = dh / 2;
+            let mut qrot = qraw.clone();
+            let mut tiles = Vec::with_capacity(decode.len());
             for s in &decode {
                 let m = self.store.seqs[&s.id].len + 1;
                 self.rope_rows(input.rope, m);
-                let (k, v) = self.rolled(layer, s.id, m, interleaved);
-                let mut q = qraw[s.q_start * h * dh..(s.q_start + 1) * h * dh].to_vec();
+                tiles.push((m, self.rolled(layer, s.id, m, interleaved, true)));
                 let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
                 super::rotate_in_place(
-                    &mut q,
+                    &mut qrot[s.q_start * h * dh..(s.q_start + 1) * h * dh],
                     &c[(m - 1) * half..m * half],
                     &sn[(m - 1) * half..m * half],
                     interleaved,
                 );
-                let r = prefill_attention(
-                    &q,
-                    &k,
-                    &v,
-                    1,
-                    m,
-                    self.shape,
-                    AttentionImpl::Flash,
-                    1,
-                    None,
-                    None,
-                )
-                .map_err(|e| self.oom(e.requested))?;
-                out[s.q_start * h * dh..(s.q_start + 1) * h * dh].copy_from_slice(&r.out);
             }
+            let rows: Vec<DecodeRow<'_>> = decode
+                .iter()
+                .zip(&tiles)
+                .map(|(s, (m, (k, v)))| DecodeRow {
+                    row: s.q_start,
+                    keys: KeySet::Dense { k, v, len: *m },
+                })
+                .collect();
+            let shape = DecodeShape {
+                num_heads: h,
+                num_kv_heads: hkv,
+                head_dim: dh,
+            };
+            decode_attention(&qrot, &rows, &mut out, shape, false);
         }
         for s in &decode {
             self.attended.push(AttendRecord {
@@ -352,7 +359,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             let n = s.ctx_before + s.q_len;
             let (k, v) = if rolling {
                 self.rope_rows(input.rope, n);
-                self.rolled(layer, s.id, n, input.rope.interleaved())
+                self.rolled(layer, s.id, n, input.rope.interleaved(), false)
             } else {
                 self.store
                     .kv
