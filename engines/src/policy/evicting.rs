@@ -13,6 +13,7 @@ use crate::attention::prefill::{prefill_attention, AttentionImpl, ColumnStats, P
 use crate::error::{Component, Error, Result};
 use crate::kv::slots::SlotStore;
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -26,7 +27,7 @@ pub struct Counts {
 }
 
 /// A strategy's eviction rule.
-pub trait Eviction: Send + 'static {
+pub trait Eviction: Send + Sync + 'static {
     fn name(&self) -> &'static str;
     /// `None`: keep everything (budget ≥ 1).
     fn counts(&self, info: &SeqInfo) -> Option<Counts>;
@@ -316,11 +317,20 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             let interleaved = input.rope.interleaved();
             let half = dh / 2;
             let mut qrot = qraw.clone();
-            let mut tiles = Vec::with_capacity(decode.len());
-            for s in &decode {
-                let m = self.store.seqs[&s.id].len + 1;
-                self.rope_rows(input.rope, m);
-                tiles.push((m, self.rolled(layer, s.id, m, interleaved, true)));
+            let lens: Vec<usize> = decode
+                .iter()
+                .map(|s| self.store.seqs[&s.id].len + 1)
+                .collect();
+            self.rope_rows(input.rope, lens.iter().copied().max().unwrap_or(0));
+            // Gathering and rotating is the bulk of the per-step cost: one sequence per
+            // worker.
+            let this = &*self;
+            let tiles: Vec<(usize, (Vec<f32>, Vec<f32>))> = decode
+                .par_iter()
+                .zip(&lens)
+                .map(|(s, &m)| (m, this.rolled(layer, s.id, m, interleaved, true)))
+                .collect();
+            for (s, &m) in decode.iter().zip(&lens) {
                 let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
                 super::rotate_in_place(
                     &mut qrot[s.q_start * h * dh..(s.q_start + 1) * h * dh],
