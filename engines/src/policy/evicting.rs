@@ -325,7 +325,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             // Gathering and rotating is the bulk of the per-step cost: one sequence per
             // worker.
             let this = &*self;
-            let tiles: Vec<(usize, (Vec<f32>, Vec<f32>))> = decode
+            let tiles: Vec<_> = decode
                 .par_iter()
                 .zip(&lens)
                 .map(|(s, &m)| (m, this.rolled(layer, s.id, m, interleaved, true)))
