@@ -91,7 +91,12 @@ pub struct ModelArgs {
     /// Model: a named model (smollm2-135m-instruct), preset:NAME (random weights of an
     /// exact architecture; see `kvbench models`), a .gguf file, a Hugging Face
     /// directory, or hf:ORG/NAME[@REV].
-    #[arg(long, short = 'm', env = "KVBENCH_MODEL")]
+    #[arg(
+        long,
+        short = 'm',
+        env = "KVBENCH_MODEL",
+        default_value = "smollm2-135m-instruct"
+    )]
     pub model: String,
 
     /// How to hold the weights.

@@ -125,6 +125,8 @@ fn bad_input_is_named_with_what_was_expected() {
             &["generate", "-m", "smollm2-135m-instruct", "-p", "x"],
             &["just fetch-model smollm2"],
         ),
+        // The default model is the named SmolLM2: missing here, with the fix named.
+        (&["generate", "-p", "x"], &["just fetch-model smollm2"]),
         (
             &[
                 "generate",
