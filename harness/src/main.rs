@@ -1,7 +1,9 @@
 //! `kvbench`: benchmark and characterization of KV-cache management strategies.
 
+mod experiment;
 mod generate;
 mod models;
+mod run;
 mod setup;
 mod verify;
 
@@ -25,6 +27,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// List the named models and presets with their architecture numbers.
     Models(models::ModelsArgs),
+    /// Check an experiment file and list its cells (`--dry-run`).
+    Run(run::RunArgs),
     /// Check every strategy × attention implementation against full + eager at budget
     /// 1.0, and each strategy's KV bytes against a small budget.
     Verify(verify::VerifyArgs),
@@ -41,5 +45,6 @@ fn main() -> Result<()> {
         Command::Generate(a) => generate::run(a),
         Command::Models(a) => models::run(a),
         Command::Verify(a) => verify::run(a),
+        Command::Run(a) => run::run(a),
     }
 }

@@ -375,3 +375,39 @@ fn generate_with_each_engine_reports_its_budget_and_bytes() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("stats=maybe"), "{}", stderr(&o));
 }
+
+#[test]
+fn the_shipped_experiments_parse_and_list_their_cells() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    for exp in [
+        "experiments/ci/smoke.yaml",
+        "experiments/cpu/batch-scaling.yaml",
+    ] {
+        let o = kvbench(
+            &repo_models(),
+            &[
+                "run",
+                root.join(exp).to_str().unwrap(),
+                "--dry-run",
+                "--json",
+            ],
+        );
+        assert!(o.status.success(), "{exp}: {}", stderr(&o));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let cells = v.as_array().unwrap();
+        assert!(!cells.is_empty(), "{exp}");
+        assert!(cells
+            .iter()
+            .all(|c| c["key"].as_str().unwrap().contains("engine=")));
+    }
+    // Without --dry-run the command says what is missing instead of pretending.
+    let o = kvbench(
+        &repo_models(),
+        &[
+            "run",
+            root.join("experiments/ci/smoke.yaml").to_str().unwrap(),
+        ],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--dry-run"), "{}", stderr(&o));
+}

@@ -1,0 +1,712 @@
+//! Experiment specs: a YAML file names a model, a device, engines with parameters and a
+//! matrix of axes; it expands into cells (one point of the matrix × one repeat). Every
+//! key and value is checked before anything runs, and errors name the file, the line
+//! and the key with what was expected.
+
+use anyhow::{Context, Result};
+use kvbench_datasets::prompts::LengthDist;
+use kvbench_engines::attention::prefill::AttentionImpl;
+use kvbench_engines::device::parse_bytes;
+use kvbench_engines::policy::spec::PolicySpec;
+use kvbench_engines::source::{LoadOptions, ModelSource};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Experiment {
+    pub name: String,
+    /// Model as `kvbench generate --model` takes it.
+    pub model: String,
+    /// Weights: auto, quantized, f32, f16, bf16.
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default = "default_device")]
+    pub device: Device,
+    pub engines: Vec<EngineEntry>,
+    pub matrix: Matrix,
+    pub workload: Workload,
+    #[serde(default)]
+    pub scheduler: Scheduler,
+    /// Runs of every matrix point.
+    #[serde(default = "one")]
+    pub repeats: usize,
+    /// Requests run and discarded before each cell's measured requests.
+    #[serde(default)]
+    pub warmup: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Device {
+    /// cpu, cuda or cuda:N.
+    #[serde(default = "default_device_name")]
+    pub name: String,
+    /// Capacity such as `8GiB` (default: the machine's physical memory on CPU).
+    pub memory: Option<String>,
+    #[serde(default = "default_fraction")]
+    pub memory_fraction: f64,
+    /// Host memory an offloading engine may use.
+    pub host_memory: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineEntry {
+    /// full, h2o, infinigen, streaming.
+    pub name: String,
+    /// Strategy parameters, as `--set KEY=VALUE`.
+    #[serde(default)]
+    pub params: BTreeMap<String, serde_yaml::Value>,
+}
+
+/// A prompt-length axis value: a length, `{uniform: [min, max]}` or `{list: [...]}`.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum PromptLen {
+    Fixed(usize),
+    Uniform { uniform: [usize; 2] },
+    List { list: Vec<usize> },
+}
+
+impl PromptLen {
+    pub fn dist(&self) -> LengthDist {
+        match self {
+            PromptLen::Fixed(n) => LengthDist::Fixed(*n),
+            PromptLen::Uniform { uniform: [a, b] } => LengthDist::Uniform { min: *a, max: *b },
+            PromptLen::List { list } => LengthDist::List(list.clone()),
+        }
+    }
+
+    fn label(&self) -> String {
+        match self {
+            PromptLen::Fixed(n) => n.to_string(),
+            PromptLen::Uniform { uniform: [a, b] } => format!("uniform:{a}-{b}"),
+            PromptLen::List { list } => format!(
+                "list:{}",
+                list.iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ),
+        }
+    }
+}
+
+/// Request rate: requests per second, or `inf` (all at t = 0, the study's offline batch).
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Rate {
+    PerSecond(f64),
+    Named(RateName),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RateName {
+    Inf,
+}
+
+impl Rate {
+    pub fn per_second(&self) -> f64 {
+        match self {
+            Rate::PerSecond(r) => *r,
+            Rate::Named(RateName::Inf) => f64::INFINITY,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Matrix {
+    /// Most sequences decoding together (the scheduler's `max_num_seqs`).
+    #[serde(default = "one_vec")]
+    pub batch: Vec<usize>,
+    pub prompt_len: Vec<PromptLen>,
+    pub output_len: Vec<usize>,
+    /// Fraction of KV pairs kept; `full` runs once at 1.
+    #[serde(default = "budget_one")]
+    pub budget: Vec<f64>,
+    #[serde(default = "flash")]
+    pub attention: Vec<String>,
+    /// Query rows per chunk, for `chunked` attention only.
+    #[serde(default = "chunk")]
+    pub chunk_size: Vec<usize>,
+    #[serde(default = "inf_rate")]
+    pub request_rate: Vec<Rate>,
+    /// Gamma shape of inter-arrival times (1 = Poisson), vLLM's convention.
+    #[serde(default = "burst")]
+    pub burstiness: Vec<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// A UTF-8 text file or a directory of them, prompts are sliced from; absent:
+    /// seeded random token ids (enough for presets, whose weights are random).
+    pub source: Option<PathBuf>,
+    /// Measured requests per cell.
+    pub num_requests: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scheduler {
+    #[serde(default = "batched_tokens")]
+    pub max_batched_tokens: usize,
+    /// chunked or sequential.
+    #[serde(default = "chunked")]
+    pub prefill: String,
+    #[serde(default = "block")]
+    pub block_size: usize,
+    pub max_model_len: Option<usize>,
+}
+
+impl Default for Scheduler {
+    fn default() -> Self {
+        Self {
+            max_batched_tokens: batched_tokens(),
+            prefill: chunked(),
+            block_size: block(),
+            max_model_len: None,
+        }
+    }
+}
+
+fn default_dtype() -> String {
+    "auto".into()
+}
+fn default_device_name() -> String {
+    "cpu".into()
+}
+fn default_device() -> Device {
+    Device {
+        name: default_device_name(),
+        memory: None,
+        memory_fraction: default_fraction(),
+        host_memory: None,
+    }
+}
+fn default_fraction() -> f64 {
+    0.9
+}
+fn one() -> usize {
+    1
+}
+fn one_vec() -> Vec<usize> {
+    vec![1]
+}
+fn budget_one() -> Vec<f64> {
+    vec![1.0]
+}
+fn flash() -> Vec<String> {
+    vec!["flash".into()]
+}
+fn chunk() -> Vec<usize> {
+    vec![512]
+}
+fn inf_rate() -> Vec<Rate> {
+    vec![Rate::Named(RateName::Inf)]
+}
+fn burst() -> Vec<f64> {
+    vec![1.0]
+}
+fn batched_tokens() -> usize {
+    8192
+}
+fn chunked() -> String {
+    "chunked".into()
+}
+fn block() -> usize {
+    16
+}
+
+/// One point of the matrix, one repeat.
+#[derive(Debug, Clone, Serialize)]
+pub struct Cell {
+    pub index: usize,
+    pub engine: String,
+    pub params: BTreeMap<String, String>,
+    pub batch: usize,
+    pub prompt_len: PromptLen,
+    pub output_len: usize,
+    pub budget: f64,
+    pub attention: String,
+    /// `None` unless the attention implementation is `chunked`.
+    pub chunk_size: Option<usize>,
+    pub request_rate: f64,
+    pub burstiness: f64,
+    pub repeat: usize,
+}
+
+impl Cell {
+    /// Stable identity of a cell: a sweep skips cells whose key is already recorded.
+    pub fn key(&self) -> String {
+        let params: Vec<String> = self
+            .params
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        format!(
+            "engine={};params={};batch={};prompt={};output={};budget={};attention={};chunk={};rate={};burstiness={};repeat={}",
+            self.engine,
+            params.join(","),
+            self.batch,
+            self.prompt_len.label(),
+            self.output_len,
+            self.budget,
+            self.attention,
+            self.chunk_size.map_or("-".into(), |c| c.to_string()),
+            self.request_rate,
+            self.burstiness,
+            self.repeat
+        )
+    }
+}
+
+/// A parsed, checked experiment and where it came from.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub exp: Experiment,
+    pub cells: Vec<Cell>,
+    /// The model's context length (prompt + output must fit).
+    pub context: usize,
+}
+
+/// Line (1-based) of the key at `path` (`matrix.budget`) in the YAML text: each segment
+/// is searched as `name:` below the previous one, more indented.
+fn line_of(text: &str, path: &str) -> Option<usize> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut from = 0;
+    let mut indent: Option<usize> = None;
+    let mut found = None;
+    for seg in path.split('.') {
+        let seg = seg.split('[').next().unwrap_or(seg);
+        let hit = (from..lines.len()).find(|&i| {
+            let l = lines[i];
+            let ind = l.len() - l.trim_start().len();
+            let t = l.trim_start().trim_start_matches("- ");
+            indent.is_none_or(|p| ind > p)
+                && (t.starts_with(&format!("{seg}:")) || t.starts_with(&format!("\"{seg}\":")))
+        })?;
+        indent = Some(lines[hit].len() - lines[hit].trim_start().len());
+        from = hit + 1;
+        found = Some(hit + 1);
+    }
+    found
+}
+
+/// Line (1-based) of the `i`-th list item under the top-level key `list`.
+fn item_line(text: &str, list: &str, i: usize) -> Option<usize> {
+    let start = line_of(text, list)?;
+    let lines: Vec<&str> = text.lines().collect();
+    lines
+        .iter()
+        .enumerate()
+        .skip(start)
+        .take_while(|(_, l)| l.trim().is_empty() || l.starts_with(' ') || l.starts_with('-'))
+        .filter(|(_, l)| l.trim_start().starts_with("- "))
+        .nth(i)
+        .map(|(n, _)| n + 1)
+}
+
+fn scalar(v: &serde_yaml::Value) -> Option<String> {
+    match v {
+        serde_yaml::Value::Bool(b) => Some(b.to_string()),
+        serde_yaml::Value::Number(n) => Some(n.to_string()),
+        serde_yaml::Value::String(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+impl Plan {
+    /// Read, parse, check and expand an experiment file.
+    pub fn load(path: &Path, models_dir: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading experiment {}", path.display()))?;
+        Self::parse(&text, path, models_dir)
+    }
+
+    pub fn parse(text: &str, path: &Path, models_dir: &Path) -> Result<Self> {
+        let file = path.display();
+        let exp: Experiment = serde_yaml::from_str(text).map_err(|e| {
+            let at = e
+                .location()
+                .map_or(String::new(), |l| format!(":{}", l.line()));
+            anyhow::anyhow!("{file}{at}: {e}")
+        })?;
+        let err = |key: &str, msg: String| -> anyhow::Error {
+            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
+            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
+        };
+        if exp.name.trim().is_empty()
+            || !exp
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        {
+            return Err(err(
+                "name",
+                format!("`{}`: expected a non-empty name of letters, digits, `-`, `_`, `.` (it names results/<name>/)", exp.name),
+            ));
+        }
+        if !["auto", "quantized", "f32", "f16", "bf16"].contains(&exp.dtype.as_str()) {
+            return Err(err(
+                "dtype",
+                format!(
+                    "`{}`: expected auto, quantized, f32, f16 or bf16",
+                    exp.dtype
+                ),
+            ));
+        }
+        exp.device
+            .name
+            .parse::<kvbench_engines::device::DeviceKind>()
+            .map_err(|e| err("device.name", e.to_string()))?;
+        for (k, v) in [
+            ("device.memory", &exp.device.memory),
+            ("device.host_memory", &exp.device.host_memory),
+        ] {
+            if let Some(v) = v {
+                parse_bytes(v).map_err(|e| err(k, e))?;
+            }
+        }
+        let f = exp.device.memory_fraction;
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(err(
+                "device.memory_fraction",
+                format!("{f}: expected a number in (0, 1]"),
+            ));
+        }
+        if exp.engines.is_empty() {
+            return Err(err("engines", "expected at least one engine".into()));
+        }
+        if exp.repeats == 0 {
+            return Err(err("repeats", "expected at least 1".into()));
+        }
+        if exp.workload.num_requests == 0 {
+            return Err(err("workload.num_requests", "expected at least 1".into()));
+        }
+        if let Some(src) = &exp.workload.source {
+            if !src.exists() {
+                return Err(err(
+                    "workload.source",
+                    format!(
+                        "{} does not exist: expected a UTF-8 text file or a directory of them",
+                        src.display()
+                    ),
+                ));
+            }
+        }
+        let s = &exp.scheduler;
+        if !["chunked", "sequential"].contains(&s.prefill.as_str()) {
+            return Err(err(
+                "scheduler.prefill",
+                format!("`{}`: expected chunked or sequential", s.prefill),
+            ));
+        }
+        if s.max_batched_tokens == 0 || s.block_size == 0 {
+            return Err(err(
+                "scheduler",
+                "max_batched_tokens and block_size must be ≥ 1".into(),
+            ));
+        }
+        let m = &exp.matrix;
+        for (key, empty) in [
+            ("matrix.batch", m.batch.is_empty()),
+            ("matrix.prompt_len", m.prompt_len.is_empty()),
+            ("matrix.output_len", m.output_len.is_empty()),
+            ("matrix.budget", m.budget.is_empty()),
+            ("matrix.attention", m.attention.is_empty()),
+            ("matrix.chunk_size", m.chunk_size.is_empty()),
+            ("matrix.request_rate", m.request_rate.is_empty()),
+            ("matrix.burstiness", m.burstiness.is_empty()),
+        ] {
+            if empty {
+                return Err(err(key, "expected a non-empty list".into()));
+            }
+        }
+        if let Some(b) = m.batch.iter().find(|&&b| b == 0) {
+            return Err(err(
+                "matrix.batch",
+                format!("{b}: expected batch sizes ≥ 1"),
+            ));
+        }
+        if let Some(o) = m.output_len.iter().find(|&&o| o == 0) {
+            return Err(err(
+                "matrix.output_len",
+                format!("{o}: expected output lengths ≥ 1"),
+            ));
+        }
+        if let Some(b) = m.budget.iter().find(|&&b| !(b > 0.0 && b <= 1.0)) {
+            return Err(err(
+                "matrix.budget",
+                format!("{b}: expected a fraction of KV pairs kept, in (0, 1]"),
+            ));
+        }
+        for a in &m.attention {
+            a.parse::<AttentionImpl>()
+                .map_err(|e| err("matrix.attention", e.to_string()))?;
+        }
+        if let Some(c) = m.chunk_size.iter().find(|&&c| c == 0) {
+            return Err(err("matrix.chunk_size", format!("{c}: expected ≥ 1")));
+        }
+        if let Some(r) = m
+            .request_rate
+            .iter()
+            .find(|r| r.per_second().is_nan() || r.per_second() <= 0.0)
+        {
+            return Err(err(
+                "matrix.request_rate",
+                format!("{r:?}: expected requests per second > 0, or inf"),
+            ));
+        }
+        if let Some(b) = m.burstiness.iter().find(|&&b| !(b > 0.0 && b.is_finite())) {
+            return Err(err(
+                "matrix.burstiness",
+                format!("{b}: expected a gamma shape > 0 (1 = Poisson)"),
+            ));
+        }
+        for p in &m.prompt_len {
+            p.dist()
+                .validate()
+                .map_err(|e| err("matrix.prompt_len", e.to_string()))?;
+        }
+        // The model's context, from its config only (no weights are read).
+        let src = ModelSource::parse(&exp.model).map_err(|e| err("model", e.to_string()))?;
+        let opts = LoadOptions {
+            models_dir: models_dir.to_path_buf(),
+            ..Default::default()
+        };
+        let cfg = src.config(&opts).map_err(|e| err("model", e.to_string()))?;
+        let context = s.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        if context > cfg.max_position_embeddings {
+            return Err(err(
+                "scheduler.max_model_len",
+                format!(
+                    "{context}: longer than the model's context of {}",
+                    cfg.max_position_embeddings
+                ),
+            ));
+        }
+        let longest = m
+            .prompt_len
+            .iter()
+            .map(|p| p.dist().max())
+            .max()
+            .unwrap_or(0)
+            + m.output_len.iter().copied().max().unwrap_or(0);
+        if longest > context {
+            return Err(err(
+                "matrix.prompt_len",
+                format!(
+                    "the longest prompt + output is {longest} tokens, longer than the model's context of {context}"
+                ),
+            ));
+        }
+        // Engines and their parameters, at every budget they will run with.
+        let mut engines = Vec::new();
+        for (i, e) in exp.engines.iter().enumerate() {
+            let key = format!("engines[{i}]");
+            let mut params = BTreeMap::new();
+            for (k, v) in &e.params {
+                let v = scalar(v).ok_or_else(|| {
+                    err(
+                        &format!("{key}.params"),
+                        format!("`{k}`: expected a number, a string or a boolean"),
+                    )
+                })?;
+                params.insert(k.clone(), v);
+            }
+            let pairs: Vec<(String, String)> =
+                params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let budgets: Vec<f64> = if e.name == "full" {
+                vec![1.0]
+            } else {
+                m.budget.clone()
+            };
+            for &b in &budgets {
+                PolicySpec::parse(&e.name, b, &pairs).map_err(|x| {
+                    let at =
+                        item_line(text, "engines", i).map_or(String::new(), |l| format!(":{l}"));
+                    anyhow::anyhow!("{file}{at}: `{key}` (`{}`): {x}", e.name)
+                })?;
+            }
+            engines.push((e.name.clone(), params, budgets));
+        }
+
+        let mut cells = Vec::new();
+        for (name, params, budgets) in &engines {
+            for &batch in &m.batch {
+                for prompt_len in &m.prompt_len {
+                    for &output_len in &m.output_len {
+                        for &budget in budgets {
+                            for attention in &m.attention {
+                                let chunks: Vec<Option<usize>> = if attention == "chunked" {
+                                    m.chunk_size.iter().map(|&c| Some(c)).collect()
+                                } else {
+                                    vec![None]
+                                };
+                                for chunk_size in chunks {
+                                    for rate in &m.request_rate {
+                                        for &burstiness in &m.burstiness {
+                                            for repeat in 0..exp.repeats {
+                                                cells.push(Cell {
+                                                    index: cells.len(),
+                                                    engine: name.clone(),
+                                                    params: params.clone(),
+                                                    batch,
+                                                    prompt_len: prompt_len.clone(),
+                                                    output_len,
+                                                    budget,
+                                                    attention: attention.clone(),
+                                                    chunk_size,
+                                                    request_rate: rate.per_second(),
+                                                    burstiness,
+                                                    repeat,
+                                                });
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Plan {
+            exp,
+            cells,
+            context,
+        })
+    }
+}
+
+/// `i/n`: run every n-th cell starting at i (a sweep split over machines).
+pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
+    let (i, n) = s
+        .split_once('/')
+        .and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n.parse::<usize>().ok()?)))
+        .filter(|&(i, n)| n > 0 && i < n)
+        .with_context(|| format!("--shard `{s}`: expected i/n with 0 ≤ i < n"))?;
+    Ok((i, n))
+}
+
+/// The cells of shard `i/n`.
+pub fn shard(cells: &[Cell], shard: Option<(usize, usize)>) -> Vec<&Cell> {
+    match shard {
+        None => cells.iter().collect(),
+        Some((i, n)) => cells.iter().filter(|c| c.index % n == i).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "\
+name: t
+model: preset:tiny
+engines:
+  - name: full
+  - name: h2o
+    params: {stats: exact}
+matrix:
+  batch: [1, 2]
+  prompt_len: [32, {uniform: [16, 64]}]
+  output_len: [8]
+  budget: [0.5, 0.25]
+  attention: [flash, chunked]
+  chunk_size: [16, 32]
+workload:
+  num_requests: 4
+repeats: 2
+";
+
+    fn parse(text: &str) -> Result<Plan> {
+        Plan::parse(text, Path::new("exp.yaml"), Path::new("models"))
+    }
+
+    /// The error message, or "" when the text is valid.
+    fn err(text: &str) -> String {
+        parse(text)
+            .err()
+            .map_or(String::new(), |e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn the_matrix_expands_with_full_once_and_chunk_sizes_only_for_chunked() {
+        let p = parse(GOOD).unwrap();
+        // full: 2 batch × 2 prompt × 1 budget × (flash + 2 chunk sizes) × 2 repeats = 24;
+        // h2o: the same × 2 budgets = 48.
+        assert_eq!(p.cells.len(), 72);
+        assert!(p
+            .cells
+            .iter()
+            .filter(|c| c.engine == "full")
+            .all(|c| c.budget == 1.0));
+        assert!(p
+            .cells
+            .iter()
+            .all(|c| (c.attention == "chunked") == c.chunk_size.is_some()));
+        let keys: std::collections::HashSet<String> = p.cells.iter().map(|c| c.key()).collect();
+        assert_eq!(keys.len(), p.cells.len(), "cell keys are unique");
+        assert_eq!(p.cells[5].index, 5);
+        let s = shard(&p.cells, Some((1, 3)));
+        assert_eq!(s.len(), 24);
+        assert!(s.iter().all(|c| c.index % 3 == 1));
+        let tiny = kvbench_engines::config::preset("tiny").unwrap();
+        assert_eq!(p.context, tiny.max_position_embeddings);
+    }
+
+    #[test]
+    fn bad_values_name_the_file_line_and_key() {
+        let e = err(&GOOD.replace("batch: [1, 2]", "batch: [1, -2]"));
+        assert!(e.starts_with("exp.yaml:8"), "{e}");
+        assert!(e.contains("matrix.batch"), "{e}");
+        let e = err(&GOOD.replace("budget: [0.5, 0.25]", "budget: [0.5, 1.5]"));
+        assert!(e.starts_with("exp.yaml:11: `matrix.budget`: 1.5"), "{e}");
+        let e = err(&GOOD.replace("repeats: 2", "repeats: 2\nrepeat: 3"));
+        assert!(
+            e.contains("unknown field `repeat`") && e.contains("repeats"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("output_len: [8]", "output_len: [100000]"));
+        assert!(
+            e.contains("`matrix.prompt_len`") && e.contains("context"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("stats: exact", "stats: maybe"));
+        assert!(
+            e.starts_with("exp.yaml:5: `engines[1]` (`h2o`)") && e.contains("stats=maybe"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("attention: [flash, chunked]", "attention: [flash, paged]"));
+        assert!(
+            e.contains("`matrix.attention`") && e.contains("paged"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("model: preset:tiny", "model: preset:nope"));
+        assert!(e.contains("exp.yaml:2: `model`"), "{e}");
+        let e = err(&GOOD.replace("name: t", "name: a/b"));
+        assert!(e.contains("`name`"), "{e}");
+        let e = err(&GOOD.replace("- name: full", "- name: lru"));
+        assert!(e.contains("unknown engine `lru`"), "{e}");
+        let e = err(&GOOD.replace(
+            "chunk_size: [16, 32]",
+            "chunk_size: [16, 32]\n  request_rate: [0]",
+        ));
+        assert!(e.contains("`matrix.request_rate`"), "{e}");
+        let e = err(&GOOD.replace(
+            "chunk_size: [16, 32]",
+            "chunk_size: [16, 32]\n  request_rate: [inf, 2.5]",
+        ));
+        assert!(e.is_empty(), "{e}");
+        assert!(parse_shard("3/3").is_err() && parse_shard("0/0").is_err());
+        assert_eq!(parse_shard("2/5").unwrap(), (2, 5));
+    }
+}
