@@ -72,6 +72,9 @@ struct Output {
     activations_peak_bytes: u64,
     device_memory_bytes: Option<u64>,
     threads: usize,
+    /// vLLM-style metrics of the run (TTFT, TPOT, ITL, E2E, throughputs) and the
+    /// walltime breakdown from the step traces.
+    metrics: crate::metrics::CellMetrics,
 }
 
 pub fn run(a: GenerateArgs) -> Result<()> {
@@ -132,6 +135,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         activations_peak_bytes: mem.activations_peak,
         device_memory_bytes: engine.config().device_memory,
         threads: rayon_threads(),
+        metrics: crate::metrics::compute(
+            engine.finished(),
+            engine.traces(),
+            crate::metrics::Slo::default(),
+        ),
     };
     if a.json {
         println!("{}", serde_json::to_string(&out)?);
@@ -176,6 +184,11 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         );
     }
     println!("weights   {}", human(out.weights_bytes));
+    let b = &out.metrics.breakdown;
+    println!(
+        "walltime  prefill {:.3} s, decode {:.3} s, cache ops {:.3} s (transfers {:.3} s), scheduling {:.3} s",
+        b.prefill_s, b.decode_compute_s, b.cache_ops_s, b.transfer_s, b.scheduling_s
+    );
     Ok(())
 }
 

@@ -2,6 +2,7 @@
 
 mod experiment;
 mod generate;
+mod metrics;
 mod models;
 mod run;
 mod setup;
