@@ -1,5 +1,6 @@
 //! `kvbench`: benchmark and characterization of KV-cache management strategies.
 
+mod cell;
 mod experiment;
 mod generate;
 mod metrics;
@@ -30,6 +31,9 @@ enum Command {
     Models(models::ModelsArgs),
     /// Check an experiment file and list its cells (`--dry-run`).
     Run(run::RunArgs),
+    /// Run one cell of an experiment and print its outcome and metrics as one JSON
+    /// object (what the orchestrator runs in a child process per cell).
+    RunCell(cell::RunCellArgs),
     /// Check every strategy × attention implementation against full + eager at budget
     /// 1.0, and each strategy's KV bytes against a small budget.
     Verify(verify::VerifyArgs),
@@ -47,5 +51,6 @@ fn main() -> Result<()> {
         Command::Models(a) => models::run(a),
         Command::Verify(a) => verify::run(a),
         Command::Run(a) => run::run(a),
+        Command::RunCell(a) => cell::run(a),
     }
 }

@@ -411,3 +411,52 @@ fn the_shipped_experiments_parse_and_list_their_cells() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--dry-run"), "{}", stderr(&o));
 }
+
+#[test]
+fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = |memory: &str| {
+        format!(
+            "name: t\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: {memory}\nengines:\n  - name: h2o\nmatrix:\n  batch: [2]\n  prompt_len: [40]\n  output_len: [6]\n  budget: [0.25]\n  request_rate: [50]\nworkload:\n  num_requests: 3\nwarmup: 1\n"
+        )
+    };
+    let ok = dir.path().join("ok.yaml");
+    std::fs::write(&ok, exp("1GiB")).unwrap();
+    let o = kvbench(
+        dir.path(),
+        &["run-cell", ok.to_str().unwrap(), "--cell", "0"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["outcome"], "ok", "{v}");
+    let m = &v["metrics"];
+    // The warm-up request is not measured.
+    assert_eq!(m["num_requests"], 3);
+    assert_eq!(m["output_tokens"], 18);
+    assert_eq!(m["tpot_s"]["n"], 3);
+    assert!(m["ttft_s"]["p99"].as_f64().unwrap() > 0.0);
+    assert!(v["attended_fraction"].as_f64().unwrap() < 0.5, "{v}");
+    assert!(v["key"].as_str().unwrap().contains("engine=h2o"));
+    // A device smaller than the weights: the cell's outcome is oom, still one object.
+    let oom = dir.path().join("oom.yaml");
+    std::fs::write(&oom, exp("1MiB")).unwrap();
+    let o = kvbench(
+        dir.path(),
+        &["run-cell", oom.to_str().unwrap(), "--cell", "0"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["outcome"], "oom", "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("out of memory"),
+        "{v}"
+    );
+    assert!(v["metrics"].is_null());
+    // A cell index past the plan is a named error.
+    let o = kvbench(
+        dir.path(),
+        &["run-cell", ok.to_str().unwrap(), "--cell", "9"],
+    );
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("cells 0..1"), "{}", stderr(&o));
+}
