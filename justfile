@@ -30,6 +30,11 @@ test: (fetch-model "smollm2")
     cargo clippy --all-targets -- -D warnings
     cargo test --release --workspace
 
+# Run an experiment: every cell in its own process, results under results/<name>/
+# (resumable; --shard i/n, --force, --dry-run).
+run-experiment *args: build
+    @./target/release/kvbench run "$@"
+
 # Decode tokens/s against candle-transformers' quantized llama (criterion; minutes).
 bench which="decode" *args: (fetch-model "smollm2")
     #!/usr/bin/env bash

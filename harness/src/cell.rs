@@ -60,6 +60,9 @@ pub struct CellResult {
     pub attended_fraction: Option<f64>,
     /// Seconds the cell took, set-up included.
     pub wall_s: f64,
+    /// Per measured request and per engine step, for the requests and steps tables.
+    pub requests: Vec<kvbench_engines::trace::RequestOutput>,
+    pub steps: Vec<kvbench_engines::trace::StepTrace>,
 }
 
 struct Tok<'a>(&'a TextTokenizer);
@@ -225,6 +228,8 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         d2h_bytes: None,
         attended_fraction: None,
         wall_s: 0.0,
+        requests: Vec::new(),
+        steps: Vec::new(),
     };
     let run = || -> Result<(Engine, usize, usize)> {
         let mut eng = engine(plan, cell, &setup, models_dir)?;
@@ -252,6 +257,8 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
             let att: u64 = steps.iter().filter_map(|t| t.attended_tokens).sum();
             let ctx: u64 = steps.iter().filter_map(|t| t.context_tokens).sum();
             result.attended_fraction = (ctx > 0).then(|| att as f64 / ctx as f64);
+            result.requests = outs.to_vec();
+            result.steps = steps.to_vec();
         }
         Err(err) => {
             let oom = err

@@ -460,3 +460,44 @@ fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("cells 0..1"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_sweep_records_each_cell_once_and_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("e.yaml");
+    std::fs::write(
+        &exp,
+        "name: sweep\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\n  - name: streaming\nmatrix:\n  batch: [1, 2]\n  prompt_len: [24]\n  output_len: [4]\n  budget: [0.5]\nworkload:\n  num_requests: 2\n",
+    )
+    .unwrap();
+    let results = dir.path().join("results");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            exp.to_str().unwrap(),
+            "--results",
+            results.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let o = kvbench(dir.path(), &args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let out = run(&["--shard", "0/2"]);
+    assert!(out.contains("2 cells run, 0 already recorded"), "{out}");
+    let out = run(&[]);
+    assert!(out.contains("2 cells run, 2 already recorded"), "{out}");
+    let cells = results.join("sweep/cells");
+    let files: Vec<_> = std::fs::read_dir(&cells).unwrap().collect();
+    assert_eq!(files.len(), 4);
+    for f in files {
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(f.unwrap().path()).unwrap()).unwrap();
+        assert_eq!(v["outcome"], "ok", "{v}");
+        assert_eq!(v["requests"].as_array().unwrap().len(), 2);
+        assert!(!v["steps"].as_array().unwrap().is_empty());
+    }
+    assert!(results.join("sweep/experiment.yaml").is_file());
+    let out = run(&["--force", "--shard", "1/2"]);
+    assert!(out.contains("2 cells run, 0 already recorded"), "{out}");
+}
