@@ -30,12 +30,11 @@ test: (fetch-model "smollm2")
     cargo clippy --all-targets -- -D warnings
     cargo test --release --workspace
 
-# Run an experiment: every cell in its own process, results under results/<name>/
-# (resumable; --shard i/n, --force, --dry-run).
+# Run an experiment YAML: each cell in its own process, results in results/<name>/ (resumable; --dry-run, --shard i/n, --force).
 run-experiment *args: build
     @./target/release/kvbench run "$@"
 
-# Decode tokens/s against candle-transformers' quantized llama (criterion; minutes).
+# Criterion benches: `just bench` decode vs candle's quantized llama; `just bench policies` one step per strategy.
 bench which="decode" *args: (fetch-model "smollm2")
     #!/usr/bin/env bash
     set -euo pipefail
