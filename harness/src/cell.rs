@@ -60,6 +60,12 @@ pub struct CellResult {
     pub attended_fraction: Option<f64>,
     /// Seconds the cell took, set-up included.
     pub wall_s: f64,
+    /// Most resident memory of this process and most GPU memory in use (NVML) while
+    /// the engine ran; null when not measured.
+    pub process_rss_peak_bytes: Option<u64>,
+    pub gpu_used_peak_bytes: Option<u64>,
+    /// The memory time series (every 100 ms).
+    pub samples: Vec<crate::sampler::Sample>,
     /// Per measured request and per engine step, for the requests and steps tables.
     pub requests: Vec<kvbench_engines::trace::RequestOutput>,
     pub steps: Vec<kvbench_engines::trace::StepTrace>,
@@ -228,9 +234,17 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         d2h_bytes: None,
         attended_fraction: None,
         wall_s: 0.0,
+        process_rss_peak_bytes: None,
+        gpu_used_peak_bytes: None,
+        samples: Vec::new(),
         requests: Vec::new(),
         steps: Vec::new(),
     };
+    let gpu = match setup.device {
+        DeviceKind::Cuda(i) => Some(i as u32),
+        DeviceKind::Cpu => None,
+    };
+    let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
     let run = || -> Result<(Engine, usize, usize)> {
         let mut eng = engine(plan, cell, &setup, models_dir)?;
         let (warm, measured) = requests.split_at(e.warmup);
@@ -246,7 +260,12 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         eng.run()?;
         Ok((eng, skip_out, skip_steps))
     };
-    match run() {
+    let outcome = run();
+    let samples = sampler.finish();
+    result.process_rss_peak_bytes = samples.iter().filter_map(|x| x.process_rss_bytes).max();
+    result.gpu_used_peak_bytes = samples.iter().filter_map(|x| x.gpu_used_bytes).max();
+    result.samples = samples;
+    match outcome {
         Ok((eng, skip_out, skip_steps)) => {
             let outs = &eng.finished()[skip_out..];
             let steps = &eng.traces()[skip_steps..];

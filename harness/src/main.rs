@@ -6,6 +6,7 @@ mod generate;
 mod metrics;
 mod models;
 mod run;
+mod sampler;
 mod setup;
 mod verify;
 
