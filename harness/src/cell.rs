@@ -60,6 +60,8 @@ pub struct CellResult {
     pub attended_fraction: Option<f64>,
     /// Seconds the cell took, set-up included.
     pub wall_s: f64,
+    /// Where it ran.
+    pub env: crate::environment::Environment,
     /// Most resident memory of this process and most GPU memory in use (NVML) while
     /// the engine ran; null when not measured.
     pub process_rss_peak_bytes: Option<u64>,
@@ -223,7 +225,12 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     };
     let setup = load_model(&margs, &e.device.name)?;
     let requests = workload(plan, cell, &setup)?;
+    let gpu = match setup.device {
+        DeviceKind::Cuda(i) => Some(i as u32),
+        DeviceKind::Cpu => None,
+    };
     let mut result = CellResult {
+        env: crate::environment::Environment::collect(&setup.device.to_string(), gpu),
         key: cell.key(),
         cell: cell.clone(),
         outcome: Outcome::Ok,
@@ -239,10 +246,6 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         samples: Vec::new(),
         requests: Vec::new(),
         steps: Vec::new(),
-    };
-    let gpu = match setup.device {
-        DeviceKind::Cuda(i) => Some(i as u32),
-        DeviceKind::Cpu => None,
     };
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
     let run = || -> Result<(Engine, usize, usize)> {

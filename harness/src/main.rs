@@ -1,10 +1,12 @@
 //! `kvbench`: benchmark and characterization of KV-cache management strategies.
 
 mod cell;
+mod environment;
 mod experiment;
 mod generate;
 mod metrics;
 mod models;
+mod recorder;
 mod run;
 mod sampler;
 mod setup;

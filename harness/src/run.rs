@@ -224,6 +224,17 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         skipped,
         dir.display()
     );
+    let exp_dir = a.results.join(&plan.exp.name);
+    let counts = crate::recorder::write_tables(&exp_dir)?;
+    println!(
+        "tables in {}: {}",
+        exp_dir.display(),
+        counts
+            .iter()
+            .map(|(t, n)| format!("{t}.parquet ({n} rows)"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10}",
         "cell",

@@ -490,4 +490,39 @@ fn a_sweep_records_each_cell_once_and_resumes() {
     assert!(results.join("sweep/experiment.yaml").is_file());
     let out = run(&["--force", "--shard", "1/2"]);
     assert!(out.contains("2 cells run, 0 already recorded"), "{out}");
+    // The Parquet tables, rebuilt from the cell files.
+    use polars::prelude::*;
+    let read = |t: &str| {
+        let f = std::fs::File::open(results.join(format!("sweep/{t}.parquet"))).unwrap();
+        ParquetReader::new(f).finish().unwrap()
+    };
+    let runs = read("runs");
+    assert_eq!(runs.height(), 4);
+    for c in [
+        "cell_index",
+        "cell_key",
+        "cell_engine",
+        "cell_budget",
+        "outcome",
+        "metrics_ttft_s_p99",
+        "metrics_decode_throughput",
+        "memory_weights",
+        "env_cpu_cores",
+        "env_kvbench_version",
+        "process_rss_peak_bytes",
+    ] {
+        assert!(
+            runs.column(c).is_ok(),
+            "runs.parquet lacks {c}: {:?}",
+            runs.get_column_names()
+        );
+    }
+    // No GPU here: the GPU peak is null, not zero.
+    assert_eq!(runs.column("gpu_used_peak_bytes").unwrap().null_count(), 4);
+    let requests = read("requests");
+    assert_eq!(requests.height(), 8);
+    let ttft = requests.column("ttft_s").unwrap();
+    assert_eq!(ttft.null_count(), 0);
+    assert!(read("steps").height() >= 8);
+    assert!(read("samples").height() >= 4);
 }

@@ -1,0 +1,61 @@
+//! Where a cell ran: recorded with every result, since a sweep may be split over
+//! machines (`--shard`).
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Environment {
+    pub device: String,
+    /// Name of the GPU and the NVIDIA driver version (NVML), when present.
+    pub gpu_name: Option<String>,
+    pub driver_version: Option<String>,
+    pub cpu_model: Option<String>,
+    pub cpu_cores: usize,
+    pub host_memory_bytes: u64,
+    pub hostname: Option<String>,
+    /// `git rev-parse HEAD` of the working directory, when it is a git checkout.
+    pub git_revision: Option<String>,
+    pub kvbench_version: &'static str,
+    pub timestamp_unix_s: u64,
+}
+
+impl Environment {
+    pub fn collect(device: &str, gpu: Option<u32>) -> Self {
+        use sysinfo::{CpuRefreshKind, RefreshKind, System};
+        let sys =
+            System::new_with_specifics(RefreshKind::nothing().with_cpu(CpuRefreshKind::nothing()));
+        let (gpu_name, driver_version) = match gpu.and_then(|i| {
+            let n = nvml_wrapper::Nvml::init().ok()?;
+            let name = n.device_by_index(i).ok()?.name().ok();
+            Some((name, n.sys_driver_version().ok()))
+        }) {
+            Some((a, b)) => (a, b),
+            None => (None, None),
+        };
+        let git_revision = std::process::Command::new("git")
+            .args(["rev-parse", "HEAD"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| String::from_utf8(o.stdout).ok())
+            .map(|s| s.trim().to_string());
+        Self {
+            device: device.to_string(),
+            gpu_name,
+            driver_version,
+            cpu_model: sys
+                .cpus()
+                .first()
+                .map(|c| c.brand().trim().to_string())
+                .filter(|s| !s.is_empty()),
+            cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            host_memory_bytes: crate::setup::host_memory_bytes(),
+            hostname: System::host_name(),
+            git_revision,
+            kvbench_version: env!("CARGO_PKG_VERSION"),
+            timestamp_unix_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! The recorder: Parquet tables (Polars) built from the per-cell result files of an
+//! experiment, which stay the source of truth (each written atomically when its cell
+//! ends). `runs.parquet` has one row per cell (its parameters, outcome, metrics,
+//! memory and the environment), `requests.parquet` one per measured request,
+//! `steps.parquet` one per engine step and `samples.parquet` the memory time series;
+//! every row carries its cell's index and key. Nested fields are flattened with `_`
+//! (`metrics_ttft_s_p99`); a value never measured is null.
+
+use anyhow::{Context, Result};
+use polars::prelude::{Column, DataFrame, DataType, NamedFrom, ParquetWriter, Series};
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Flatten nested objects into `prefix_key` columns; arrays become JSON strings.
+fn flatten(prefix: &str, v: &Value, out: &mut Map<String, Value>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}_{k}")
+                };
+                flatten(&key, x, out);
+            }
+        }
+        Value::Array(_) => {
+            out.insert(prefix.to_string(), Value::String(v.to_string()));
+        }
+        _ => {
+            out.insert(prefix.to_string(), v.clone());
+        }
+    }
+}
+
+/// A data frame from flat rows: integer columns stay integers, any float makes the
+/// column f64, booleans stay booleans, anything else (or a mix) is a string column.
+pub fn frame(rows: &[Map<String, Value>]) -> Result<DataFrame> {
+    let mut names: Vec<String> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for r in rows {
+        for k in r.keys() {
+            if seen.insert(k.clone()) {
+                names.push(k.clone());
+            }
+        }
+    }
+    let mut cols: Vec<Column> = Vec::with_capacity(names.len());
+    for name in &names {
+        let vals: Vec<Option<&Value>> = rows
+            .iter()
+            .map(|r| r.get(name).filter(|v| !v.is_null()))
+            .collect();
+        let present = || vals.iter().flatten();
+        let all_int = present().all(|v| v.is_i64() || v.is_u64());
+        let all_num = present().all(|v| v.is_number());
+        let all_bool = present().all(|v| v.is_boolean());
+        let s = if present().next().is_none() {
+            Series::full_null(name.as_str().into(), rows.len(), &DataType::Float64)
+        } else if all_int {
+            Series::new(
+                name.as_str().into(),
+                vals.iter()
+                    .map(|v| v.and_then(|v| v.as_i64().or_else(|| v.as_u64().map(|u| u as i64))))
+                    .collect::<Vec<Option<i64>>>(),
+            )
+        } else if all_num {
+            Series::new(
+                name.as_str().into(),
+                vals.iter()
+                    .map(|v| v.and_then(Value::as_f64))
+                    .collect::<Vec<Option<f64>>>(),
+            )
+        } else if all_bool {
+            Series::new(
+                name.as_str().into(),
+                vals.iter()
+                    .map(|v| v.and_then(Value::as_bool))
+                    .collect::<Vec<Option<bool>>>(),
+            )
+        } else {
+            Series::new(
+                name.as_str().into(),
+                vals.iter()
+                    .map(|v| {
+                        v.map(|v| match v {
+                            Value::String(s) => s.clone(),
+                            other => other.to_string(),
+                        })
+                    })
+                    .collect::<Vec<Option<String>>>(),
+            )
+        };
+        cols.push(s.into());
+    }
+    Ok(DataFrame::new(rows.len(), cols)?)
+}
+
+/// Write a data frame as Parquet through a temporary file and a rename.
+pub fn write_parquet(df: &mut DataFrame, path: &Path) -> Result<()> {
+    let tmp = path.with_extension("parquet.tmp");
+    let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    ParquetWriter::new(f)
+        .finish(df)
+        .map_err(anyhow::Error::from)
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", tmp.display()))
+}
+
+#[cfg(test)]
+pub fn read_parquet(path: &Path) -> Result<DataFrame> {
+    use polars::prelude::{ParquetReader, SerReader};
+    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    ParquetReader::new(f)
+        .finish()
+        .map_err(anyhow::Error::from)
+        .with_context(|| format!("reading {}", path.display()))
+}
+
+/// Rows of the four tables from one cell's result.
+fn rows_of(cell: &Value, tables: &mut BTreeMap<&'static str, Vec<Map<String, Value>>>) {
+    let index = cell["cell"]["index"].clone();
+    let key = cell["key"].clone();
+    let tag = |m: &mut Map<String, Value>| {
+        m.insert("cell_index".into(), index.clone());
+        m.insert("cell_key".into(), key.clone());
+    };
+    let mut run = Map::new();
+    tag(&mut run);
+    if let Value::Object(m) = cell {
+        for (k, v) in m {
+            if ["requests", "steps", "samples", "key"].contains(&k.as_str()) {
+                continue;
+            }
+            flatten(k, v, &mut run);
+        }
+    }
+    tables.entry("runs").or_default().push(run);
+    for (table, field) in [
+        ("requests", "requests"),
+        ("steps", "steps"),
+        ("samples", "samples"),
+    ] {
+        for r in cell[field].as_array().into_iter().flatten() {
+            let mut m = Map::new();
+            tag(&mut m);
+            flatten("", r, &mut m);
+            if table == "requests" {
+                add_request_metrics(r, &mut m);
+            }
+            tables.entry(table).or_default().push(m);
+        }
+    }
+}
+
+/// Per-request TTFT, TPOT and E2E next to the raw times (vLLM's definitions).
+fn add_request_metrics(r: &Value, m: &mut Map<String, Value>) {
+    let times: Vec<f64> = r["token_times_s"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default();
+    let (Some(arrival), Some(finish)) = (r["arrival_s"].as_f64(), r["finished_s"].as_f64()) else {
+        return;
+    };
+    let ttft = times.first().map(|t| t - arrival);
+    let e2e = finish - arrival;
+    let tpot = ttft
+        .filter(|_| times.len() > 1)
+        .map(|t| (e2e - t) / (times.len() - 1) as f64);
+    m.insert("output_len".into(), (times.len() as u64).into());
+    m.insert("ttft_s".into(), ttft.map_or(Value::Null, Value::from));
+    m.insert("tpot_s".into(), tpot.map_or(Value::Null, Value::from));
+    m.insert("e2e_s".into(), e2e.into());
+    m.remove("output");
+}
+
+/// The result files of an experiment's directory, in cell order.
+pub fn cell_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Rebuild `runs`, `requests`, `steps` and `samples` Parquet tables of
+/// `results/<name>/` from its `cells/` files. Returns the rows per table.
+pub fn write_tables(exp_dir: &Path) -> Result<BTreeMap<&'static str, usize>> {
+    let mut tables: BTreeMap<&'static str, Vec<Map<String, Value>>> = BTreeMap::new();
+    for f in cell_files(&exp_dir.join("cells"))? {
+        let bytes = std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?;
+        let v: Value = serde_json::from_slice(&bytes)
+            .with_context(|| format!("{}: not a cell result", f.display()))?;
+        rows_of(&v, &mut tables);
+    }
+    let mut counts = BTreeMap::new();
+    for name in ["runs", "requests", "steps", "samples"] {
+        let rows = tables.remove(name).unwrap_or_default();
+        counts.insert(name, rows.len());
+        let mut df = frame(&rows)?;
+        write_parquet(&mut df, &exp_dir.join(format!("{name}.parquet")))?;
+    }
+    Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn flat_rows_keep_types_and_nulls_through_parquet() {
+        let rows: Vec<Map<String, Value>> = [
+            json!({"a": 1, "b": 0.5, "c": "x", "d": true, "m": {"p99": 2.0}, "n": null}),
+            json!({"a": 2, "b": 1, "c": null, "d": false, "m": {"p99": null}, "n": null}),
+        ]
+        .iter()
+        .map(|v| {
+            let mut m = Map::new();
+            flatten("", v, &mut m);
+            m
+        })
+        .collect();
+        let mut df = frame(&rows).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.parquet");
+        write_parquet(&mut df, &p).unwrap();
+        let back = read_parquet(&p).unwrap();
+        assert_eq!(back.shape(), (2, 6));
+        assert_eq!(back.column("a").unwrap().dtype(), &DataType::Int64);
+        assert_eq!(back.column("b").unwrap().dtype(), &DataType::Float64);
+        assert_eq!(back.column("c").unwrap().dtype(), &DataType::String);
+        assert_eq!(back.column("d").unwrap().dtype(), &DataType::Boolean);
+        let p99 = back.column("m_p99").unwrap().f64().unwrap();
+        assert_eq!(p99.get(0), Some(2.0));
+        assert_eq!(p99.get(1), None, "a missing measurement stays null");
+        assert_eq!(back.column("n").unwrap().null_count(), 2);
+        assert!(!dir.path().join("t.parquet.tmp").exists());
+    }
+}
