@@ -6,7 +6,9 @@
 
 use crate::experiment::{Cell, Plan};
 use crate::metrics::{compute, CellMetrics, Slo};
-use crate::setup::{host_memory_bytes, load_model, skewing, DtypeArg, ModelArgs, Setup};
+use crate::setup::{
+    host_memory_bytes, load_model, seeded_ids, skewing, DtypeArg, ModelArgs, Setup,
+};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_datasets::arrivals::Arrivals;
@@ -115,7 +117,7 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
     let e = &plan.exp;
     let n = e.warmup + e.workload.num_requests;
     let lengths = cell.prompt_len.dist().sample(n, e.seed)?;
-    let vocab = setup.loaded.model.cfg.vocab_size as u64;
+    let vocab = setup.loaded.model.cfg.vocab_size;
     let prompts = match &e.workload.source {
         Some(src) => {
             let tokens = corpus_tokens(src, &setup.loaded.tokenizer)?;
@@ -125,16 +127,7 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
             let mut s = e.seed ^ 0x9e37_79b9_7f4a_7c15;
             lengths
                 .iter()
-                .map(|&l| {
-                    (0..l)
-                        .map(|_| {
-                            s ^= s << 13;
-                            s ^= s >> 7;
-                            s ^= s << 17;
-                            (s % vocab) as u32
-                        })
-                        .collect()
-                })
+                .map(|&l| seeded_ids(l, vocab, &mut s))
                 .collect()
         }
     };

@@ -214,14 +214,20 @@ fn calibration_tokens(setup: &Setup, calibration: Option<&std::path::Path>) -> R
         return Ok(ids);
     }
     let mut state = 0x2545_f491_4f6c_dd1du64;
-    Ok((0..n)
+    Ok(seeded_ids(n, cfg.vocab_size, &mut state))
+}
+
+/// `n` token ids from a xorshift stream (`state` carries on between calls): prompts
+/// and calibration text for models whose weights are random.
+pub fn seeded_ids(n: usize, vocab: usize, state: &mut u64) -> Vec<u32> {
+    (0..n)
         .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % cfg.vocab_size as u64) as u32
+            *state ^= *state << 13;
+            *state ^= *state >> 7;
+            *state ^= *state << 17;
+            (*state % vocab as u64) as u32
         })
-        .collect())
+        .collect()
 }
 
 /// The strategy with its budget and parameters; InfiniGen's skewing matrices are

@@ -3,7 +3,7 @@
 //! at a small budget each strategy must hold and attend what its budget allows (the
 //! audit).
 
-use crate::setup::{host_memory_bytes, load_model, skewing, ModelArgs};
+use crate::setup::{host_memory_bytes, load_model, seeded_ids, skewing, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_engines::attention::prefill::AttentionImpl;
@@ -117,16 +117,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         );
     }
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut tokens = |n: usize| -> Vec<u32> {
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state % cfg.vocab_size as u64) as u32
-            })
-            .collect()
-    };
+    let mut tokens = |n: usize| seeded_ids(n, cfg.vocab_size, &mut state);
     let prompts = [tokens(a.prompt_tokens), tokens(a.prompt_tokens * 2 / 3)];
     let skew = skewing(&setup, a.calibration.as_deref(), &a.model.models_dir)?;
     // InfiniGen speculates layer ℓ in ℓ−1: keep at least one offloaded layer.

@@ -5,6 +5,7 @@
 //! Each strategy supplies only its [`Eviction`] rule.
 
 use super::spec::PolicyEnv;
+use super::to_f32;
 use super::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
 };
@@ -12,7 +13,7 @@ use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet}
 use crate::attention::prefill::{prefill_attention, AttentionImpl, ColumnStats, PrefillShape};
 use crate::error::{Component, Error, Result};
 use crate::kv::slots::SlotStore;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::time::Instant;
@@ -182,10 +183,6 @@ impl<E: Eviction> EvictingPolicy<E> {
         }
         (k, v)
     }
-}
-
-fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 impl<E: Eviction> KvPolicy for EvictingPolicy<E> {

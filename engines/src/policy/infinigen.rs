@@ -12,6 +12,7 @@
 use super::budget::infinigen_k_max;
 use super::skew::Skewing;
 use super::spec::PolicyEnv;
+use super::to_f32;
 use super::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
 };
@@ -21,7 +22,7 @@ use crate::error::{Component, Error, Result};
 use crate::kv::host::{CpuHostTier, HostTier};
 use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
 use crate::model::{Linear, Llama};
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -123,10 +124,6 @@ pub struct InfinigenPolicy {
     stats: PolicyStats,
     attended: Vec<AttendRecord>,
     scratch_limit: Option<u64>,
-}
-
-fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 /// Indices of the `k` largest `score`s, ties to the smaller index (algorithms.md §1

@@ -68,6 +68,13 @@ pub trait Rope {
     fn interleaved(&self) -> bool;
 }
 
+/// A tensor's elements as f32 (the CPU kernels' input).
+pub(crate) fn to_f32(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(candle_core::DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?)
+}
+
 /// Rotate `x` (`[heads, dh]` of one row) with one position's `cos`/`sin` (`[dh/2]`).
 pub fn rotate_in_place(x: &mut [f32], cos: &[f32], sin: &[f32], interleaved: bool) {
     let half = cos.len();
