@@ -236,7 +236,7 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             .join(", ")
     );
     println!(
-        "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10}",
+        "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
         "cell",
         "engine",
         "batch",
@@ -245,14 +245,20 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         "result",
         "TTFT s",
         "decode tok/s",
-        "E2E p50 s"
+        "E2E p50 s",
+        "KV dev MiB",
+        "RSS MiB"
     );
     let f = |v: &serde_json::Value| v.as_f64().map_or("-".to_string(), |x| format!("{x:.3}"));
+    let mib = |v: &serde_json::Value| {
+        v.as_f64()
+            .map_or("-".to_string(), |x| format!("{:.1}", x / 1048576.0))
+    };
     for v in &rows {
         let c = &v["cell"];
         let m = &v["metrics"];
         println!(
-            "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10}",
+            "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
             c["index"].to_string(),
             c["engine"].as_str().unwrap_or("?"),
             c["batch"].to_string(),
@@ -262,6 +268,8 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             f(&m["ttft_s"]["mean"]),
             f(&m["decode_throughput"]),
             f(&m["e2e_s"]["p50"]),
+            mib(&v["memory"]["kv_device"]),
+            mib(&v["process_rss_peak_bytes"]),
         );
     }
     Ok(())
