@@ -55,6 +55,28 @@ impl BlockPool {
         Some(out.into_iter().rev().collect())
     }
 
+    /// Grow a block table to `blocks` blocks, all or nothing (`false`: the pool is
+    /// short). A table already that long is left as it is.
+    pub fn grow(&mut self, table: &mut Vec<BlockId>, blocks: usize) -> bool {
+        if blocks <= table.len() {
+            return true;
+        }
+        match self.allocate(blocks - table.len()) {
+            Some(b) => {
+                table.extend(b);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Release every block of a table.
+    pub fn release_all(&mut self, table: impl IntoIterator<Item = BlockId>) {
+        for b in table {
+            self.release(b);
+        }
+    }
+
     /// Share a block (copy-on-write fork).
     pub fn retain(&mut self, b: BlockId) {
         self.ref_counts[b as usize] += 1;

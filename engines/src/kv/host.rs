@@ -92,17 +92,7 @@ impl HostTier for CpuHostTier {
     fn reserve(&mut self, seq: SeqId, tokens: usize) -> bool {
         let bs = self.kv.block_size();
         let t = self.tables.entry(seq).or_default();
-        let need = tokens.div_ceil(bs);
-        if need <= t.len() {
-            return true;
-        }
-        match self.pool.allocate(need - t.len()) {
-            Some(b) => {
-                t.extend(b);
-                true
-            }
-            None => false,
-        }
+        self.pool.grow(t, tokens.div_ceil(bs))
     }
 
     fn fits(&self, tokens: usize) -> bool {
@@ -111,9 +101,7 @@ impl HostTier for CpuHostTier {
 
     fn release(&mut self, seq: SeqId) {
         if let Some(t) = self.tables.remove(&seq) {
-            for b in t {
-                self.pool.release(b);
-            }
+            self.pool.release_all(t);
         }
     }
 

@@ -83,17 +83,7 @@ impl SlotStore {
             score: vec![Vec::new(); layers * hkv],
             ..Default::default()
         });
-        let need = slots.div_ceil(bs);
-        if need <= e.table.len() {
-            return true;
-        }
-        match self.pool.allocate(need - e.table.len()) {
-            Some(b) => {
-                e.table.extend(b);
-                true
-            }
-            None => false,
-        }
+        self.pool.grow(&mut e.table, slots.div_ceil(bs))
     }
 
     /// Return blocks past what `slots` slots need.
@@ -110,9 +100,7 @@ impl SlotStore {
 
     pub fn release(&mut self, seq: SeqId) {
         if let Some(e) = self.seqs.remove(&seq) {
-            for b in e.table {
-                self.pool.release(b);
-            }
+            self.pool.release_all(e.table);
         }
     }
 

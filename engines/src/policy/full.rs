@@ -124,17 +124,7 @@ impl KvPolicy for FullPolicy {
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
         let bs = self.shape.block_size;
         let entry = self.seqs.entry(seq).or_default();
-        let need = total_tokens.div_ceil(bs);
-        if need <= entry.table.len() {
-            return true;
-        }
-        match self.pool.allocate(need - entry.table.len()) {
-            Some(blocks) => {
-                entry.table.extend(blocks);
-                true
-            }
-            None => false,
-        }
+        self.pool.grow(&mut entry.table, total_tokens.div_ceil(bs))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
@@ -143,9 +133,7 @@ impl KvPolicy for FullPolicy {
 
     fn release(&mut self, seq: SeqId) {
         if let Some(s) = self.seqs.remove(&seq) {
-            for b in s.table {
-                self.pool.release(b);
-            }
+            self.pool.release_all(s.table);
         }
     }
 

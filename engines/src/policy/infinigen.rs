@@ -483,12 +483,8 @@ impl KvPolicy for InfinigenPolicy {
         let bs = self.env.block_size;
         if self.dense > 0 {
             let t = self.dense_tables.entry(seq).or_default();
-            let need = total_tokens.div_ceil(bs);
-            if need > t.len() {
-                match self.dense_pool.allocate(need - t.len()) {
-                    Some(b) => t.extend(b),
-                    None => return false,
-                }
+            if !self.dense_pool.grow(t, total_tokens.div_ceil(bs)) {
+                return false;
             }
         }
         if self.device_used() > self.env.kv_device_bytes {
@@ -508,9 +504,7 @@ impl KvPolicy for InfinigenPolicy {
 
     fn release(&mut self, seq: SeqId) {
         if let Some(t) = self.dense_tables.remove(&seq) {
-            for b in t {
-                self.dense_pool.release(b);
-            }
+            self.dense_pool.release_all(t);
         }
         self.host.release(seq);
         self.seqs.remove(&seq);
