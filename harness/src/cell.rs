@@ -3,6 +3,11 @@
 //! warm-up ones, and one JSON object on stdout with the outcome (`ok`, `oom`, `error`)
 //! and the metrics. The orchestrator runs each cell in its own process so that an
 //! out-of-memory error, a panic or a device fault ends the cell, not the sweep.
+//!
+//! With `KVBENCH_PROGRESS=1` in its environment (the orchestrator sets it) the cell
+//! also reports its progress on stderr, at most every 100 ms, as lines
+//! `kvbench-progress tokens=N total=M`: N tokens the engine has computed (prefill and
+//! decode) of the M its requests need (Σ prompt + output − 1, warm-up included).
 
 use crate::experiment::{Cell, Plan};
 use crate::metrics::{compute, CellMetrics, Slo};
@@ -11,19 +16,92 @@ use crate::setup::{
 };
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvbench_datasets::arrivals::Arrivals;
+use kvbench_datasets::arrivals::{Arrivals, ConcurrencyGate};
 use kvbench_datasets::corpus::Corpus;
 use kvbench_datasets::prompts::slice_prompts;
 use kvbench_datasets::Tokenize;
 use kvbench_engines::device::{parse_bytes, DeviceKind};
-use kvbench_engines::engine::{Engine, EngineConfig, Request};
+use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::ledger::MemoryReport;
 use kvbench_engines::policy::spec::PolicySpec;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::tokenizer::TextTokenizer;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// The environment variable that makes `run-cell` report its progress on stderr.
+pub const PROGRESS_ENV: &str = "KVBENCH_PROGRESS";
+/// What a progress line starts with.
+const PROGRESS_PREFIX: &str = "kvbench-progress ";
+/// Least time between two progress lines.
+const PROGRESS_EVERY: Duration = Duration::from_millis(100);
+
+/// One progress line (without the newline).
+pub fn progress_line(tokens: u64, total: u64) -> String {
+    format!("{PROGRESS_PREFIX}tokens={tokens} total={total}")
+}
+
+/// (tokens, total) of a progress line; `None` for any other line.
+pub fn parse_progress(line: &str) -> Option<(u64, u64)> {
+    let rest = line.trim_end().strip_prefix(PROGRESS_PREFIX)?;
+    let (mut tokens, mut total) = (None, None);
+    for field in rest.split_whitespace() {
+        match field.split_once('=')? {
+            ("tokens", v) => tokens = Some(v.parse().ok()?),
+            ("total", v) => total = Some(v.parse().ok()?),
+            _ => return None,
+        }
+    }
+    Some((tokens?, total?))
+}
+
+/// The cell's token progress, reported on stderr when asked (`KVBENCH_PROGRESS=1`).
+struct Progress {
+    enabled: bool,
+    tokens: u64,
+    total: u64,
+    last: Option<Instant>,
+}
+
+impl Progress {
+    fn new(total: u64) -> Self {
+        let enabled = std::env::var(PROGRESS_ENV).is_ok_and(|v| v == "1");
+        let mut p = Self {
+            enabled,
+            tokens: 0,
+            total,
+            last: None,
+        };
+        p.emit(true);
+        p
+    }
+
+    fn emit(&mut self, force: bool) {
+        if !self.enabled || !(force || self.last.is_none_or(|t| t.elapsed() >= PROGRESS_EVERY)) {
+            return;
+        }
+        self.last = Some(Instant::now());
+        use std::io::Write;
+        // A progress line that cannot be written is not worth failing the cell for.
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "{}",
+            progress_line(self.tokens, self.total)
+        );
+    }
+
+    /// Tokens computed by a step (recomputation after a preemption counts too, so the
+    /// count is capped at the total).
+    fn step(&mut self, tokens: usize) {
+        self.tokens = (self.tokens + tokens as u64).min(self.total);
+        self.emit(false);
+    }
+
+    fn finish(&mut self) {
+        self.emit(true);
+    }
+}
 
 #[derive(Debug, Args)]
 pub struct RunCellArgs {
@@ -111,8 +189,10 @@ fn corpus_tokens(src: &Path, tok: &TextTokenizer) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
-/// The cell's requests: `warmup + num_requests` prompts and arrival times, the same
-/// for every engine and repeat of a matrix point (seeded by the experiment's seed).
+/// The cell's requests: `warmup + num_requests` prompts and scheduled arrival times,
+/// the same for every engine and repeat of a matrix point (seeded by the experiment's
+/// seed). Under a concurrency cap a measured request's arrival is when it is sent
+/// ([`drive`]).
 fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
     let e = &plan.exp;
     let n = e.warmup + e.workload.num_requests;
@@ -199,6 +279,56 @@ fn engine(plan: &Plan, cell: &Cell, setup: &Setup, models_dir: &Path) -> Result<
     Ok(Engine::new(setup.loaded.model.clone(), cfg)?)
 }
 
+/// Hand `reqs` to the engine and step it until all have finished, reporting each
+/// step's tokens to `progress`. With a cap, at most `cap` requests are in flight: a
+/// request due while the cap is full is sent when one finishes, and its arrival is the
+/// finish time that freed its slot (the engine's own finish time, so that TTFT and E2E
+/// run from the moment vLLM's client would send it). Without a cap every request goes
+/// to the engine at once with its scheduled arrival, and the engine waits for it.
+fn drive(
+    eng: &mut Engine,
+    reqs: &[Request],
+    cap: Option<usize>,
+    progress: &mut Progress,
+) -> Result<()> {
+    let mut gate = ConcurrencyGate::new(reqs.iter().map(|r| r.arrival_s).collect(), cap)?;
+    let mut seen = eng.finished().len();
+    let sleep_until = |eng: &Engine, t: f64| {
+        let wait = t - eng.now();
+        if wait > 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(wait));
+        }
+    };
+    loop {
+        for out in &eng.finished()[seen..] {
+            gate.release(out.finished_s);
+        }
+        seen = eng.finished().len();
+        for (i, arrival_s) in gate.ready(eng.now()) {
+            eng.add_request(Request {
+                arrival_s,
+                ..reqs[i].clone()
+            })?;
+        }
+        match eng.step()? {
+            StepOutcome::Ran(t) => progress.step(t.num_tokens),
+            StepOutcome::Idle { until_s } => {
+                sleep_until(eng, until_s.min(gate.next_send().unwrap_or(f64::INFINITY)))
+            }
+            StepOutcome::Done => match gate.next_send() {
+                Some(t) => sleep_until(eng, t),
+                None if gate.all_sent() => return Ok(()),
+                None => bail!(
+                    "max concurrency: {} request(s) in flight but none in the engine, {} of {} sent",
+                    gate.in_flight(),
+                    gate.sent(),
+                    reqs.len()
+                ),
+            },
+        }
+    }
+}
+
 /// Run one cell; errors of the run itself become the `oom` or `error` outcome.
 pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResult> {
     let t0 = Instant::now();
@@ -218,6 +348,12 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     };
     let setup = load_model(&margs, &e.device.name)?;
     let requests = workload(plan, cell, &setup)?;
+    let mut progress = Progress::new(
+        requests
+            .iter()
+            .map(|r| (r.prompt.len() + r.max_new_tokens - 1) as u64)
+            .sum(),
+    );
     let gpu = match setup.device {
         DeviceKind::Cuda(i) => Some(i as u32),
         DeviceKind::Cpu => None,
@@ -241,22 +377,18 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         steps: Vec::new(),
     };
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
-    let run = || -> Result<(Engine, usize, usize)> {
+    let mut run = || -> Result<(Engine, usize, usize)> {
         let mut eng = engine(plan, cell, &setup, models_dir)?;
         let (warm, measured) = requests.split_at(e.warmup);
-        for r in warm {
-            eng.add_request(r.clone())?;
-        }
-        eng.run()?;
+        // Warm-up requests all go at once, whatever the cap.
+        drive(&mut eng, warm, None, &mut progress)?;
         let (skip_out, skip_steps) = (eng.finished().len(), eng.traces().len());
         eng.reset_clock();
-        for r in measured {
-            eng.add_request(r.clone())?;
-        }
-        eng.run()?;
+        drive(&mut eng, measured, cell.max_concurrency, &mut progress)?;
         Ok((eng, skip_out, skip_steps))
     };
     let outcome = run();
+    progress.finish();
     let samples = sampler.finish();
     result.process_rss_peak_bytes = samples.iter().filter_map(|x| x.process_rss_bytes).max();
     result.gpu_used_peak_bytes = samples.iter().filter_map(|x| x.gpu_used_bytes).max();

@@ -119,6 +119,31 @@ impl Rate {
     }
 }
 
+/// A max-concurrency axis value: most requests in flight (sent and not finished), or
+/// `inf` (no cap), as vLLM benchmark_serving's `--max-concurrency`.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Concurrency {
+    Requests(f64),
+    Named(RateName),
+}
+
+impl Concurrency {
+    /// The cap (`None`: no cap), or what was wrong with the value.
+    pub fn cap(&self) -> std::result::Result<Option<usize>, String> {
+        match *self {
+            Concurrency::Named(RateName::Inf) => Ok(None),
+            Concurrency::Requests(x) if x == f64::INFINITY => Ok(None),
+            Concurrency::Requests(x) if x >= 1.0 && x.fract() == 0.0 && x <= u32::MAX as f64 => {
+                Ok(Some(x as usize))
+            }
+            Concurrency::Requests(x) => Err(format!(
+                "{x}: expected an integer ≥ 1 (most requests in flight), or inf"
+            )),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Matrix {
@@ -140,6 +165,11 @@ pub struct Matrix {
     /// Gamma shape of inter-arrival times (1 = Poisson), vLLM's convention.
     #[serde(default = "burst")]
     pub burstiness: Vec<f64>,
+    /// Most requests in flight (sent and not finished), or `inf`: vLLM's
+    /// `--max-concurrency`. A request due while the cap is full is sent when one
+    /// finishes, and that is its arrival.
+    #[serde(default = "inf_concurrency")]
+    pub max_concurrency: Vec<Concurrency>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -211,6 +241,9 @@ fn chunk() -> Vec<usize> {
 fn inf_rate() -> Vec<Rate> {
     vec![Rate::Named(RateName::Inf)]
 }
+fn inf_concurrency() -> Vec<Concurrency> {
+    vec![Concurrency::Named(RateName::Inf)]
+}
 fn burst() -> Vec<f64> {
     vec![1.0]
 }
@@ -239,6 +272,8 @@ pub struct Cell {
     pub chunk_size: Option<usize>,
     pub request_rate: f64,
     pub burstiness: f64,
+    /// Most requests in flight; `None`: no cap.
+    pub max_concurrency: Option<usize>,
     pub repeat: usize,
 }
 
@@ -250,8 +285,13 @@ impl Cell {
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        // The cap joins the key only when there is one: keys recorded before the
+        // axis existed stay valid.
+        let cap = self
+            .max_concurrency
+            .map_or(String::new(), |c| format!(";max_concurrency={c}"));
         format!(
-            "engine={};params={};batch={};prompt={};output={};budget={};attention={};chunk={};rate={};burstiness={};repeat={}",
+            "engine={};params={};batch={};prompt={};output={};budget={};attention={};chunk={};rate={};burstiness={}{cap};repeat={}",
             self.engine,
             params.join(","),
             self.batch,
@@ -424,6 +464,7 @@ impl Plan {
             ("matrix.chunk_size", m.chunk_size.is_empty()),
             ("matrix.request_rate", m.request_rate.is_empty()),
             ("matrix.burstiness", m.burstiness.is_empty()),
+            ("matrix.max_concurrency", m.max_concurrency.is_empty()),
         ] {
             if empty {
                 return Err(err(key, "expected a non-empty list".into()));
@@ -470,6 +511,11 @@ impl Plan {
                 format!("{b}: expected a gamma shape > 0 (1 = Poisson)"),
             ));
         }
+        let caps: Vec<Option<usize>> = m
+            .max_concurrency
+            .iter()
+            .map(|c| c.cap().map_err(|e| err("matrix.max_concurrency", e)))
+            .collect::<Result<_>>()?;
         for p in &m.prompt_len {
             p.dist()
                 .validate()
@@ -553,21 +599,24 @@ impl Plan {
                                 for chunk_size in chunks {
                                     for rate in &m.request_rate {
                                         for &burstiness in &m.burstiness {
-                                            for repeat in 0..exp.repeats {
-                                                cells.push(Cell {
-                                                    index: cells.len(),
-                                                    engine: name.clone(),
-                                                    params: params.clone(),
-                                                    batch,
-                                                    prompt_len: prompt_len.clone(),
-                                                    output_len,
-                                                    budget,
-                                                    attention: attention.clone(),
-                                                    chunk_size,
-                                                    request_rate: rate.per_second(),
-                                                    burstiness,
-                                                    repeat,
-                                                });
+                                            for &max_concurrency in &caps {
+                                                for repeat in 0..exp.repeats {
+                                                    cells.push(Cell {
+                                                        index: cells.len(),
+                                                        engine: name.clone(),
+                                                        params: params.clone(),
+                                                        batch,
+                                                        prompt_len: prompt_len.clone(),
+                                                        output_len,
+                                                        budget,
+                                                        attention: attention.clone(),
+                                                        chunk_size,
+                                                        request_rate: rate.per_second(),
+                                                        burstiness,
+                                                        max_concurrency,
+                                                        repeat,
+                                                    });
+                                                }
                                             }
                                         }
                                     }
@@ -708,5 +757,45 @@ repeats: 2
         assert!(e.is_empty(), "{e}");
         assert!(parse_shard("3/3").is_err() && parse_shard("0/0").is_err());
         assert_eq!(parse_shard("2/5").unwrap(), (2, 5));
+    }
+
+    #[test]
+    fn max_concurrency_is_checked_and_joins_the_key_only_when_finite() {
+        let with = |v: &str| {
+            GOOD.replace(
+                "chunk_size: [16, 32]",
+                &format!("chunk_size: [16, 32]\n  max_concurrency: {v}"),
+            )
+        };
+        let e = err(&with("[0]"));
+        assert!(
+            e.starts_with("exp.yaml:14: `matrix.max_concurrency`: 0: expected an integer ≥ 1"),
+            "{e}"
+        );
+        for bad in ["[2.5]", "[-1]", "[]"] {
+            let e = err(&with(bad));
+            assert!(e.contains("`matrix.max_concurrency`"), "{bad}: {e}");
+        }
+        // Without the axis, and with `inf`, cells are uncapped and their keys are the
+        // keys recorded before the axis existed.
+        let plain = parse(GOOD).unwrap();
+        assert!(plain.cells.iter().all(|c| c.max_concurrency.is_none()));
+        assert_eq!(
+            plain.cells[0].key(),
+            "engine=full;params=;batch=1;prompt=32;output=8;budget=1;attention=flash;chunk=-;rate=inf;burstiness=1;repeat=0"
+        );
+        let p = parse(&with("[inf, 2]")).unwrap();
+        assert_eq!(p.cells.len(), 2 * plain.cells.len());
+        assert_eq!(p.cells[0].key(), plain.cells[0].key());
+        // The axis sits between burstiness and repeats: cell 2 is repeat 0 at cap 2.
+        assert_eq!(p.cells[2].max_concurrency, Some(2));
+        assert_eq!(
+            p.cells[2].key(),
+            plain.cells[0]
+                .key()
+                .replace(";repeat=0", ";max_concurrency=2;repeat=0")
+        );
+        let keys: std::collections::HashSet<String> = p.cells.iter().map(|c| c.key()).collect();
+        assert_eq!(keys.len(), p.cells.len());
     }
 }

@@ -4,13 +4,21 @@
 //! written atomically (temporary file, then rename) under `results/<name>/cells/`; a
 //! sweep killed at any moment loses at most the cell in flight, and a re-run skips
 //! cells already recorded under the same key unless `--force`.
+//!
+//! Two progress bars (indicatif, on stderr, hidden when stderr is not a terminal): one
+//! over cells, one over the current cell's tokens, fed by the child's
+//! `kvbench-progress` lines on its stderr. Every other line the child writes there is
+//! printed above the bars and its end kept for the error of a cell whose process dies.
 
+use crate::cell::{parse_progress, PROGRESS_ENV};
 use crate::experiment::{parse_shard, shard, Cell, Plan};
 use anyhow::{Context, Result};
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar, ProgressState, ProgressStyle};
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use xxhash_rust::xxh3::xxh3_64;
 
 #[derive(Debug, Args)]
@@ -67,38 +75,136 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", tmp.display()))
 }
 
+/// Characters of a dead child's stderr kept for its error message.
+const TAIL_CHARS: usize = 2000;
+
+/// Read a child's stderr line by line until it closes: progress lines go to
+/// `on_progress(tokens, total)`, every other line to `on_line`. Returns the end of the
+/// other lines (at most [`TAIL_CHARS`] characters) for the error of a failed cell.
+fn pump_stderr(
+    mut r: impl BufRead,
+    mut on_progress: impl FnMut(u64, u64),
+    mut on_line: impl FnMut(&str),
+) -> String {
+    let mut kept: VecDeque<String> = VecDeque::new();
+    let mut kept_len = 0;
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match r.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let line = String::from_utf8_lossy(&buf);
+        let line = line.trim_end_matches(['\n', '\r']);
+        if let Some((tokens, total)) = parse_progress(line) {
+            on_progress(tokens, total);
+            continue;
+        }
+        on_line(line);
+        kept_len += line.len() + 1;
+        kept.push_back(line.to_string());
+        while kept_len > 4 * TAIL_CHARS && kept.len() > 1 {
+            kept_len -= kept.pop_front().map_or(0, |l| l.len() + 1);
+        }
+    }
+    let all = Vec::from(kept).join("\n");
+    let n = all.chars().count();
+    all.chars().skip(n.saturating_sub(TAIL_CHARS)).collect()
+}
+
+/// The bars of a sweep: cells, and the current cell's tokens.
+struct Bars {
+    multi: MultiProgress,
+    cells: ProgressBar,
+    tokens: ProgressBar,
+}
+
+impl Bars {
+    fn new(cells: usize) -> Self {
+        let multi = MultiProgress::new();
+        let cells = multi.add(ProgressBar::new(cells as u64));
+        cells.set_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} cells {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        let tokens = multi.add(ProgressBar::new(0));
+        tokens.set_style(
+            ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:30}] {pos}/{len} tokens, {tok_per_s} tok/s, eta {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .with_key(
+                "tok_per_s",
+                |s: &ProgressState, w: &mut dyn std::fmt::Write| {
+                    let _ = write!(w, "{:.0}", s.per_sec());
+                },
+            ),
+        );
+        Self {
+            multi,
+            cells,
+            tokens,
+        }
+    }
+
+    /// A line of the child's stderr, above the bars (plainly when they are hidden).
+    fn println(&self, line: &str) {
+        if self.multi.is_hidden() || self.multi.println(line).is_err() {
+            eprintln!("{line}");
+        }
+    }
+}
+
 /// Run one cell in a child process; a child that dies without a result is recorded
 /// as an `error` with the end of its stderr.
-fn run_child(exp: &Path, c: &Cell, models_dir: &Path) -> Result<serde_json::Value> {
+fn run_child(exp: &Path, c: &Cell, models_dir: &Path, bars: &Bars) -> Result<serde_json::Value> {
     let exe = std::env::current_exe().context("locating the kvbench binary")?;
-    let out = Command::new(exe)
+    let mut child = Command::new(exe)
         .arg("run-cell")
         .arg(exp)
         .arg("--cell")
         .arg(c.index.to_string())
         .arg("--models-dir")
         .arg(models_dir)
-        .output()
+        .env(PROGRESS_ENV, "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .context("starting kvbench run-cell")?;
-    if out.status.success() {
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+    // stdout on its own thread, so that neither pipe can fill while the other is read.
+    let mut stdout = child.stdout.take().context("the child's stdout")?;
+    let reader = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        stdout.read_to_end(&mut b).map(|_| b)
+    });
+    let stderr = child.stderr.take().context("the child's stderr")?;
+    bars.tokens.reset();
+    bars.tokens.set_length(0);
+    let tail = pump_stderr(
+        BufReader::new(stderr),
+        |tokens, total| {
+            bars.tokens.set_length(total);
+            bars.tokens.set_position(tokens);
+        },
+        |line| bars.println(line),
+    );
+    let status = child.wait().context("waiting for kvbench run-cell")?;
+    let stdout = reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reading the cell's output panicked"))?
+        .context("reading the cell's output")?;
+    if status.success() {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&stdout) {
             return Ok(v);
         }
     }
-    let err = String::from_utf8_lossy(&out.stderr);
-    let tail: String = err
-        .chars()
-        .rev()
-        .take(2000)
-        .collect::<Vec<_>>()
-        .into_iter()
-        .rev()
-        .collect();
     Ok(serde_json::json!({
         "key": c.key(),
         "cell": c,
         "outcome": "error",
-        "error": format!("the cell's process ended with {}: {}", out.status, tail.trim()),
+        "error": format!("the cell's process ended with {}: {}", status, tail.trim()),
         "metrics": null,
     }))
 }
@@ -136,7 +242,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         e.seed
     );
     println!(
-        "{:>5}  {:<10} {:<22} {:>5} {:>18} {:>6} {:>6} {:<8} {:>5} {:>6} {:>5} {:>3}",
+        "{:>5}  {:<10} {:<22} {:>5} {:>18} {:>6} {:>6} {:<8} {:>5} {:>6} {:>5} {:>5} {:>3}",
         "cell",
         "engine",
         "params",
@@ -148,13 +254,14 @@ pub fn run(a: RunArgs) -> Result<()> {
         "chunk",
         "rate",
         "burst",
+        "conc",
         "rep"
     );
     for c in &cells {
         let params: Vec<String> = c.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let prompt = serde_json::to_string(&c.prompt_len)?;
         println!(
-            "{:>5}  {:<10} {:<22} {:>5} {:>18} {:>6} {:>6} {:<8} {:>5} {:>6} {:>5} {:>3}",
+            "{:>5}  {:<10} {:<22} {:>5} {:>18} {:>6} {:>6} {:<8} {:>5} {:>6} {:>5} {:>5} {:>3}",
             c.index,
             c.engine,
             params.join(","),
@@ -166,6 +273,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             c.chunk_size.map_or("-".into(), |x| x.to_string()),
             c.request_rate,
             c.burstiness,
+            c.max_concurrency.map_or("inf".into(), |x| x.to_string()),
             c.repeat
         );
     }
@@ -188,11 +296,8 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         &a.results.join(&plan.exp.name).join("experiment.yaml"),
         &spec,
     )?;
-    let bar = ProgressBar::new(cells.len() as u64);
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} cells {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
+    let bars = Bars::new(cells.len());
+    let bar = &bars.cells;
     let mut rows = Vec::new();
     let (mut skipped, mut ran) = (0, 0);
     for c in cells {
@@ -210,12 +315,13 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             "cell {} {} b{} budget {}",
             c.index, c.engine, c.batch, c.budget
         ));
-        let v = run_child(&a.experiment, c, &a.models_dir)?;
+        let v = run_child(&a.experiment, c, &a.models_dir, &bars)?;
         write_atomic(&path, serde_json::to_string(&v)?.as_bytes())?;
         ran += 1;
         rows.push(v);
         bar.inc(1);
     }
+    bars.tokens.finish_and_clear();
     bar.finish_and_clear();
     println!(
         "{}: {} cells run, {} already recorded (under {})",
@@ -273,4 +379,67 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cell::progress_line;
+
+    #[test]
+    fn progress_lines_round_trip_and_anything_else_is_not_one() {
+        assert_eq!(parse_progress(&progress_line(12, 340)), Some((12, 340)));
+        assert_eq!(
+            parse_progress("kvbench-progress tokens=0 total=7\r\n"),
+            Some((0, 7))
+        );
+        for other in [
+            "",
+            "kvbench-progress",
+            "kvbench-progress tokens=3",
+            "kvbench-progress tokens=x total=4",
+            "kvbench-progress tokens=-1 total=4",
+            "kvbench-progress tokens=1 total=4 eta=2",
+            " kvbench-progress tokens=1 total=4",
+            "calibrated InfiniGen skewing on 2048 tokens",
+        ] {
+            assert_eq!(parse_progress(other), None, "{other:?}");
+        }
+    }
+
+    #[test]
+    fn the_parent_feeds_progress_to_the_bar_and_keeps_every_other_line() {
+        let mut input = Vec::new();
+        input.extend(b"kvbench-progress tokens=0 total=100\n");
+        input.extend(b"calibrated InfiniGen skewing\n");
+        input.extend(b"kvbench-progress tokens=40 total=100\r\n");
+        input.extend(b"kvbench-progress tokens=oops total=100\n");
+        input.extend(b"bad byte \xff here\n");
+        input.extend(b"kvbench-progress tokens=100 total=100\n");
+        input.extend(b"thread 'main' panicked at the end"); // no final newline
+        let mut progress = Vec::new();
+        let mut lines = Vec::new();
+        let tail = pump_stderr(
+            std::io::Cursor::new(input),
+            |n, m| progress.push((n, m)),
+            |l| lines.push(l.to_string()),
+        );
+        assert_eq!(progress, [(0, 100), (40, 100), (100, 100)]);
+        assert_eq!(
+            lines,
+            [
+                "calibrated InfiniGen skewing",
+                "kvbench-progress tokens=oops total=100",
+                "bad byte \u{fffd} here",
+                "thread 'main' panicked at the end",
+            ]
+        );
+        assert_eq!(tail, lines.join("\n"));
+        // A long stderr keeps its last TAIL_CHARS characters.
+        let long: String = (0..1000).map(|i| format!("line {i}\n")).collect();
+        let tail = pump_stderr(std::io::Cursor::new(long.clone()), |_, _| {}, |_| {});
+        assert_eq!(tail.chars().count(), TAIL_CHARS);
+        assert!(long.trim_end().ends_with(&tail), "{tail}");
+        assert!(tail.ends_with("line 999"));
+    }
 }

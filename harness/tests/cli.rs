@@ -427,6 +427,8 @@ fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     assert!(m["ttft_s"]["p99"].as_f64().unwrap() > 0.0);
     assert!(v["attended_fraction"].as_f64().unwrap() < 0.5, "{v}");
     assert!(v["key"].as_str().unwrap().contains("engine=h2o"));
+    // Run by hand, the cell reports no progress.
+    assert!(!stderr(&o).contains("kvbench-progress"), "{}", stderr(&o));
     // A device smaller than the weights: the cell's outcome is oom, still one object.
     let oom = dir.path().join("oom.yaml");
     std::fs::write(&oom, exp("1MiB")).unwrap();
@@ -525,4 +527,113 @@ fn a_sweep_records_each_cell_once_and_resumes() {
     assert_eq!(ttft.null_count(), 0);
     assert!(read("steps").height() >= 8);
     assert!(read("samples").height() >= 4);
+}
+
+#[test]
+fn a_concurrency_cap_sends_requests_as_others_finish_and_progress_stays_in_the_parent() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("c.yaml");
+    std::fs::write(
+        &exp,
+        "name: capped\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [4]\n  prompt_len: [16]\n  output_len: [4]\n  max_concurrency: [inf, 1]\nworkload:\n  num_requests: 3\nwarmup: 1\n",
+    )
+    .unwrap();
+    let path = exp.to_str().unwrap();
+    // --dry-run shows the cap.
+    let o = kvbench(dir.path(), &["run", path, "--dry-run"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.contains("conc"), "{out}");
+    let rows: Vec<&str> = out.lines().filter(|l| l.contains(" full ")).collect();
+    assert_eq!(rows.len(), 2, "{out}");
+    // The cap is the column before the repeat.
+    let conc = |r: &str| r.split_whitespace().rev().nth(1).unwrap().to_string();
+    assert_eq!(
+        (conc(rows[0]), conc(rows[1])),
+        ("inf".into(), "1".into()),
+        "{out}"
+    );
+    // The child reports progress when asked: 4 requests × (16 + 4 − 1) tokens.
+    let o = Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(["run-cell", path, "--cell", "1"])
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .env("KVBENCH_PROGRESS", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let progress: Vec<String> = stderr(&o)
+        .lines()
+        .filter(|l| l.starts_with("kvbench-progress "))
+        .map(String::from)
+        .collect();
+    assert_eq!(
+        progress.first().map(String::as_str),
+        Some("kvbench-progress tokens=0 total=76")
+    );
+    assert_eq!(
+        progress.last().map(String::as_str),
+        Some("kvbench-progress tokens=76 total=76")
+    );
+    // The sweep: stderr is not a terminal, so no bar and no progress line shows.
+    let results = dir.path().join("results");
+    let o = kvbench(
+        dir.path(),
+        &["run", path, "--results", results.to_str().unwrap()],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        !err.contains("kvbench-progress") && !err.contains("tokens"),
+        "{err}"
+    );
+    let mut cells: Vec<serde_json::Value> = std::fs::read_dir(results.join("capped/cells"))
+        .unwrap()
+        .map(|f| serde_json::from_slice(&std::fs::read(f.unwrap().path()).unwrap()).unwrap())
+        .collect();
+    cells.sort_by_key(|v| v["cell"]["index"].as_u64());
+    assert_eq!(cells.len(), 2);
+    let times = |v: &serde_json::Value| -> Vec<(f64, f64)> {
+        let mut t: Vec<(f64, f64)> = v["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["arrival_s"].as_f64().unwrap(),
+                    r["finished_s"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        t.sort_by(|a, b| a.0.total_cmp(&b.0));
+        t
+    };
+    // Uncapped: all three at t = 0, and the key is the one recorded before the axis.
+    assert_eq!(cells[0]["outcome"], "ok", "{}", cells[0]);
+    assert!(times(&cells[0]).iter().all(|t| t.0 == 0.0));
+    assert!(!cells[0]["key"]
+        .as_str()
+        .unwrap()
+        .contains("max_concurrency"));
+    assert!(cells[0]["cell"]["max_concurrency"].is_null());
+    // One in flight: each request arrives when the previous one finishes, exactly.
+    assert_eq!(cells[1]["outcome"], "ok", "{}", cells[1]);
+    assert!(cells[1]["key"]
+        .as_str()
+        .unwrap()
+        .contains(";max_concurrency=1;"));
+    let t = times(&cells[1]);
+    assert_eq!(t.len(), 3);
+    assert_eq!(t[0].0, 0.0);
+    assert_eq!(t[1].0, t[0].1, "{t:?}");
+    assert_eq!(t[2].0, t[1].1, "{t:?}");
+    // TTFT runs from that arrival: the last request's is not the wait for two others.
+    let ttft = cells[1]["metrics"]["ttft_s"]["p99"].as_f64().unwrap();
+    assert!(ttft < t[2].0, "{ttft} {t:?}");
+    // runs.parquet: the cap, null when uncapped.
+    use polars::prelude::*;
+    let f = std::fs::File::open(results.join("capped/runs.parquet")).unwrap();
+    let runs = ParquetReader::new(f).finish().unwrap();
+    let cap = runs.column("cell_max_concurrency").unwrap();
+    assert_eq!(cap.get(0).unwrap(), AnyValue::Null);
+    assert_eq!(cap.get(1).unwrap(), AnyValue::Int64(1));
 }
