@@ -40,3 +40,11 @@ bench which="decode" *args: (fetch-model "smollm2")
     set -euo pipefail
     shift
     cargo bench -p kvbench-engines --bench "{{which}}" -- "$@"
+
+# Build the CUDA kvbench (sm_90) here, without a GPU: target/cuda/kvbench-cuda.tar.xz (see README, CUDA).
+build-cuda:
+    scripts/build-cuda.sh
+
+# On the GPU machine: run the CUDA kvbench from its archive, e.g. just gpu-run verify --device cuda --model preset:llama-3.1-8b
+gpu-run *args:
+    scripts/gpu-run.sh target/cuda/kvbench-cuda.tar.xz results "$@"

@@ -41,9 +41,31 @@ impl DeviceKind {
                 if !candle_core::utils::cuda_is_available() {
                     return Err(Error::DeviceUnavailable(self.to_string()));
                 }
-                Ok(candle_core::Device::new_cuda(*i)?)
+                // cudarc loads libcuda at first use and panics when it cannot.
+                let i = *i;
+                // Silence the default hook's message for that expected panic.
+                let hook = std::panic::take_hook();
+                std::panic::set_hook(Box::new(|_| {}));
+                let made = std::panic::catch_unwind(|| candle_core::Device::new_cuda(i));
+                std::panic::set_hook(hook);
+                match made {
+                    Ok(d) => Ok(d?),
+                    Err(_) => Err(Error::Config(format!(
+                        "cuda:{i}: the CUDA driver library (libcuda.so.1) could not be \
+                         loaded; is there an NVIDIA driver on this machine?"
+                    ))),
+                }
             }
         }
+    }
+}
+
+/// Total memory of a device in bytes as its driver reports it; `None` on CPU.
+pub fn device_memory(d: &candle_core::Device) -> Result<Option<u64>> {
+    match d {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(c) => Ok(Some(crate::cuda::memory_info(c)?.0)),
+        _ => Ok(None),
     }
 }
 

@@ -420,6 +420,9 @@ impl Engine {
         self.ledger.release(Component::Activations, act);
         let logits = logits.map_err(|e| self.name_oom(e))?;
         self.policy.end_step(&batch)?;
+        // A GPU runs the step asynchronously: wait for it so the forward's time is its
+        // own and not the sampling's (a no-op on the CPU).
+        self.model.device().synchronize()?;
         let forward_s = t1.elapsed().as_secs_f64();
         let stats = self.policy.take_stats();
         // Score matrices count as activations at the step's peak.

@@ -4,6 +4,8 @@
 
 pub mod attention;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device;
 pub mod engine;
 pub mod error;

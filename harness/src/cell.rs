@@ -249,7 +249,10 @@ fn engine(plan: &Plan, cell: &Cell, setup: &Setup, models_dir: &Path) -> Result<
     let capacity = match (&e.device.memory, setup.device) {
         (Some(m), _) => parse_bytes(m).map_err(anyhow::Error::msg)?,
         (None, DeviceKind::Cpu) => host_memory_bytes(),
-        (None, DeviceKind::Cuda(_)) => bail!("device.memory is required on CUDA for now"),
+        (None, DeviceKind::Cuda(_)) => {
+            kvbench_engines::device::device_memory(setup.loaded.model.device())?
+                .context("the CUDA driver reported no memory size")?
+        }
     };
     let host = match &e.device.host_memory {
         Some(m) => parse_bytes(m).map_err(anyhow::Error::msg)?,

@@ -12,7 +12,7 @@
 
 use crate::cell::{parse_progress, PROGRESS_ENV};
 use crate::experiment::{parse_shard, shard, Cell, Plan};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressState, ProgressStyle};
 use std::collections::VecDeque;
@@ -45,6 +45,11 @@ pub struct RunArgs {
     /// Re-run cells already recorded.
     #[arg(long)]
     pub force: bool,
+
+    /// Run nothing: rebuild the Parquet tables from the cells already recorded (after
+    /// a sweep was stopped, or with cells gathered from several machines).
+    #[arg(long, conflicts_with_all = ["dry_run", "force"])]
+    pub tables_only: bool,
 
     /// Where results go: `<results>/<experiment name>/`.
     #[arg(long, env = "KVBENCH_RESULTS", default_value = "results")]
@@ -213,6 +218,16 @@ pub fn run(a: RunArgs) -> Result<()> {
     let plan = Plan::load(&a.experiment, &a.models_dir)?;
     let shard_sel = a.shard.as_deref().map(parse_shard).transpose()?;
     let cells = shard(&plan.cells, shard_sel);
+    if a.tables_only {
+        let exp_dir = a.results.join(&plan.exp.name);
+        if !exp_dir.join("cells").is_dir() {
+            bail!(
+                "{}: no recorded cells to build tables from",
+                exp_dir.join("cells").display()
+            );
+        }
+        return print_tables(&exp_dir);
+    }
     if !a.dry_run {
         return sweep(&a, &plan, &cells);
     }
@@ -331,16 +346,7 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         dir.display()
     );
     let exp_dir = a.results.join(&plan.exp.name);
-    let counts = crate::recorder::write_tables(&exp_dir)?;
-    println!(
-        "tables in {}: {}",
-        exp_dir.display(),
-        counts
-            .iter()
-            .map(|(t, n)| format!("{t}.parquet ({n} rows)"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    print_tables(&exp_dir)?;
     println!(
         "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
         "cell",
@@ -378,6 +384,21 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             mib(&v["process_rss_peak_bytes"]),
         );
     }
+    Ok(())
+}
+
+/// Rebuild the experiment's Parquet tables from its cell files and say what they hold.
+fn print_tables(exp_dir: &Path) -> Result<()> {
+    let counts = crate::recorder::write_tables(exp_dir)?;
+    println!(
+        "tables in {}: {}",
+        exp_dir.display(),
+        counts
+            .iter()
+            .map(|(t, n)| format!("{t}.parquet ({n} rows)"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     Ok(())
 }
 

@@ -316,7 +316,8 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
         (Some(c), _) => c,
         (None, DeviceKind::Cpu) => host_memory_bytes(),
         (None, DeviceKind::Cuda(_)) => {
-            bail!("--device-memory is required on CUDA until the CUDA backend reads it from the driver")
+            kvbench_engines::device::device_memory(setup.loaded.model.device())?
+                .context("the CUDA driver reported no memory size")?
         }
     };
     let cfg = EngineConfig {

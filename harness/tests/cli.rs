@@ -256,8 +256,12 @@ fn verify_tiny_passes_and_reports_every_combination_as_json() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let rows = v["results"].as_array().unwrap();
-    // 6 strategy variants × 3 attention implementations at budget 1, 3 audit rows.
-    assert_eq!(rows.len(), 21);
+    // The reference against cache-free attention, 6 strategy variants × 3 attention
+    // implementations at budget 1, 3 audit rows.
+    assert_eq!(rows.len(), 22);
+    assert_eq!(rows[0]["engine"], "dense-reference");
+    assert!(rows[0]["max_abs_logit_diff"].as_f64().unwrap() < 1e-3);
+    assert_eq!(v["kernels"].as_array().map(Vec::len), Some(0));
     for r in rows {
         for k in [
             "engine",
@@ -273,10 +277,10 @@ fn verify_tiny_passes_and_reports_every_combination_as_json() {
     }
     let audit: Vec<_> = rows.iter().filter(|r| r["budget"] == 0.3).collect();
     assert_eq!(audit.len(), 3);
-    let full = rows[0]["kv_device_bytes"].as_u64().unwrap();
+    let full = rows[1]["kv_device_bytes"].as_u64().unwrap();
     let h2o = audit[0]["kv_device_bytes"].as_u64().unwrap();
     // The 96-token request keeps ⌊0.3·96⌋ = 28 of its 111 tokens.
-    assert_eq!(rows[0]["engine"], "full");
+    assert_eq!(rows[1]["engine"], "full");
     assert!(h2o * 3 < full, "h2o {h2o} vs full {full}");
     // The skewing matrices were calibrated once and cached under the models dir.
     assert!(dir.path().join("skewing").read_dir().unwrap().count() == 1);
@@ -527,6 +531,12 @@ fn a_sweep_records_each_cell_once_and_resumes() {
     assert_eq!(ttft.null_count(), 0);
     assert!(read("steps").height() >= 8);
     assert!(read("samples").height() >= 4);
+    // --tables-only rebuilds lost tables from the cells and runs nothing.
+    std::fs::remove_file(results.join("sweep/runs.parquet")).unwrap();
+    let out = run(&["--tables-only"]);
+    assert!(out.contains("runs.parquet (4 rows)"), "{out}");
+    assert!(!out.contains("cells run"), "{out}");
+    assert_eq!(read("runs").height(), 4);
 }
 
 #[test]

@@ -250,6 +250,9 @@ impl PolicySpec {
     /// Build the policy for `model`.
     pub fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
         let cfg = &model.cfg;
+        if model.device().is_cuda() {
+            return self.build_cuda(model, env);
+        }
         Ok(match self {
             PolicySpec::Full => {
                 let opts = FullOptions {
@@ -267,5 +270,51 @@ impl PolicySpec {
             PolicySpec::Streaming(p) => Box::new(StreamingPolicy::new(Streaming(*p), cfg, env)),
             PolicySpec::Infinigen(p) => Box::new(InfinigenPolicy::new(p.clone(), model, env)?),
         })
+    }
+}
+
+impl PolicySpec {
+    /// The device-resident implementations. Only `full` has CUDA kernels so far; the
+    /// others would run their CPU code over host copies, which is not the paradigm
+    /// they stand for, so they are refused rather than measured.
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        let cfg = &model.cfg;
+        match self {
+            PolicySpec::Full => {
+                let opts = FullOptions {
+                    block_size: env.block_size,
+                    kv_dtype: env.kv_dtype,
+                    shuffle_seed: env.shuffle_seed,
+                    attention: env.attention,
+                    chunk_size: env.chunk_size,
+                };
+                if model.dtype() != candle_core::DType::BF16 {
+                    return Err(Error::Config(format!(
+                        "the CUDA kernels keep K/V in bf16: load the model with bf16 weights \
+                         (got {})",
+                        model.weight_dtype
+                    )));
+                }
+                let num_blocks =
+                    (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
+                Ok(Box::new(crate::cuda::full::CudaFullPolicy::new(
+                    model.device(),
+                    cfg,
+                    opts,
+                    num_blocks,
+                )?))
+            }
+            other => Err(Error::Config(format!(
+                "`{}` has no CUDA implementation yet (only `full` runs on CUDA); run it with \
+                 --device cpu",
+                other.name()
+            ))),
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn build_cuda(&self, _model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Err(Error::DeviceUnavailable(env.device_name))
     }
 }

@@ -1,0 +1,285 @@
+//! `full` on CUDA: the vLLM paradigm with the pool in device memory. The block tables
+//! are kept on the host ([`BlockPool`], as the CPU `full`); K/V live in one bf16 buffer
+//! per layer; decode rows read them through the block tables with the paged decode
+//! kernel, prefill rows with the flash prefill kernel (in place, tensor cores) or, for
+//! `eager`/`chunked`, cuBLAS products over the sequence's keys
+//! ([`super::prefill_attention`]).
+
+use super::{
+    device_of, flash_prefill, kv_gather, kv_write, paged_decode, DecodeShape, DecodeTables,
+    LayerCache,
+};
+use crate::attention::prefill::AttentionImpl;
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv::{BlockId, BlockPool};
+use crate::policy::full::FullOptions;
+use crate::policy::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch,
+};
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use candle_core::cuda_backend::cudarc::driver::CudaEvent;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Tensor};
+use std::collections::HashMap;
+
+/// Keys per partition of the decode kernel: long contexts split over more blocks.
+const PART_SIZE: usize = 512;
+
+#[derive(Debug, Default)]
+struct SeqBlocks {
+    table: Vec<BlockId>,
+    len: usize,
+}
+
+pub struct CudaFullPolicy {
+    dev: CudaDevice,
+    cfg_heads: (usize, usize, usize),
+    layers: Vec<LayerCache>,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, SeqBlocks>,
+    opts: FullOptions,
+    stats: PolicyStats,
+    attended: Vec<AttendRecord>,
+    scratch_limit: Option<u64>,
+    bytes: u64,
+    /// Start and end of each cache write of the current step.
+    cache_events: Vec<(CudaEvent, CudaEvent)>,
+    /// Events whose time could not be read.
+    event_errors: u64,
+    /// The step's decode tables, uploaded at layer 0 and used by every layer.
+    decode_tables: Option<DecodeTables>,
+}
+
+impl CudaFullPolicy {
+    pub fn new(
+        dev: &candle_core::Device,
+        cfg: &ModelConfig,
+        opts: FullOptions,
+        num_blocks: usize,
+    ) -> Result<Self> {
+        let dev = device_of(dev)?;
+        let row = cfg.num_kv_heads * cfg.head_dim;
+        let slots = num_blocks * opts.block_size;
+        let layers = (0..cfg.num_layers)
+            .map(|_| LayerCache::new(&dev, slots, row))
+            .collect::<Result<Vec<_>>>()?;
+        let mut pool = BlockPool::new(num_blocks);
+        if let Some(seed) = opts.shuffle_seed {
+            pool.shuffle_free(seed);
+        }
+        Ok(Self {
+            dev,
+            cfg_heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            bytes: (2 * cfg.num_layers * slots * row * 2) as u64,
+            layers,
+            pool,
+            seqs: HashMap::new(),
+            opts,
+            stats: PolicyStats::default(),
+            attended: Vec::new(),
+            scratch_limit: None,
+            cache_events: Vec::new(),
+            event_errors: 0,
+            decode_tables: None,
+        })
+    }
+
+    fn token_bytes(&self) -> u64 {
+        let (_, kvh, d) = self.cfg_heads;
+        (2 * self.layers.len() * kvh * d * 2) as u64
+    }
+
+    fn table_i32(&self, seq: SeqId) -> Vec<i32> {
+        self.seqs[&seq].table.iter().map(|&b| b as i32).collect()
+    }
+}
+
+impl KvPolicy for CudaFullPolicy {
+    fn name(&self) -> &'static str {
+        "full"
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let bs = self.opts.block_size;
+        let entry = self.seqs.entry(seq).or_default();
+        self.pool.grow(&mut entry.table, total_tokens.div_ceil(bs))
+    }
+
+    fn fits(&self, total_tokens: usize) -> bool {
+        total_tokens.div_ceil(self.opts.block_size) <= self.pool.num_blocks()
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.pool.release_all(s.table);
+        }
+    }
+
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        let (h, kvh, d) = self.cfg_heads;
+        let bs = self.opts.block_size;
+        let layer = input.layer;
+        let q = input.q.to_dtype(DType::BF16)?;
+        let k = input.k.to_dtype(DType::BF16)?;
+        let v = input.v.to_dtype(DType::BF16)?;
+
+        // Cache write, timed with device events (kernels run asynchronously; the
+        // events are read once the step's logits have synchronized the stream).
+        let stream = self.dev.cuda_stream();
+        let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        let mut slots = Vec::with_capacity(batch.num_tokens);
+        for s in &batch.seqs {
+            let table = &self.seqs[&s.id].table;
+            for pos in s.ctx_before..s.ctx_before + s.q_len {
+                slots.push((table[pos / bs] as usize * bs + pos % bs) as i32);
+            }
+        }
+        kv_write(&mut self.layers[layer], &k, &v, &slots)?;
+        let end = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        self.cache_events.push((start, end));
+        if layer + 1 == self.layers.len() {
+            for s in &batch.seqs {
+                if let Some(e) = self.seqs.get_mut(&s.id) {
+                    e.len = s.ctx_before + s.q_len;
+                }
+            }
+        }
+
+        // Decode rows (one new token) together through the paged kernel.
+        let decode: Vec<usize> = (0..batch.seqs.len())
+            .filter(|&i| batch.seqs[i].q_len == 1)
+            .collect();
+        let dec_out = if decode.is_empty() {
+            None
+        } else {
+            let rows: Vec<u32> = decode
+                .iter()
+                .map(|&i| batch.seqs[i].q_start as u32)
+                .collect();
+            let qd = if decode.len() == batch.num_tokens {
+                q.clone()
+            } else {
+                q.index_select(&Tensor::new(rows.as_slice(), q.device())?, 0)?
+            };
+            if layer == 0 || self.decode_tables.is_none() {
+                let tables: Vec<Vec<i32>> = decode
+                    .iter()
+                    .map(|&i| self.table_i32(batch.seqs[i].id))
+                    .collect();
+                let ctx: Vec<usize> = decode
+                    .iter()
+                    .map(|&i| batch.seqs[i].ctx_before + 1)
+                    .collect();
+                self.decode_tables = Some(DecodeTables::new(&self.dev, &tables, &ctx)?);
+            }
+            let tables = self.decode_tables.as_ref().expect("built above");
+            for &i in &decode {
+                let s = batch.seqs[i];
+                self.attended.push(AttendRecord {
+                    seq: s.id,
+                    layer,
+                    attended: s.ctx_before + 1,
+                    context: s.ctx_before + 1,
+                });
+            }
+            let shape = DecodeShape {
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: d,
+                block_size: bs,
+                part_size: PART_SIZE,
+            };
+            Some(paged_decode(&self.layers[layer], &qd, tables, shape)?)
+        };
+        if decode.len() == batch.num_tokens {
+            if let Some(o) = dec_out {
+                return Ok(o.to_dtype(input.q.dtype())?);
+            }
+        }
+
+        // Prefill chunks one sequence at a time; pieces joined in row order.
+        let chunk = match self.opts.attention {
+            AttentionImpl::Eager => usize::MAX,
+            _ => self.opts.chunk_size,
+        };
+        let mut pieces = Vec::with_capacity(batch.seqs.len());
+        let mut next_dec = 0;
+        for s in &batch.seqs {
+            if s.q_len == 1 {
+                let o = dec_out.as_ref().expect("decode rows were computed");
+                pieces.push(o.narrow(0, next_dec, 1)?);
+                next_dec += 1;
+                continue;
+            }
+            let qs = q.narrow(0, s.q_start, s.q_len)?;
+            if self.opts.attention == AttentionImpl::Flash {
+                let table = self.table_i32(s.id);
+                let cache = &self.layers[layer];
+                pieces.push(flash_prefill(cache, &qs, &table, s.ctx_before, kvh, bs)?);
+                continue;
+            }
+            let n = s.ctx_before + s.q_len;
+            let (kk, vv) = if s.ctx_before == 0 {
+                (
+                    k.narrow(0, s.q_start, s.q_len)?,
+                    v.narrow(0, s.q_start, s.q_len)?,
+                )
+            } else {
+                let table = self.table_i32(s.id);
+                kv_gather(&self.dev, &self.layers[layer], &table, n, bs, kvh, d)?
+            };
+            let (o, scratch) =
+                super::prefill_attention(&qs, &kk, &vv, s.ctx_before, chunk, self.scratch_limit)?;
+            self.stats.add_scratch(scratch);
+            pieces.push(o);
+        }
+        Ok(Tensor::cat(&pieces, 0)?.to_dtype(input.q.dtype())?)
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let block = self.bytes / self.pool.num_blocks().max(1) as u64;
+        PolicyMemory {
+            device_reserved: self.bytes,
+            device_used: self.pool.num_used() as u64 * block,
+            host_reserved: 0,
+            host_used: 0,
+        }
+    }
+
+    fn seq_device_bytes(&self, seq: SeqId) -> u64 {
+        self.seqs
+            .get(&seq)
+            .map_or(0, |s| s.len as u64 * self.token_bytes())
+    }
+
+    fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
+        self.decode_tables = None;
+        Ok(())
+    }
+
+    fn take_stats(&mut self) -> PolicyStats {
+        // The step's logits were read back, so its events have completed.
+        for (a, b) in self.cache_events.drain(..) {
+            match a.elapsed_ms(&b) {
+                Ok(ms) => self.stats.cache_ops_s += ms as f64 / 1e3,
+                Err(_) => self.event_errors += 1,
+            }
+        }
+        std::mem::take(&mut self.stats)
+    }
+
+    fn take_attended(&mut self) -> Vec<AttendRecord> {
+        std::mem::take(&mut self.attended)
+    }
+
+    fn set_scratch_limit(&mut self, limit: Option<u64>) {
+        self.scratch_limit = limit;
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.pool
+            .check_invariants(self.seqs.values().map(|s| s.table.as_slice()))
+    }
+}

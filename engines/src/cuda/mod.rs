@@ -1,0 +1,483 @@
+//! CUDA kernels of kvbench (behind the `cuda` feature): paged K/V writes and gathers,
+//! and paged decode attention reading K/V through block tables. `kernels.cu` is
+//! compiled to PTX at build time (engines/build.rs) and loaded through candle's device.
+//! [`check`] compares every kernel with the CPU reference on random inputs.
+
+pub mod check;
+pub mod full;
+
+use crate::error::{Error, Result};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Layout, Shape, Storage, Tensor};
+use half::bf16;
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+const MODULE: &str = "kvbench";
+/// Threads per block of the decode partition kernel (four warps).
+const DECODE_THREADS: u32 = 128;
+
+/// The CUDA device behind a candle device, or a named error.
+pub fn device_of(d: &candle_core::Device) -> Result<CudaDevice> {
+    match d {
+        candle_core::Device::Cuda(c) => Ok(c.clone()),
+        other => Err(Error::Config(format!(
+            "a CUDA kernel was called with a tensor on {other:?}"
+        ))),
+    }
+}
+
+/// Total and free bytes of the device's memory, from the driver.
+pub fn memory_info(dev: &CudaDevice) -> Result<(u64, u64)> {
+    let (free, total) = dev.cuda_stream().context().mem_get_info().w()?;
+    Ok((total as u64, free as u64))
+}
+
+/// Wait for all work queued on the device (phase boundaries of timed regions).
+pub fn synchronize(dev: &CudaDevice) -> Result<()> {
+    dev.cuda_stream().synchronize().w()?;
+    Ok(())
+}
+
+/// A bf16 view of a contiguous CUDA tensor's elements.
+fn view<'a>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, bf16>> {
+    let Storage::Cuda(c) = s else {
+        return Err(Error::Config(format!("{what}: expected a CUDA tensor")));
+    };
+    if !l.is_contiguous() {
+        return Err(Error::Config(format!(
+            "{what}: expected a contiguous tensor"
+        )));
+    }
+    let start = l.start_offset();
+    Ok(c.as_cuda_slice::<bf16>()?
+        .slice(start..start + l.shape().elem_count()))
+}
+
+fn check_bf16(t: &Tensor, what: &str) -> Result<()> {
+    if t.dtype() != DType::BF16 {
+        return Err(Error::Config(format!(
+            "{what}: the CUDA kernels take bf16, got {:?}",
+            t.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// A tensor owning a device buffer.
+pub fn tensor_from<S: Into<Shape>>(dev: &CudaDevice, s: CudaSlice<bf16>, shape: S) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
+
+fn upload_i32(dev: &CudaDevice, v: &[i32]) -> Result<CudaSlice<i32>> {
+    Ok(dev.cuda_stream().clone_htod(v).w()?)
+}
+
+fn as_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x)
+        .map_err(|_| Error::Config(format!("{what} = {x} exceeds the kernels' i32 range")))
+}
+
+/// K and V of one layer in a paged pool: `[num_slots, KVH, D]` bf16 each.
+pub struct LayerCache {
+    pub k: CudaSlice<bf16>,
+    pub v: CudaSlice<bf16>,
+}
+
+impl LayerCache {
+    pub fn new(dev: &CudaDevice, slots: usize, row_elems: usize) -> Result<Self> {
+        Ok(Self {
+            k: dev.alloc_zeros::<bf16>(slots * row_elems)?,
+            v: dev.alloc_zeros::<bf16>(slots * row_elems)?,
+        })
+    }
+}
+
+/// Write rows `k`, `v` (`[T, KVH, D]` bf16) to `slots` (one per row) of `cache`.
+pub fn kv_write(cache: &mut LayerCache, k: &Tensor, v: &Tensor, slots: &[i32]) -> Result<()> {
+    check_bf16(k, "kv_write k")?;
+    let dev = device_of(k.device())?;
+    let t = k.dim(0)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let row_elems = k.elem_count() / t;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let kv = view(&ks, kl, "kv_write k")?;
+    let vv = view(&vs, vl, "kv_write v")?;
+    let slots_d = upload_i32(&dev, slots)?;
+    let re = as_i32(row_elems, "KV row elements")?;
+    let f = dev.get_or_load_custom_func("kv_write_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&kv)
+        .arg(&vv)
+        .arg(&mut cache.k)
+        .arg(&mut cache.v)
+        .arg(&slots_d)
+        .arg(&re);
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, 1, 1),
+        block_dim: (row_elems.min(1024) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// The first `n` tokens of a sequence (block `table`) as contiguous `[n, KVH, D]` K and V.
+pub fn kv_gather(
+    dev: &CudaDevice,
+    cache: &LayerCache,
+    table: &[i32],
+    n: usize,
+    block_size: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<(Tensor, Tensor)> {
+    let row_elems = kv_heads * head_dim;
+    let mut k = dev.alloc_zeros::<bf16>(n * row_elems)?;
+    let mut v = dev.alloc_zeros::<bf16>(n * row_elems)?;
+    if n > 0 {
+        let table_d = upload_i32(dev, table)?;
+        let (bs, re) = (
+            as_i32(block_size, "block size")?,
+            as_i32(row_elems, "KV row")?,
+        );
+        let f = dev.get_or_load_custom_func("kv_gather_bf16", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&cache.k)
+            .arg(&cache.v)
+            .arg(&mut k)
+            .arg(&mut v)
+            .arg(&table_d)
+            .arg(&bs)
+            .arg(&re);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (row_elems.min(1024) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok((
+        tensor_from(dev, k, (n, kv_heads, head_dim)),
+        tensor_from(dev, v, (n, kv_heads, head_dim)),
+    ))
+}
+
+/// Shape of a paged decode launch.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    /// Keys per partition (flash-decoding split).
+    pub part_size: usize,
+}
+
+/// Block tables and context lengths of a step's decode rows, on the device: built once
+/// per step and used by every layer.
+pub struct DecodeTables {
+    tables: CudaSlice<i32>,
+    ctx: CudaSlice<i32>,
+    rows: usize,
+    max_blocks: usize,
+    max_ctx: usize,
+}
+
+impl DecodeTables {
+    /// Row `r` attends the first `ctx[r]` tokens of the sequence with block `tables[r]`.
+    pub fn new(dev: &CudaDevice, tables: &[Vec<i32>], ctx: &[usize]) -> Result<Self> {
+        let rows = tables.len();
+        let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut flat = vec![0i32; rows.max(1) * max_blocks];
+        for (r, t) in tables.iter().enumerate() {
+            flat[r * max_blocks..r * max_blocks + t.len()].copy_from_slice(t);
+        }
+        let mut ctx_i: Vec<i32> = ctx
+            .iter()
+            .map(|&c| as_i32(c, "context length"))
+            .collect::<Result<_>>()?;
+        ctx_i.resize(rows.max(1), 0);
+        Ok(Self {
+            tables: upload_i32(dev, &flat)?,
+            ctx: upload_i32(dev, &ctx_i)?,
+            rows,
+            max_blocks,
+            max_ctx: ctx.iter().copied().max().unwrap_or(0),
+        })
+    }
+}
+
+/// Paged decode attention: row `r` of `q` (`[R, H, D]` bf16) attends the first
+/// `ctx[r]` tokens of its sequence through its block table, reading K/V in place.
+/// Returns `[R, H, D]` bf16.
+pub fn paged_decode(
+    cache: &LayerCache,
+    q: &Tensor,
+    t: &DecodeTables,
+    s: DecodeShape,
+) -> Result<Tensor> {
+    check_bf16(q, "paged_decode q")?;
+    let dev = device_of(q.device())?;
+    let rows = q.dim(0)?;
+    let (h, kvh, d) = (s.num_heads, s.num_kv_heads, s.head_dim);
+    if rows != t.rows {
+        return Err(Error::Config(format!(
+            "paged_decode: {rows} query rows for {} block tables",
+            t.rows
+        )));
+    }
+    if rows == 0 {
+        return Ok(Tensor::zeros(
+            (0, h, d),
+            DType::BF16,
+            &candle_core::Device::Cpu,
+        )?);
+    }
+    let max_blocks = t.max_blocks;
+    let parts = t.max_ctx.div_ceil(s.part_size).max(1);
+    let group = h / kvh;
+
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let qv = view(&qs, ql, "paged_decode q")?;
+    let mut pm = dev.alloc_zeros::<f32>(rows * h * parts)?;
+    let mut pl = dev.alloc_zeros::<f32>(rows * h * parts)?;
+    let mut pacc = dev.alloc_zeros::<f32>(rows * h * parts * d)?;
+    let scale = 1.0f32 / (d as f32).sqrt();
+    let (kvh_i, g_i, d_i) = (
+        as_i32(kvh, "KV heads")?,
+        as_i32(group, "group")?,
+        as_i32(d, "D")?,
+    );
+    let (bs_i, mb_i, ps_i) = (
+        as_i32(s.block_size, "block size")?,
+        as_i32(max_blocks, "blocks")?,
+        as_i32(s.part_size, "partition")?,
+    );
+    let f = dev.get_or_load_custom_func("paged_decode_part_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&qv)
+        .arg(&cache.k)
+        .arg(&cache.v)
+        .arg(&t.tables)
+        .arg(&t.ctx)
+        .arg(&mut pm)
+        .arg(&mut pl)
+        .arg(&mut pacc)
+        .arg(&kvh_i)
+        .arg(&g_i)
+        .arg(&d_i)
+        .arg(&bs_i)
+        .arg(&mb_i)
+        .arg(&ps_i)
+        .arg(&scale);
+    let shared = (group * d + group * s.part_size) * 4;
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, kvh as u32, parts as u32),
+        block_dim: (DECODE_THREADS, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    if shared > 48 * 1024 {
+        return Err(Error::Config(format!(
+            "paged decode needs {shared} B of shared memory per block (group {group}, \
+             partition {}): lower the partition size",
+            s.part_size
+        )));
+    }
+    unsafe { b.launch(cfg) }.w()?;
+
+    let mut out = dev.alloc_zeros::<bf16>(rows * h * d)?;
+    let h_i = as_i32(h, "heads")?;
+    let parts_i = as_i32(parts, "partitions")?;
+    let null: u64 = 0;
+    let f = dev.get_or_load_custom_func("paged_decode_reduce_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&pm)
+        .arg(&pl)
+        .arg(&pacc)
+        .arg(&mut out)
+        .arg(&null)
+        .arg(&h_i)
+        .arg(&d_i)
+        .arg(&parts_i);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, h as u32, 1),
+        block_dim: (d.min(1024) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(tensor_from(&dev, out, (rows, h, d)))
+}
+
+/// Prefill attention of one sequence on the device with cuBLAS matrix products:
+/// `q` `[T, H, D]` at positions `ctx_before..ctx_before + T` attends `k`/`v`
+/// (`[n, KVH, D]`, n = ctx_before + T) causally. Query rows go in chunks of `chunk`
+/// (`eager` = one chunk of T), each materializing `[H, chunk, keys]` f32 scores.
+/// Returns the output `[T, H, D]` and the peak scratch bytes.
+pub fn prefill_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx_before: usize,
+    chunk: usize,
+    scratch_limit: Option<u64>,
+) -> Result<(Tensor, u64)> {
+    let (t, h, d) = q.dims3()?;
+    let (n, kvh, _) = k.dims3()?;
+    if n != ctx_before + t {
+        return Err(Error::Config(format!(
+            "prefill: {n} keys for {t} rows after {ctx_before} cached tokens"
+        )));
+    }
+    let g = h / kvh;
+    let chunk = chunk.clamp(1, t.max(1));
+    // Peak bytes per score element: bf16 product, f32 scores, f32 softmax, bf16 probs.
+    let scratch = (h * chunk * n * 14) as u64;
+    if let Some(limit) = scratch_limit.filter(|&l| scratch > l) {
+        return Err(Error::OutOfMemory {
+            device: format!("{:?}", q.device().location()),
+            component: crate::error::Component::Activations,
+            requested: scratch,
+            available: limit,
+            capacity: limit,
+        });
+    }
+    let dev = q.device();
+    let scale = 1.0 / (d as f64).sqrt();
+    let kt = k.permute((1, 2, 0))?.contiguous()?; // [KVH, D, n]
+    let vt = v.transpose(0, 1)?.contiguous()?; // [KVH, n, D]
+    let mut outs = Vec::with_capacity(t.div_ceil(chunk));
+    for c0 in (0..t).step_by(chunk) {
+        let c = chunk.min(t - c0);
+        let first = ctx_before + c0; // position of the chunk's first row
+        let nk = first + c; // keys its last row sees
+        let qc = q
+            .narrow(0, c0, c)?
+            .reshape((c, kvh, g, d))?
+            .permute((1, 2, 0, 3))?
+            .contiguous()?
+            .reshape((kvh, g * c, d))?;
+        let (kk, vv) = if nk == n {
+            (kt.clone(), vt.clone())
+        } else {
+            (
+                kt.narrow(2, 0, nk)?.contiguous()?,
+                vt.narrow(1, 0, nk)?.contiguous()?,
+            )
+        };
+        // Row i sees keys 0..=first + i: a large negative bias above that.
+        let cols = Tensor::arange(0u32, nk as u32, dev)?.reshape((1, nk))?;
+        let rows = Tensor::arange(first as u32, (first + c) as u32, dev)?.reshape((c, 1))?;
+        let bias = (cols.broadcast_gt(&rows)?.to_dtype(DType::F32)? * -1e30)?;
+        let s = qc
+            .matmul(&kk)?
+            .to_dtype(DType::F32)?
+            .affine(scale, 0.0)?
+            .reshape((kvh, g, c, nk))?
+            .broadcast_add(&bias)?;
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        drop(s);
+        let p = p.to_dtype(q.dtype())?.reshape((kvh, g * c, nk))?;
+        let o = p
+            .matmul(&vv)?
+            .reshape((kvh, g, c, d))?
+            .permute((2, 0, 1, 3))?
+            .reshape((c, h, d))?;
+        outs.push(o);
+    }
+    Ok((Tensor::cat(&outs, 0)?, scratch))
+}
+
+/// Shared-memory bytes of the flash prefill kernel for head dimension `d` (the layout
+/// of `FlashSmem` in kernels.cu: Q, K, V tiles of 64 rows, per-warp scores,
+/// probabilities and output accumulators, per-row max and sum).
+fn flash_smem_bytes(d: usize) -> usize {
+    let (bm, bn, warps, pad) = (64, 64, 4, 8);
+    3 * bm * (d + pad) * 2
+        + warps * 16 * (bn + 4) * 4
+        + warps * 16 * (bn + pad) * 2
+        + warps * 16 * (d + 4) * 4
+        + 2 * bm * 4
+}
+
+/// Flash prefill on the tensor cores: `q` (`[T, H, D]` bf16) holds one sequence's rows
+/// at positions `ctx_before..ctx_before + T`, whose K/V (all of them, this step's
+/// included) are in `cache` through the block `table`. No score matrix is
+/// materialized. Returns `[T, H, D]` bf16.
+pub fn flash_prefill(
+    cache: &LayerCache,
+    q: &Tensor,
+    table: &[i32],
+    ctx_before: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+) -> Result<Tensor> {
+    check_bf16(q, "flash_prefill q")?;
+    let dev = device_of(q.device())?;
+    let (t, h, d) = q.dims3()?;
+    let name = match d {
+        64 => "flash_prefill_d64_bf16",
+        128 => "flash_prefill_d128_bf16",
+        _ => {
+            return Err(Error::Config(format!(
+                "flash prefill has kernels for head dims 64 and 128, not {d}: use \
+                 --attention chunked"
+            )))
+        }
+    };
+    if (ctx_before + t).div_ceil(block_size) > table.len() {
+        return Err(Error::Config(format!(
+            "flash_prefill: {} tokens need more than {} blocks",
+            ctx_before + t,
+            table.len()
+        )));
+    }
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let qv = view(&qs, ql, "flash_prefill q")?;
+    let table_d = upload_i32(&dev, table)?;
+    let mut out = dev.alloc_zeros::<bf16>(t * h * d)?;
+    let smem = flash_smem_bytes(d);
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    let null: u64 = 0;
+    let (t_i, cb_i) = (as_i32(t, "rows")?, as_i32(ctx_before, "context")?);
+    let (h_i, kvh_i, bs_i) = (
+        as_i32(h, "heads")?,
+        as_i32(num_kv_heads, "KV heads")?,
+        as_i32(block_size, "block size")?,
+    );
+    let scale = 1.0f32 / (d as f32).sqrt();
+    let mut b = f.builder();
+    b.arg(&qv)
+        .arg(&cache.k)
+        .arg(&cache.v)
+        .arg(&table_d)
+        .arg(&mut out)
+        .arg(&null)
+        .arg(&t_i)
+        .arg(&cb_i)
+        .arg(&h_i)
+        .arg(&kvh_i)
+        .arg(&bs_i)
+        .arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: (t.div_ceil(64) as u32, h as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(tensor_from(&dev, out, (t, h, d)))
+}

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Build a CUDA-enabled kvbench (sm_90: H100/H200) on a machine without a GPU or a system
+# CUDA toolkit, and pack what must travel to the GPU machine into one archive.
+#
+# - NVIDIA's compiler comes from the Python package registry, pinned to CUDA 13.0
+#   (nvcc's own requirements are unpinned and pull a newer release whose output a
+#   CUDA 13.0 driver cannot load).
+# - candle-core 0.11.1 asks cudarc for `dynamic-linking` (-lcuda -lcublas ... at link
+#   time, libraries this machine does not have). The build uses a copy of that crate
+#   whose manifest asks for `dynamic-loading` instead: the libraries are opened at first
+#   use on the GPU machine. The copy is made here from cargo's registry, not committed.
+# - candle-kernels links -lcudart; harness/build.rs points that at the toolkit's static
+#   runtime, so the binary needs only the driver (and cuBLAS/cuRAND/NVRTC at run time).
+#
+# Output: target/cuda/kvbench-cuda.tar.xz (binary + scripts/gpu-run.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+root="$PWD/target/cuda"
+venv="$root/toolchain"
+mkdir -p "$root"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "== CUDA 13.0 compiler packages into $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check \
+    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 \
+    nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88
+fi
+cu13="$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13)"
+export PATH="$cu13/bin:$PATH"
+export CUDA_COMPUTE_CAP=90
+nvcc --version | tail -2
+
+# candle-core with cudarc's dynamic loading.
+src="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 2>/dev/null | head -1)"
+if [ -z "$src" ]; then
+  cargo fetch --quiet
+  src="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 | head -1)"
+fi
+patch="$root/candle-core"
+if [ ! -f "$patch/Cargo.toml" ]; then
+  rm -rf "$patch" && cp -r "$src" "$patch"
+  grep -q '"dynamic-linking"' "$patch/Cargo.toml" || {
+    echo "candle-core's manifest no longer names dynamic-linking: update this script" >&2
+    exit 1
+  }
+  sed -i 's/"dynamic-linking"/"dynamic-loading"/' "$patch/Cargo.toml"
+fi
+
+# The patch rewrites the lock file's candle-core entry; the repository's copy is kept.
+cp Cargo.lock "$root/Cargo.lock.orig"
+trap 'cp "$root/Cargo.lock.orig" Cargo.lock' EXIT
+cargo build --release -p kvbench --features cuda --target-dir "$root/build" \
+  --config "patch.crates-io.candle-core.path=\"$patch\""
+
+bin="$root/build/release/kvbench"
+pack="$root/pack"
+rm -rf "$pack" && mkdir -p "$pack"
+cp "$bin" "$pack/kvbench"
+strip "$pack/kvbench"
+cp scripts/gpu-run.sh "$pack/"
+tar -C "$pack" -cJf "$root/kvbench-cuda.tar.xz" kvbench gpu-run.sh
+echo "== $(du -h "$root/kvbench-cuda.tar.xz" | cut -f1) target/cuda/kvbench-cuda.tar.xz"
+echo "   needs on the GPU machine: the NVIDIA driver (CUDA >= 13.0), and libcublas,"
+echo "   libcublasLt, libcurand and libnvrtc 13 (scripts/gpu-run.sh finds PyTorch's)."
