@@ -12,7 +12,7 @@ use super::{
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv::{BlockId, BlockPool};
+use crate::kv::SeqTables;
 use crate::policy::full::FullOptions;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch,
@@ -22,23 +22,15 @@ use candle_core::cuda_backend::cudarc::driver::CudaEvent;
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Tensor};
-use std::collections::HashMap;
 
 /// Keys per partition of the decode kernel: long contexts split over more blocks.
 const PART_SIZE: usize = 512;
-
-#[derive(Debug, Default)]
-struct SeqBlocks {
-    table: Vec<BlockId>,
-    len: usize,
-}
 
 pub struct CudaFullPolicy {
     dev: CudaDevice,
     cfg_heads: (usize, usize, usize),
     layers: Vec<LayerCache>,
-    pool: BlockPool,
-    seqs: HashMap<SeqId, SeqBlocks>,
+    tables: SeqTables,
     opts: FullOptions,
     stats: PolicyStats,
     attended: Vec<AttendRecord>,
@@ -65,17 +57,12 @@ impl CudaFullPolicy {
         let layers = (0..cfg.num_layers)
             .map(|_| LayerCache::new(&dev, slots, row))
             .collect::<Result<Vec<_>>>()?;
-        let mut pool = BlockPool::new(num_blocks);
-        if let Some(seed) = opts.shuffle_seed {
-            pool.shuffle_free(seed);
-        }
         Ok(Self {
             dev,
             cfg_heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             bytes: (2 * cfg.num_layers * slots * row * 2) as u64,
             layers,
-            pool,
-            seqs: HashMap::new(),
+            tables: SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed),
             opts,
             stats: PolicyStats::default(),
             attended: Vec::new(),
@@ -92,7 +79,7 @@ impl CudaFullPolicy {
     }
 
     fn table_i32(&self, seq: SeqId) -> Vec<i32> {
-        self.seqs[&seq].table.iter().map(|&b| b as i32).collect()
+        self.tables.table(seq).iter().map(|&b| b as i32).collect()
     }
 }
 
@@ -102,19 +89,15 @@ impl KvPolicy for CudaFullPolicy {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        let bs = self.opts.block_size;
-        let entry = self.seqs.entry(seq).or_default();
-        self.pool.grow(&mut entry.table, total_tokens.div_ceil(bs))
+        self.tables.reserve(seq, total_tokens)
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.opts.block_size) <= self.pool.num_blocks()
+        self.tables.fits(total_tokens)
     }
 
     fn release(&mut self, seq: SeqId) {
-        if let Some(s) = self.seqs.remove(&seq) {
-            self.pool.release_all(s.table);
-        }
+        self.tables.release(seq);
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
@@ -131,9 +114,8 @@ impl KvPolicy for CudaFullPolicy {
         let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
         let mut slots = Vec::with_capacity(batch.num_tokens);
         for s in &batch.seqs {
-            let table = &self.seqs[&s.id].table;
             for pos in s.ctx_before..s.ctx_before + s.q_len {
-                slots.push((table[pos / bs] as usize * bs + pos % bs) as i32);
+                slots.push(self.tables.slot(s.id, pos) as i32);
             }
         }
         kv_write(&mut self.layers[layer], &k, &v, &slots)?;
@@ -141,9 +123,7 @@ impl KvPolicy for CudaFullPolicy {
         self.cache_events.push((start, end));
         if layer + 1 == self.layers.len() {
             for s in &batch.seqs {
-                if let Some(e) = self.seqs.get_mut(&s.id) {
-                    e.len = s.ctx_before + s.q_len;
-                }
+                self.tables.set_len(s.id, s.ctx_before + s.q_len);
             }
         }
 
@@ -239,19 +219,17 @@ impl KvPolicy for CudaFullPolicy {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let block = self.bytes / self.pool.num_blocks().max(1) as u64;
+        let block = self.bytes / self.tables.num_blocks().max(1) as u64;
         PolicyMemory {
             device_reserved: self.bytes,
-            device_used: self.pool.num_used() as u64 * block,
+            device_used: self.tables.num_used() as u64 * block,
             host_reserved: 0,
             host_used: 0,
         }
     }
 
     fn seq_device_bytes(&self, seq: SeqId) -> u64 {
-        self.seqs
-            .get(&seq)
-            .map_or(0, |s| s.len as u64 * self.token_bytes())
+        self.tables.len(seq) as u64 * self.token_bytes()
     }
 
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
@@ -279,7 +257,6 @@ impl KvPolicy for CudaFullPolicy {
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.pool
-            .check_invariants(self.seqs.values().map(|s| s.table.as_slice()))
+        self.tables.check_invariants()
     }
 }

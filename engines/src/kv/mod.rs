@@ -6,6 +6,8 @@ pub mod block_pool;
 pub mod host;
 pub mod paged;
 pub mod slots;
+pub mod tables;
 
 pub use block_pool::{BlockId, BlockPool};
 pub use paged::{KvDtype, PagedKv};
+pub use tables::SeqTables;

@@ -6,9 +6,8 @@ use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use crate::attention::prefill::{prefill_attention, AttentionImpl, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
-use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
+use crate::kv::{BlockId, KvDtype, PagedKv, SeqTables};
 use candle_core::{DType, Tensor};
-use std::collections::HashMap;
 use std::time::Instant;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,19 +35,11 @@ impl Default for FullOptions {
     }
 }
 
-#[derive(Debug, Default)]
-struct SeqBlocks {
-    table: Vec<BlockId>,
-    /// Tokens whose K/V are stored.
-    len: usize,
-}
-
 pub struct FullPolicy {
     shape: AttnShape,
     num_layers: usize,
     store: PagedKv,
-    pool: BlockPool,
-    seqs: HashMap<SeqId, SeqBlocks>,
+    tables: SeqTables,
     stats: PolicyStats,
     opts: FullOptions,
     attended: Vec<AttendRecord>,
@@ -65,10 +56,6 @@ impl FullPolicy {
             cfg.head_dim,
             opts.kv_dtype,
         );
-        let mut pool = BlockPool::new(num_blocks);
-        if let Some(seed) = opts.shuffle_seed {
-            pool.shuffle_free(seed);
-        }
         Self {
             shape: AttnShape {
                 num_heads: cfg.num_heads,
@@ -78,8 +65,7 @@ impl FullPolicy {
             },
             num_layers: cfg.num_layers,
             store,
-            pool,
-            seqs: HashMap::new(),
+            tables: SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed),
             stats: PolicyStats::default(),
             opts,
             attended: Vec::new(),
@@ -99,16 +85,16 @@ impl FullPolicy {
     }
 
     pub fn num_blocks(&self) -> usize {
-        self.pool.num_blocks()
+        self.tables.num_blocks()
     }
 
     pub fn num_free_blocks(&self) -> usize {
-        self.pool.num_free()
+        self.tables.num_free()
     }
 
     /// The block table of a sequence (for tests and traces).
     pub fn table(&self, seq: SeqId) -> Option<&[BlockId]> {
-        self.seqs.get(&seq).map(|s| s.table.as_slice())
+        Some(self.tables.table(seq)).filter(|t| !t.is_empty())
     }
 
     fn token_bytes(&self) -> u64 {
@@ -122,19 +108,15 @@ impl KvPolicy for FullPolicy {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        let bs = self.shape.block_size;
-        let entry = self.seqs.entry(seq).or_default();
-        self.pool.grow(&mut entry.table, total_tokens.div_ceil(bs))
+        self.tables.reserve(seq, total_tokens)
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.shape.block_size) <= self.pool.num_blocks()
+        self.tables.fits(total_tokens)
     }
 
     fn release(&mut self, seq: SeqId) {
-        if let Some(s) = self.seqs.remove(&seq) {
-            self.pool.release_all(s.table);
-        }
+        self.tables.release(seq);
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
@@ -144,7 +126,7 @@ impl KvPolicy for FullPolicy {
         let kf = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let vf = v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         for s in &batch.seqs {
-            let table = &self.seqs[&s.id].table;
+            let table = self.tables.table(s.id);
             for i in 0..s.q_len {
                 let slot = self.store.slot(table, s.ctx_before + i);
                 let row = s.q_start + i;
@@ -158,9 +140,7 @@ impl KvPolicy for FullPolicy {
         }
         if layer + 1 == self.num_layers {
             for s in &batch.seqs {
-                if let Some(e) = self.seqs.get_mut(&s.id) {
-                    e.len = s.ctx_before + s.q_len;
-                }
+                self.tables.set_len(s.id, s.ctx_before + s.q_len);
             }
         }
         self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
@@ -173,7 +153,7 @@ impl KvPolicy for FullPolicy {
         let mut dense_out = Vec::new();
         for s in batch.seqs.iter().filter(materialize) {
             let n = s.ctx_before + s.q_len;
-            let (kc, vc) = self.store.gather(layer, &self.seqs[&s.id].table, n);
+            let (kc, vc) = self.store.gather(layer, self.tables.table(s.id), n);
             let shape = PrefillShape {
                 num_heads: h,
                 num_kv_heads: self.shape.num_kv_heads,
@@ -218,7 +198,7 @@ impl KvPolicy for FullPolicy {
                 q_start: s.q_start,
                 q_len: s.q_len,
                 kv_len: s.ctx_before + s.q_len,
-                table: &self.seqs[&s.id].table,
+                table: self.tables.table(s.id),
             })
             .collect();
         let (kv_k, kv_v) = self.store.views(layer);
@@ -236,19 +216,17 @@ impl KvPolicy for FullPolicy {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let block_bytes = self.store.bytes() / self.pool.num_blocks().max(1) as u64;
+        let block_bytes = self.store.bytes() / self.tables.num_blocks().max(1) as u64;
         PolicyMemory {
             device_reserved: self.store.bytes(),
-            device_used: self.pool.num_used() as u64 * block_bytes,
+            device_used: self.tables.num_used() as u64 * block_bytes,
             host_reserved: 0,
             host_used: 0,
         }
     }
 
     fn seq_device_bytes(&self, seq: SeqId) -> u64 {
-        self.seqs
-            .get(&seq)
-            .map_or(0, |s| s.len as u64 * self.token_bytes())
+        self.tables.len(seq) as u64 * self.token_bytes()
     }
 
     fn take_stats(&mut self) -> PolicyStats {
@@ -264,18 +242,6 @@ impl KvPolicy for FullPolicy {
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.pool
-            .check_invariants(self.seqs.values().map(|s| s.table.as_slice()))?;
-        let bs = self.shape.block_size;
-        for (id, s) in &self.seqs {
-            if s.len > s.table.len() * bs {
-                return Err(format!(
-                    "sequence {id}: {} tokens in {} blocks",
-                    s.len,
-                    s.table.len()
-                ));
-            }
-        }
-        Ok(())
+        self.tables.check_invariants()
     }
 }

@@ -73,6 +73,19 @@ fn parse_usize(s: &str, k: &str, v: &str) -> Result<usize> {
         .map_err(|_| bad(s, k, v, "a non-negative integer"))
 }
 
+impl PolicyEnv {
+    /// `full`'s options in this environment.
+    fn full_options(&self) -> FullOptions {
+        FullOptions {
+            block_size: self.block_size,
+            kv_dtype: self.kv_dtype,
+            shuffle_seed: self.shuffle_seed,
+            attention: self.attention,
+            chunk_size: self.chunk_size,
+        }
+    }
+}
+
 impl PolicySpec {
     pub fn name(&self) -> &'static str {
         match self {
@@ -255,13 +268,7 @@ impl PolicySpec {
         }
         Ok(match self {
             PolicySpec::Full => {
-                let opts = FullOptions {
-                    block_size: env.block_size,
-                    kv_dtype: env.kv_dtype,
-                    shuffle_seed: env.shuffle_seed,
-                    attention: env.attention,
-                    chunk_size: env.chunk_size,
-                };
+                let opts = env.full_options();
                 let num_blocks =
                     (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
                 Box::new(FullPolicy::new(cfg, opts, num_blocks))
@@ -282,13 +289,7 @@ impl PolicySpec {
         let cfg = &model.cfg;
         match self {
             PolicySpec::Full => {
-                let opts = FullOptions {
-                    block_size: env.block_size,
-                    kv_dtype: env.kv_dtype,
-                    shuffle_seed: env.shuffle_seed,
-                    attention: env.attention,
-                    chunk_size: env.chunk_size,
-                };
+                let opts = env.full_options();
                 if model.dtype() != candle_core::DType::BF16 {
                     return Err(Error::Config(format!(
                         "the CUDA kernels keep K/V in bf16: load the model with bf16 weights \

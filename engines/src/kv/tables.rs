@@ -1,0 +1,106 @@
+//! Block tables of the sequences of a paged pool: the bookkeeping `full` shares between
+//! its CPU and CUDA storage (the K/V bytes live elsewhere).
+
+use super::{BlockId, BlockPool};
+use crate::policy::SeqId;
+use std::collections::HashMap;
+
+#[derive(Debug, Default)]
+struct SeqBlocks {
+    table: Vec<BlockId>,
+    /// Tokens whose K/V are stored.
+    len: usize,
+}
+
+#[derive(Debug)]
+pub struct SeqTables {
+    pool: BlockPool,
+    block_size: usize,
+    seqs: HashMap<SeqId, SeqBlocks>,
+}
+
+impl SeqTables {
+    /// `shuffle_seed`: shuffle the free list (tests: random block tables).
+    pub fn new(num_blocks: usize, block_size: usize, shuffle_seed: Option<u64>) -> Self {
+        let mut pool = BlockPool::new(num_blocks);
+        if let Some(seed) = shuffle_seed {
+            pool.shuffle_free(seed);
+        }
+        Self {
+            pool,
+            block_size,
+            seqs: HashMap::new(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    pub fn num_used(&self) -> usize {
+        self.pool.num_used()
+    }
+
+    /// Room for `total_tokens` of `seq`, all or nothing.
+    pub fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let entry = self.seqs.entry(seq).or_default();
+        self.pool
+            .grow(&mut entry.table, total_tokens.div_ceil(self.block_size))
+    }
+
+    /// Whether a sequence of `total_tokens` could ever fit in the pool.
+    pub fn fits(&self, total_tokens: usize) -> bool {
+        total_tokens.div_ceil(self.block_size) <= self.pool.num_blocks()
+    }
+
+    pub fn release(&mut self, seq: SeqId) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.pool.release_all(s.table);
+        }
+    }
+
+    /// The block table of `seq` (empty when it holds nothing).
+    pub fn table(&self, seq: SeqId) -> &[BlockId] {
+        self.seqs.get(&seq).map_or(&[], |s| s.table.as_slice())
+    }
+
+    /// Pool slot of position `pos` of `seq`.
+    pub fn slot(&self, seq: SeqId, pos: usize) -> usize {
+        let t = self.table(seq);
+        t[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// Tokens stored for `seq`.
+    pub fn len(&self, seq: SeqId) -> usize {
+        self.seqs.get(&seq).map_or(0, |s| s.len)
+    }
+
+    pub fn set_len(&mut self, seq: SeqId, len: usize) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            s.len = len;
+        }
+    }
+
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.pool
+            .check_invariants(self.seqs.values().map(|s| s.table.as_slice()))?;
+        for (id, s) in &self.seqs {
+            if s.len > s.table.len() * self.block_size {
+                return Err(format!(
+                    "sequence {id}: {} tokens in {} blocks",
+                    s.len,
+                    s.table.len()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
