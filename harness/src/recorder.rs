@@ -3,8 +3,10 @@
 //! ends). `runs.parquet` has one row per cell (its parameters, outcome, metrics,
 //! memory and the environment), `requests.parquet` one per measured request,
 //! `steps.parquet` one per engine step and `samples.parquet` the memory time series;
-//! every row carries its cell's index and key. Nested fields are flattened with `_`
-//! (`metrics_ttft_s_p99`); a value never measured is null.
+//! every row carries its cell's index and key. `runs.parquet` starts with headline
+//! columns under stable names (`engine`, `ttft_mean_s`, `decode_tok_s`,
+//! `mem_kv_device_bytes`, ...); then nested fields follow, flattened with `_`
+//! (`metrics_ttft_s_p99`). A value never measured is null.
 
 use anyhow::{Context, Result};
 use polars::prelude::{Column, DataFrame, DataType, NamedFrom, ParquetWriter, Series};
@@ -118,15 +120,79 @@ pub fn read_parquet(path: &Path) -> Result<DataFrame> {
         .with_context(|| format!("reading {}", path.display()))
 }
 
+/// The headline columns of `runs.parquet`, first in each row, under stable names
+/// (the flattened fields follow with every detail). Null where not measured.
+fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str, Value)> {
+    let c = &cell["cell"];
+    let m = &cell["metrics"];
+    let mem = &cell["memory"];
+    let b = &m["breakdown"];
+    let num = |v: &Value| v.as_f64().map_or(Value::Null, Value::from);
+    let int = |v: &Value| v.as_u64().map_or(Value::Null, Value::from);
+    let prompt = match &c["prompt_len"] {
+        v @ Value::Number(_) => v.clone(),
+        Value::Null => Value::Null,
+        other => Value::String(other.to_string()),
+    };
+    // Throughput per GB of the engine's device memory (weights, device KV and the
+    // activation peak from the ledger), the study's efficiency measure.
+    let device = ["weights", "kv_device", "activations_peak"]
+        .iter()
+        .map(|k| mem[*k].as_u64())
+        .sum::<Option<u64>>();
+    let per_gb = match (m["decode_throughput"].as_f64(), device) {
+        (Some(t), Some(d)) if d > 0 => Value::from(t / (d as f64 / 1e9)),
+        _ => Value::Null,
+    };
+    vec![
+        ("experiment", Value::from(experiment)),
+        ("cell_id", Value::from(cell_id)),
+        ("repeat", c["repeat"].clone()),
+        ("engine", c["engine"].clone()),
+        ("budget", c["budget"].clone()),
+        ("attention", c["attention"].clone()),
+        ("batch", c["batch"].clone()),
+        ("prompt_len", prompt),
+        ("output_len", c["output_len"].clone()),
+        ("outcome", cell["outcome"].clone()),
+        ("error", cell["error"].clone()),
+        ("ttft_mean_s", num(&m["ttft_s"]["mean"])),
+        ("ttft_p99_s", num(&m["ttft_s"]["p99"])),
+        ("tpot_mean_s", num(&m["tpot_s"]["mean"])),
+        ("itl_p99_s", num(&m["itl_s"]["p99"])),
+        ("e2e_mean_s", num(&m["e2e_s"]["mean"])),
+        ("decode_tok_s", num(&m["decode_throughput"])),
+        ("throughput_tok_s", num(&m["output_throughput"])),
+        ("decode_tok_s_per_gb", per_gb),
+        ("wall_prefill_s", num(&b["prefill_s"])),
+        ("wall_decode_s", num(&b["decode_compute_s"])),
+        ("wall_cache_ops_s", num(&b["cache_ops_s"])),
+        ("mem_weights_bytes", int(&mem["weights"])),
+        ("mem_kv_device_bytes", int(&mem["kv_device"])),
+        ("mem_kv_host_bytes", int(&mem["kv_host"])),
+        ("mem_activations_peak_bytes", int(&mem["activations_peak"])),
+        ("mem_device_peak_bytes", int(&cell["gpu_used_peak_bytes"])),
+        ("mem_host_peak_bytes", int(&cell["process_rss_peak_bytes"])),
+    ]
+}
+
 /// Rows of the four tables from one cell's result.
-fn rows_of(cell: &Value, tables: &mut BTreeMap<&'static str, Vec<Map<String, Value>>>) {
+fn rows_of(
+    cell: &Value,
+    experiment: &str,
+    cell_id: &str,
+    tables: &mut BTreeMap<&'static str, Vec<Map<String, Value>>>,
+) {
     let index = cell["cell"]["index"].clone();
     let key = cell["key"].clone();
     let tag = |m: &mut Map<String, Value>| {
         m.insert("cell_index".into(), index.clone());
         m.insert("cell_key".into(), key.clone());
     };
-    let mut run = Map::new();
+    let mut run: Map<String, Value> = headline(cell, experiment, cell_id)
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
     tag(&mut run);
     if let Value::Object(m) = cell {
         for (k, v) in m {
@@ -186,21 +252,57 @@ pub fn cell_files(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// The experiment's name from the copy of its YAML kept beside the results, else the
+/// directory's name.
+fn experiment_name(exp_dir: &Path) -> String {
+    std::fs::read_to_string(exp_dir.join("experiment.yaml"))
+        .ok()
+        .and_then(|y| serde_yaml::from_str::<serde_yaml::Value>(&y).ok())
+        .and_then(|v| v.get("name").and_then(|n| n.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| {
+            exp_dir
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+        })
+}
+
 /// Rebuild `runs`, `requests`, `steps` and `samples` Parquet tables of
 /// `results/<name>/` from its `cells/` files. Returns the rows per table.
 pub fn write_tables(exp_dir: &Path) -> Result<BTreeMap<&'static str, usize>> {
     let mut tables: BTreeMap<&'static str, Vec<Map<String, Value>>> = BTreeMap::new();
+    let experiment = experiment_name(exp_dir);
     for f in cell_files(&exp_dir.join("cells"))? {
         let bytes = std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?;
         let v: Value = serde_json::from_slice(&bytes)
             .with_context(|| format!("{}: not a cell result", f.display()))?;
-        rows_of(&v, &mut tables);
+        let id = f
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        rows_of(&v, &experiment, &id, &mut tables);
     }
     let mut counts = BTreeMap::new();
     for name in ["runs", "requests", "steps", "samples"] {
         let rows = tables.remove(name).unwrap_or_default();
         counts.insert(name, rows.len());
         let mut df = frame(&rows)?;
+        if name == "runs" && !rows.is_empty() {
+            // Headline columns first, in their documented order.
+            let first: Vec<&str> = headline(&Value::Null, "", "")
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            let names: Vec<String> = first
+                .iter()
+                .map(|s| s.to_string())
+                .chain(
+                    df.get_column_names()
+                        .iter()
+                        .map(|n| n.to_string())
+                        .filter(|n| !first.contains(&n.as_str())),
+                )
+                .collect();
+            df = df.select(names)?;
+        }
         write_parquet(&mut df, &exp_dir.join(format!("{name}.parquet")))?;
     }
     Ok(counts)

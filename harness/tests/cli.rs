@@ -504,6 +504,64 @@ fn a_sweep_records_each_cell_once_and_resumes() {
     };
     let runs = read("runs");
     assert_eq!(runs.height(), 4);
+    // The headline columns under their stable names.
+    for c in [
+        "experiment",
+        "cell_id",
+        "repeat",
+        "engine",
+        "budget",
+        "attention",
+        "batch",
+        "prompt_len",
+        "output_len",
+        "outcome",
+        "error",
+        "ttft_mean_s",
+        "ttft_p99_s",
+        "tpot_mean_s",
+        "itl_p99_s",
+        "e2e_mean_s",
+        "decode_tok_s",
+        "throughput_tok_s",
+        "decode_tok_s_per_gb",
+        "wall_prefill_s",
+        "wall_decode_s",
+        "wall_cache_ops_s",
+        "mem_weights_bytes",
+        "mem_kv_device_bytes",
+        "mem_kv_host_bytes",
+        "mem_activations_peak_bytes",
+        "mem_device_peak_bytes",
+        "mem_host_peak_bytes",
+    ] {
+        assert!(
+            runs.column(c).is_ok(),
+            "runs.parquet lacks {c}: {:?}",
+            runs.get_column_names()
+        );
+    }
+    assert_eq!(runs.get_column_names()[0].as_str(), "experiment");
+    let exp_names = runs.column("experiment").unwrap().str().unwrap();
+    assert!((0..exp_names.len()).all(|i| exp_names.get(i) == Some("sweep")));
+    // Per-GB throughput = decode throughput / (weights + device KV + activations) in GB.
+    let f = |c: &str| runs.column(c).unwrap().cast(&DataType::Float64).unwrap();
+    let (t, g) = (f("decode_tok_s"), f("decode_tok_s_per_gb"));
+    let bytes: Vec<f64> = [
+        "mem_weights_bytes",
+        "mem_kv_device_bytes",
+        "mem_activations_peak_bytes",
+    ]
+    .iter()
+    .map(|c| f(c).f64().unwrap().get(0).unwrap())
+    .collect();
+    let expect = t.f64().unwrap().get(0).unwrap() / (bytes.iter().sum::<f64>() / 1e9);
+    assert!((g.f64().unwrap().get(0).unwrap() - expect).abs() < 1e-9 * expect.abs().max(1.0));
+    // No GPU here: the observed device peak is null, not zero.
+    assert_eq!(
+        runs.column("mem_device_peak_bytes").unwrap().null_count(),
+        4
+    );
     for c in [
         "cell_index",
         "cell_key",
