@@ -333,6 +333,26 @@ fn drive(
 }
 
 /// Run one cell; errors of the run itself become the `oom` or `error` outcome.
+/// On a GPU, the driver compiles each kernel module the first time a process on that
+/// machine loads it (seconds to tens of seconds on a fresh machine): one small forward
+/// and the kvbench kernels' module load here, before anything is timed.
+#[cfg(feature = "cuda")]
+fn warm_up_device(setup: &crate::setup::Setup) -> Result<()> {
+    let model = &setup.loaded.model;
+    if model.device().is_cuda() {
+        let ids: Vec<u32> = (0..16u32).collect();
+        model.forward_dense(&ids).context("warming up the device")?;
+        kvbench_engines::cuda::load_kernels(model.device())?;
+        model.device().synchronize()?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn warm_up_device(_setup: &crate::setup::Setup) -> Result<()> {
+    Ok(())
+}
+
 pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResult> {
     let t0 = Instant::now();
     let e = &plan.exp;
@@ -350,6 +370,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         models_dir: models_dir.to_path_buf(),
     };
     let setup = load_model(&margs, &e.device.name)?;
+    warm_up_device(&setup)?;
     let requests = workload(plan, cell, &setup)?;
     let mut progress = Progress::new(
         requests

@@ -364,9 +364,21 @@ fn scalar(v: &serde_yaml::Value) -> Option<String> {
 
 impl Plan {
     /// Read, parse, check and expand an experiment file.
+    /// `path` may also be a name under experiments/ without `.yaml` (`cpu/quickstart`).
     pub fn load(path: &Path, models_dir: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading experiment {}", path.display()))?;
+        let named = Path::new("experiments").join(path).with_extension("yaml");
+        let path = if !path.exists() && named.is_file() {
+            named.as_path()
+        } else {
+            path
+        };
+        let text = std::fs::read_to_string(path).with_context(|| {
+            format!(
+                "reading experiment {}: expected a YAML file or a name under experiments/ \
+                 such as cpu/quickstart",
+                path.display()
+            )
+        })?;
         Self::parse(&text, path, models_dir)
     }
 

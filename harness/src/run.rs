@@ -384,6 +384,10 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             mib(&v["process_rss_peak_bytes"]),
         );
     }
+    println!(
+        "results: {} (cells/ and runs, requests, steps, samples .parquet)",
+        exp_dir.display()
+    );
     Ok(())
 }
 

@@ -383,19 +383,20 @@ fn generate_with_each_engine_reports_its_budget_and_bytes() {
 #[test]
 fn the_shipped_experiments_parse_and_list_their_cells() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    for exp in [
-        "experiments/ci/smoke.yaml",
-        "experiments/cpu/batch-scaling.yaml",
-    ] {
-        let o = kvbench(
-            &repo_models(),
-            &[
-                "run",
-                root.join(exp).to_str().unwrap(),
-                "--dry-run",
-                "--json",
-            ],
-        );
+    // Every shipped YAML.
+    let mut shipped = Vec::new();
+    for d in ["ci", "cpu", "gpu", "paper"] {
+        for e in std::fs::read_dir(root.join("experiments").join(d)).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "yaml") {
+                shipped.push(p);
+            }
+        }
+    }
+    assert!(shipped.len() >= 12, "{shipped:?}");
+    for exp in &shipped {
+        let exp = exp.to_str().unwrap();
+        let o = kvbench(&repo_models(), &["run", exp, "--dry-run", "--json"]);
         assert!(o.status.success(), "{exp}: {}", stderr(&o));
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let cells = v.as_array().unwrap();
@@ -404,6 +405,17 @@ fn the_shipped_experiments_parse_and_list_their_cells() {
             .iter()
             .all(|c| c["key"].as_str().unwrap().contains("engine=")));
     }
+    // A name under experiments/ stands for its file (run from the repository root).
+    let o = Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .current_dir(&root)
+        .args(["run", "cpu/quickstart", "--dry-run"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("6 of 6 cells"));
+    let o = kvbench(&repo_models(), &["run", "no/such-experiment", "--dry-run"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("no/such-experiment"), "{}", stderr(&o));
 }
 
 #[test]
@@ -704,4 +716,84 @@ fn a_concurrency_cap_sends_requests_as_others_finish_and_progress_stays_in_the_p
     let cap = runs.column("cell_max_concurrency").unwrap();
     assert_eq!(cap.get(0).unwrap(), AnyValue::Null);
     assert_eq!(cap.get(1).unwrap(), AnyValue::Int64(1));
+}
+
+#[test]
+fn a_sweep_killed_in_the_middle_of_a_cell_resumes_without_loss_or_duplicates() {
+    let dir = tempfile::tempdir().unwrap();
+    let exp = dir.path().join("k.yaml");
+    // Six cells of a fraction of a second each.
+    std::fs::write(
+        &exp,
+        "name: killed\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\n  - name: h2o\nmatrix:\n  batch: [1, 2, 4]\n  prompt_len: [48]\n  output_len: [24]\n  budget: [0.5]\nworkload:\n  num_requests: 4\n",
+    )
+    .unwrap();
+    let results = dir.path().join("results");
+    let cells = results.join("killed/cells");
+    let args = [
+        "run",
+        exp.to_str().unwrap(),
+        "--results",
+        results.to_str().unwrap(),
+    ];
+    let all_files = || -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&cells)
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    };
+    let recorded = || -> Vec<PathBuf> {
+        all_files()
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect()
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(args)
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill the sweep once a cell is recorded, while the next one runs.
+    let start = std::time::Instant::now();
+    while recorded().is_empty() && start.elapsed().as_secs() < 120 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let before = recorded();
+    assert!(!before.is_empty() && before.len() < 6, "{before:?}");
+    let kept: Vec<Vec<u8>> = before.iter().map(|p| std::fs::read(p).unwrap()).collect();
+
+    let o = kvbench(dir.path(), &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    let expect = format!(
+        "{} cells run, {} already recorded",
+        6 - before.len(),
+        before.len()
+    );
+    assert!(out.contains(&expect), "{out}");
+    // Every cell once, the ones recorded before the kill untouched, nothing half-written.
+    let after = all_files();
+    assert_eq!(after.len(), 6, "{after:?}");
+    assert!(after
+        .iter()
+        .all(|p| p.extension().is_some_and(|x| x == "json")));
+    for (p, bytes) in before.iter().zip(&kept) {
+        assert_eq!(&std::fs::read(p).unwrap(), bytes, "{} changed", p.display());
+    }
+    let mut keys: Vec<String> = after
+        .iter()
+        .map(|p| {
+            let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+            assert_eq!(v["outcome"], "ok", "{v}");
+            v["key"].as_str().unwrap().to_string()
+        })
+        .collect();
+    keys.sort();
+    keys.dedup();
+    assert_eq!(keys.len(), 6);
 }

@@ -29,6 +29,14 @@ pub fn device_of(d: &candle_core::Device) -> Result<CudaDevice> {
     }
 }
 
+/// Load (and so have the driver compile) the kvbench kernels' module now rather than
+/// inside the first timed step.
+pub fn load_kernels(d: &candle_core::Device) -> Result<()> {
+    let dev = device_of(d)?;
+    dev.get_or_load_custom_func("kv_write_bf16", MODULE, PTX)?;
+    Ok(())
+}
+
 /// Total and free bytes of the device's memory, from the driver.
 pub fn memory_info(dev: &CudaDevice) -> Result<(u64, u64)> {
     let (free, total) = dev.cuda_stream().context().mem_get_info().w()?;
