@@ -48,3 +48,7 @@ build-cuda:
 # On the GPU machine: run the CUDA kvbench from its archive, e.g. just gpu-run verify --device cuda --model preset:llama-3.1-8b
 gpu-run *args:
     scripts/gpu-run.sh target/cuda/kvbench-cuda.tar.xz results "$@"
+
+# Figures of an experiment as PNG + SVG in results/EXP/figures/: EXP is a results directory or a name under results/ (--figures fig1,fig3; --out DIR).
+figures exp *args: build
+    @./target/release/kvbench plot "$@"

@@ -6,6 +6,7 @@ mod experiment;
 mod generate;
 mod metrics;
 mod models;
+mod plot;
 mod recorder;
 mod run;
 mod sampler;
@@ -32,6 +33,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// List the named models and presets with their architecture numbers.
     Models(models::ModelsArgs),
+    /// Draw the study's figures (PNG + SVG) from an experiment's results.
+    Plot(plot::PlotArgs),
     /// Check an experiment file and list its cells (`--dry-run`).
     Run(run::RunArgs),
     /// Run one cell of an experiment and print its outcome and metrics as one JSON
@@ -52,6 +55,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Generate(a) => generate::run(a),
         Command::Models(a) => models::run(a),
+        Command::Plot(a) => plot::run(a),
         Command::Verify(a) => verify::run(a),
         Command::Run(a) => run::run(a),
         Command::RunCell(a) => cell::run(a),

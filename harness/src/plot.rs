@@ -1,0 +1,68 @@
+//! `kvbench plot`: the study's figures from an experiment's Parquet tables, as PNG
+//! and SVG in `results/<experiment>/figures/` (the kvbench-plots crate draws them).
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kvbench_plots::{parse_figures, render, Context as PlotContext, FigureId};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Args)]
+pub struct PlotArgs {
+    /// The experiment's results directory (`results/<name>/`, with runs.parquet), or
+    /// just its name under ./results/.
+    pub results: PathBuf,
+
+    /// Figures to draw, comma-separated: fig1 … fig8 (or 1 … 8). Default: all.
+    #[arg(long)]
+    pub figures: Option<String>,
+
+    /// Where to write the figures (default: RESULTS/figures/).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// `results/EXP` as given, else `./results/EXP` when only a name was given.
+fn resolve(p: &Path) -> PathBuf {
+    if p.is_dir() {
+        return p.to_path_buf();
+    }
+    let under = Path::new("results").join(p);
+    if p.components().count() == 1 && under.is_dir() {
+        under
+    } else {
+        p.to_path_buf()
+    }
+}
+
+/// The model named by the experiment's YAML kept beside its results, for titles.
+fn model_of(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("experiment.yaml")).ok()?;
+    let v: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
+    v.get("model")?.as_str().map(str::to_owned)
+}
+
+pub fn run(a: PlotArgs) -> Result<()> {
+    let dir = resolve(&a.results);
+    let figures = match &a.figures {
+        Some(list) => parse_figures(list).with_context(|| format!("--figures {list}"))?,
+        None => FigureId::ALL.to_vec(),
+    };
+    let ctx = PlotContext {
+        model: model_of(&dir),
+        out_dir: a.out.clone(),
+    };
+    let reports = render(&dir, &figures, &ctx)?;
+    let empty = reports.iter().filter(|r| r.no_data.is_some()).count();
+    for r in &reports {
+        println!("{r}");
+    }
+    let out = a.out.unwrap_or_else(|| dir.join("figures"));
+    println!(
+        "{} figure(s) in {}: {} drawn, {} without data",
+        reports.len(),
+        out.display(),
+        reports.len() - empty,
+        empty
+    );
+    Ok(())
+}

@@ -1,0 +1,93 @@
+//! Fig. 4: decode throughput and decode throughput per GB of the engine's device
+//! memory vs batch size (the study's claims C6/C7: `full` and H2O scale with the
+//! batch, InfiniGen stays an order of magnitude lower; H2O is the most efficient
+//! per GB).
+
+use crate::data::Run;
+use crate::lines::{legend_items, Panel};
+use crate::select::{missing_note, pin, series, series_notes, Dim};
+use crate::style::{self, fmt_count, Fmt};
+use crate::{Draw, Error, Prepared, Tables};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+pub struct Fig4 {
+    throughput: Panel,
+    per_gb: Panel,
+    notes: Vec<String>,
+}
+
+pub fn prepare(t: &Tables) -> Prepared<Fig4> {
+    if let Some(why) = t.no_runs() {
+        return Err(why);
+    }
+    let all: Vec<&Run> = t.runs.iter().collect();
+    let mut notes = Vec::new();
+    let runs = pin(&all, &[Dim::Batch, Dim::Attention], &mut notes);
+    let tput = series(&runs, |r| r.batch, |r| r.get("decode_tok_s"));
+    let per_gb = series(&runs, |r| r.batch, |r| r.get("decode_tok_s_per_gb"));
+    let nothing =
+        |v: &[crate::select::Series]| v.iter().all(|s| s.points.is_empty() && s.fails.is_empty());
+    if nothing(&tput) && nothing(&per_gb) {
+        return Err(if runs.iter().any(|r| r.batch.is_some()) {
+            "decode throughput (decode_tok_s, decode_tok_s_per_gb) not measured (null) in any cell"
+                .into()
+        } else {
+            "no cell has a batch size".into()
+        });
+    }
+    notes.extend(series_notes(&tput, "Decode throughput", fmt_count));
+    notes.extend(
+        series_notes(&per_gb, "Throughput per GB", fmt_count)
+            .into_iter()
+            .filter(|n| n.starts_with("Throughput per GB not measured")),
+    );
+    notes.push(
+        "Per GB: decode tokens/s over the engine's device memory (weights + device KV + activation peak, 10⁹ B)."
+            .into(),
+    );
+    notes.extend(missing_note(t, &["decode_tok_s", "decode_tok_s_per_gb"]));
+    let mut throughput = Panel::fit(
+        "Decode throughput",
+        "batch size",
+        "decode throughput (tokens/s)",
+        tput,
+        None,
+        None,
+        Fmt::Count,
+        Fmt::Count,
+    );
+    let mut per_gb = Panel::fit(
+        "Throughput per GB",
+        "batch size",
+        "decode throughput per GB (tokens/s/GB)",
+        per_gb,
+        None,
+        None,
+        Fmt::Count,
+        Fmt::Count,
+    );
+    let xs: Vec<f64> = runs.iter().filter_map(|r| r.batch).collect();
+    throughput.x = throughput.x.clone().with_ticks_at(&xs);
+    per_gb.x = per_gb.x.clone().with_ticks_at(&xs);
+    Ok(Fig4 {
+        throughput,
+        per_gb,
+        notes,
+    })
+}
+
+impl Draw for Fig4 {
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        let (plots, legend) = style::with_legend(area);
+        let (w, _) = plots.dim_in_pixel();
+        let (a, b) = plots.split_horizontally(w / 2);
+        self.throughput.draw(&a)?;
+        self.per_gb.draw(&b)?;
+        style::legend(&legend, &legend_items(&[&self.throughput, &self.per_gb]))
+    }
+}

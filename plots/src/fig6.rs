@@ -1,0 +1,99 @@
+//! Fig. 6: decode throughput and the walltime breakdown vs output length (the
+//! study's claim C9: `full` ≈15× InfiniGen's throughput at every length, InfiniGen's
+//! walltime grows to many times `full`'s).
+
+use crate::bars::Bars;
+use crate::data::Run;
+use crate::fig5::{bar_line_legend, walltime_bars};
+use crate::lines::Panel;
+use crate::select::{missing_note, pin, series, series_notes, Dim};
+use crate::style::{self, fmt_count, Fmt};
+use crate::{Draw, Error, Prepared, Tables};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+pub struct Fig6 {
+    throughput: Panel,
+    walltime: Bars,
+    notes: Vec<String>,
+}
+
+pub fn prepare(t: &Tables) -> Prepared<Fig6> {
+    if let Some(why) = t.no_runs() {
+        return Err(why);
+    }
+    let all: Vec<&Run> = t.runs.iter().collect();
+    let mut notes = Vec::new();
+    let runs = pin(&all, &[Dim::Output], &mut notes);
+    let output = |r: &Run| r.output;
+    let tput = series(&runs, |r| r.output, |r| r.get("decode_tok_s"));
+    let walltime = walltime_bars(
+        "Walltime breakdown",
+        "output length (tokens)",
+        &runs,
+        &output,
+    );
+    let no_tput = tput
+        .iter()
+        .all(|s| s.points.is_empty() && s.fails.is_empty());
+    if no_tput
+        && walltime
+            .bars
+            .iter()
+            .all(|b| b.fail.is_none() && b.parts.iter().all(Option::is_none))
+    {
+        return Err(if runs.iter().any(|r| r.output.is_some()) {
+            "neither decode throughput (decode_tok_s) nor the walltime breakdown (wall_*_s) was measured (null) in any cell".into()
+        } else {
+            "no cell has an output length".into()
+        });
+    }
+    notes.extend(series_notes(&tput, "Decode throughput", fmt_count));
+    notes.extend(
+        walltime
+            .notes()
+            .into_iter()
+            .filter(|n| !n.contains("did not finish")),
+    );
+    notes.extend(missing_note(
+        t,
+        &[
+            "decode_tok_s",
+            "wall_prefill_s",
+            "wall_decode_s",
+            "wall_cache_ops_s",
+        ],
+    ));
+    let mut throughput = Panel::fit(
+        "Decode throughput",
+        "output length (tokens)",
+        "decode throughput (tokens/s)",
+        tput,
+        None,
+        None,
+        Fmt::Count,
+        Fmt::Count,
+    );
+    let xs: Vec<f64> = runs.iter().filter_map(|r| r.output).collect();
+    throughput.x = throughput.x.clone().with_ticks_at(&xs);
+    Ok(Fig6 {
+        throughput,
+        walltime,
+        notes,
+    })
+}
+
+impl Draw for Fig6 {
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        let (plots, legend) = style::with_legend(area);
+        let (w, _) = plots.dim_in_pixel();
+        let (a, b) = plots.split_horizontally(w * 9 / 20);
+        self.throughput.draw(&a)?;
+        self.walltime.draw(&b)?;
+        style::legend(&legend, &bar_line_legend(&self.walltime, &self.throughput))
+    }
+}

@@ -1,0 +1,208 @@
+//! Fig. 7: accuracy vs KV budget, one panel per task, one line per engine, the
+//! full-cache accuracy dashed as the reference (the study's claim C10: budget 0.5 ≈
+//! the full cache, near-random accuracy at 0.02–0.04). Reads `accuracy.parquet`
+//! (task, engine, budget, correct or accuracy; optional repeat); the retention task
+//! is Fig. 8's.
+
+use crate::data::AccRow;
+use crate::select::{engine_rank, stats};
+use crate::style::{self, engine_color, Axis, Fmt, LegendItem, LineStyle, Marker};
+use crate::{Draw, Error, Prepared, Tables};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use std::collections::BTreeMap;
+
+/// Accuracy of one engine on one task at one budget: mean, min, max over repeats.
+#[derive(Debug, Clone)]
+struct Acc {
+    budget: f64,
+    mean: f64,
+    lo: f64,
+    hi: f64,
+    n: usize,
+}
+
+struct Task {
+    name: String,
+    /// Per engine (rank, name), its points by budget.
+    lines: BTreeMap<(u8, String), Vec<Acc>>,
+    reference: Option<f64>,
+}
+
+pub struct Fig7 {
+    tasks: Vec<Task>,
+    x: Axis,
+    notes: Vec<String>,
+}
+
+/// Mean over items per repeat, then mean and range over repeats.
+fn aggregate(rows: &[&AccRow]) -> Option<(f64, f64, f64, usize)> {
+    let mut per: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+    for r in rows {
+        per.entry(r.repeat).or_default().push(r.value);
+    }
+    let means: Vec<f64> = per.values().filter_map(|v| stats(v).map(|s| s.0)).collect();
+    stats(&means).map(|(m, lo, hi)| (m, lo, hi, means.len()))
+}
+
+pub fn prepare(t: &Tables) -> Prepared<Fig7> {
+    let rows = t.accuracy_rows().map_err(|e| {
+        format!("{e}. Fig. 7 reads accuracy.parquet: task, engine, budget, correct (or accuracy)")
+    })?;
+    let rows: Vec<&AccRow> = rows.iter().filter(|r| r.task != "retention").collect();
+    if rows.is_empty() {
+        return Err("accuracy.parquet has no task other than retention".into());
+    }
+    let mut by_task: BTreeMap<String, Vec<&AccRow>> = BTreeMap::new();
+    for r in &rows {
+        by_task.entry(r.task.clone()).or_default().push(r);
+    }
+    let mut notes = Vec::new();
+    let mut budgets = Vec::new();
+    let mut tasks = Vec::new();
+    let mut multi = 0;
+    for (name, rs) in by_task {
+        let full: Vec<&AccRow> = rs.iter().copied().filter(|r| r.engine == "full").collect();
+        let reference = aggregate(&full).map(|a| a.0);
+        if reference.is_none() {
+            notes.push(format!("{name}: no full-cache reference (no `full` rows)."));
+        }
+        let mut groups: BTreeMap<(u8, String), BTreeMap<i64, Vec<&AccRow>>> = BTreeMap::new();
+        for r in rs.iter().filter(|r| r.engine != "full") {
+            let Some(b) = r.budget.filter(|b| *b > 0.0) else {
+                continue;
+            };
+            groups
+                .entry((engine_rank(&r.engine), r.engine.clone()))
+                .or_default()
+                .entry((b * 1e6).round() as i64)
+                .or_default()
+                .push(r);
+        }
+        let mut lines = BTreeMap::new();
+        for (k, per_budget) in groups {
+            let mut pts = Vec::new();
+            for rs in per_budget.values() {
+                let Some(b) = rs[0].budget else { continue };
+                if let Some((mean, lo, hi, n)) = aggregate(rs) {
+                    budgets.push(b);
+                    multi = multi.max(n);
+                    pts.push(Acc {
+                        budget: b,
+                        mean,
+                        lo,
+                        hi,
+                        n,
+                    });
+                }
+            }
+            lines.insert(k, pts);
+        }
+        tasks.push(Task {
+            name,
+            lines,
+            reference,
+        });
+    }
+    if budgets.is_empty() {
+        return Err("accuracy.parquet has no rows of a compressing engine with a budget".into());
+    }
+    if tasks.len() > 6 {
+        notes.push(format!(
+            "{} tasks: the first 6 are shown ({} left out).",
+            tasks.len(),
+            tasks.len() - 6
+        ));
+        tasks.truncate(6);
+    }
+    if multi > 1 {
+        notes.push(format!(
+            "Points are means over repeats; bars span min–max (up to {multi} repeats)."
+        ));
+    }
+    let x = Axis::auto(&budgets, None, false, Fmt::Num).with_ticks_at(&budgets);
+    Ok(Fig7 { tasks, x, notes })
+}
+
+impl Draw for Fig7 {
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        let (plots, legend) = style::with_legend(area);
+        let n = self.tasks.len();
+        let cols = if n <= 2 { n.max(1) } else { n.div_ceil(2) };
+        let rows = n.div_ceil(cols);
+        let cells = plots.split_evenly((rows, cols));
+        let y = Axis::percent();
+        let mut engines: Vec<(u8, String)> = Vec::new();
+        for (task, cell) in self.tasks.iter().zip(cells.iter()) {
+            let mut c = style::chart(
+                cell,
+                &task.name,
+                &self.x,
+                &y,
+                "KV budget (fraction kept)",
+                "accuracy (%)",
+            )?;
+            if let Some(r) = task.reference {
+                c.draw_series(DashedLineSeries::new(
+                    [(self.x.lo, r * 100.0), (self.x.hi, r * 100.0)],
+                    12,
+                    8,
+                    engine_color("full").stroke_width(3),
+                ))
+                .map_err(|e| Error::Draw(e.to_string()))?;
+            }
+            let m = task.lines.len() as f64;
+            for (k, ((rank, engine), pts)) in task.lines.iter().enumerate() {
+                // Engines with equal accuracy would hide each other: a small sideways shift.
+                let dx = (k as f64 - (m - 1.0) / 2.0) * 0.008 * (self.x.hi - self.x.lo);
+                if !engines.iter().any(|e| e.1 == *engine) {
+                    engines.push((*rank, engine.clone()));
+                }
+                let s = LineStyle {
+                    color: engine_color(engine),
+                    dash: style::Dash::Solid,
+                    marker: Marker::Circle,
+                };
+                let xy: Vec<(f64, f64)> = pts
+                    .iter()
+                    .filter(|p| self.x.ok(p.budget))
+                    .map(|p| (self.x.map(p.budget) + dx, p.mean * 100.0))
+                    .collect();
+                style::line(&mut c, &xy, &s)?;
+                for p in pts.iter().filter(|p| p.n > 1 && p.hi > p.lo) {
+                    style::error_bar(
+                        &mut c,
+                        self.x.map(p.budget) + dx,
+                        p.lo * 100.0,
+                        p.hi * 100.0,
+                        s.color,
+                    )?;
+                }
+                for &pt in &xy {
+                    style::marker(&mut c, pt, s.marker, s.color, 6)?;
+                }
+            }
+        }
+        engines.sort();
+        let mut items = vec![LegendItem::Heading("engine".into())];
+        items.push(LegendItem::Dashed(
+            "full cache (reference)".into(),
+            engine_color("full"),
+        ));
+        for (_, e) in engines {
+            items.push(LegendItem::Line(
+                e.clone(),
+                LineStyle {
+                    color: engine_color(&e),
+                    dash: style::Dash::Solid,
+                    marker: Marker::Circle,
+                },
+            ));
+        }
+        style::legend(&legend, &items)
+    }
+}

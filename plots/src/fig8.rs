@@ -1,0 +1,178 @@
+//! Fig. 8: retention of a fact stated at the start of a conversation, by context
+//! bucket (bars per engine) and by turn (lines per engine) (the study's claim C11:
+//! `full` 94–96 %, InfiniGen 92–94 %, H2O 70–78 % and worse at longer contexts).
+//! Reads the `retention` task's rows of `accuracy.parquet` (engine, correct,
+//! `bucket`, `turn`).
+
+use crate::data::AccRow;
+use crate::select::{engine_rank, stats};
+use crate::style::{self, engine_color, Axis, DrawResult, Fmt, LegendItem, LineStyle, Marker};
+use crate::{Draw, Error, Prepared, Tables};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use std::collections::BTreeMap;
+
+pub struct Fig8 {
+    buckets: Vec<String>,
+    /// Engine → retention (%) per bucket.
+    by_bucket: BTreeMap<(u8, String), Vec<Option<f64>>>,
+    /// Engine → (turn, retention %).
+    by_turn: BTreeMap<(u8, String), Vec<(f64, f64)>>,
+    notes: Vec<String>,
+}
+
+/// `1K-2K` → 1000, `8192-16384` → 8192: the bucket's lower bound, for ordering.
+fn bucket_start(b: &str) -> f64 {
+    let head: String = b
+        .trim()
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.' || *c == 'K' || *c == 'k')
+        .collect();
+    let (num, mult) = match head.strip_suffix(['K', 'k']) {
+        Some(n) => (n, 1e3),
+        None => (head.as_str(), 1.0),
+    };
+    num.parse::<f64>().map_or(f64::INFINITY, |v| v * mult)
+}
+
+pub fn prepare(t: &Tables) -> Prepared<Fig8> {
+    let rows = t.accuracy_rows().map_err(|e| {
+        format!("{e}. Fig. 8 reads the retention task of accuracy.parquet: engine, correct, bucket, turn")
+    })?;
+    let rows: Vec<&AccRow> = rows.iter().filter(|r| r.task == "retention").collect();
+    if rows.is_empty() {
+        return Err("accuracy.parquet has no `retention` task rows".into());
+    }
+    let mut notes = Vec::new();
+    let mut buckets: Vec<String> = rows.iter().filter_map(|r| r.bucket.clone()).collect();
+    buckets.sort_by(|a, b| bucket_start(a).total_cmp(&bucket_start(b)).then(a.cmp(b)));
+    buckets.dedup();
+    let mut by_bucket = BTreeMap::new();
+    let mut by_turn = BTreeMap::new();
+    let mut per_engine: BTreeMap<(u8, String), Vec<&AccRow>> = BTreeMap::new();
+    for r in &rows {
+        per_engine
+            .entry((engine_rank(&r.engine), r.engine.clone()))
+            .or_default()
+            .push(r);
+    }
+    for (k, rs) in per_engine {
+        let bars: Vec<Option<f64>> = buckets
+            .iter()
+            .map(|b| {
+                let v: Vec<f64> = rs
+                    .iter()
+                    .filter(|r| r.bucket.as_deref() == Some(b))
+                    .map(|r| r.value * 100.0)
+                    .collect();
+                stats(&v).map(|s| s.0)
+            })
+            .collect();
+        let mut turns: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+        for r in &rs {
+            if let Some(t) = r.turn {
+                turns.entry(t as i64).or_default().push(r.value * 100.0);
+            }
+        }
+        let line: Vec<(f64, f64)> = turns
+            .into_iter()
+            .filter_map(|(t, v)| stats(&v).map(|s| (t as f64, s.0)))
+            .collect();
+        by_bucket.insert(k.clone(), bars);
+        by_turn.insert(k, line);
+    }
+    if buckets.is_empty() {
+        notes.push("No `bucket` column or values: retention by bucket not shown.".into());
+    }
+    if by_turn.values().all(Vec::is_empty) {
+        notes.push("No `turn` column or values: retention by turn not shown.".into());
+    }
+    notes.push("Retention: share of conversations whose answer contains the fact (%).".into());
+    Ok(Fig8 {
+        buckets,
+        by_bucket,
+        by_turn,
+        notes,
+    })
+}
+
+impl Draw for Fig8 {
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        let (plots, legend) = style::with_legend(area);
+        let (w, _) = plots.dim_in_pixel();
+        let (a, b) = plots.split_horizontally(w / 2);
+        let y = Axis::percent();
+        if self.buckets.is_empty() {
+            style::no_data(&a, "no context buckets")?;
+        } else {
+            let x = Axis::categories(self.buckets.clone());
+            let mut c = style::chart(
+                &a,
+                "By context bucket",
+                &x,
+                &y,
+                "context (tokens)",
+                "retention (%)",
+            )?;
+            let n = self.by_bucket.len().max(1) as f64;
+            let bw = 0.8 / n;
+            for (slot, ((_, engine), vals)) in self.by_bucket.iter().enumerate() {
+                for (g, v) in vals.iter().enumerate() {
+                    let Some(v) = v else { continue };
+                    let x0 = g as f64 - 0.4 + bw * slot as f64 + 0.05 * bw;
+                    c.draw_series(std::iter::once(Rectangle::new(
+                        [(x0, 0.0), (x0 + 0.9 * bw, *v)],
+                        engine_color(engine).filled(),
+                    )))
+                    .drawn()?;
+                }
+            }
+        }
+        let turns: Vec<f64> = self.by_turn.values().flatten().map(|p| p.0).collect();
+        if turns.is_empty() {
+            style::no_data(&b, "no turns")?;
+        } else {
+            let x = Axis::auto(&turns, Some(false), false, Fmt::Num).with_ticks_at(&turns);
+            let mut c = style::chart(&b, "By turn", &x, &y, "turn", "retention (%)")?;
+            let m = self.by_turn.len() as f64;
+            for (k, ((_, engine), pts)) in self.by_turn.iter().enumerate() {
+                let dx = (k as f64 - (m - 1.0) / 2.0) * 0.008 * (x.hi - x.lo);
+                let pts: Vec<(f64, f64)> = pts.iter().map(|p| (p.0 + dx, p.1)).collect();
+                let s = LineStyle {
+                    color: engine_color(engine),
+                    dash: style::Dash::Solid,
+                    marker: Marker::Circle,
+                };
+                style::line(&mut c, &pts, &s)?;
+                for &p in &pts {
+                    style::marker(&mut c, p, s.marker, s.color, 6)?;
+                }
+            }
+        }
+        let mut items = vec![LegendItem::Heading("engine".into())];
+        for (_, e) in self.by_bucket.keys() {
+            items.push(LegendItem::Line(
+                e.clone(),
+                LineStyle {
+                    color: engine_color(e),
+                    dash: style::Dash::Solid,
+                    marker: Marker::Circle,
+                },
+            ));
+        }
+        style::legend(&legend, &items)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn buckets_sort_by_their_start() {
+        assert_eq!(super::bucket_start("1K-2K"), 1000.0);
+        assert_eq!(super::bucket_start("8192-16384"), 8192.0);
+    }
+}
