@@ -52,3 +52,12 @@ gpu-run *args:
 # Figures of an experiment as PNG + SVG in results/EXP/figures/: EXP is a results directory or a name under results/ (--figures fig1,fig3; --out DIR).
 figures exp *args: build
     @./target/release/kvbench plot "$@"
+
+# CI regression sweep: run experiments/ci/sweep.yaml (one thread) into results/ci/ and compare it with the committed results/baselines/ci/ci-sweep/, timings relative to `full` (extra args go to compare, e.g. --tolerance 80%).
+ci-sweep *args: build
+    #!/usr/bin/env bash
+    set -euo pipefail
+    kvbench="${CARGO_TARGET_DIR:-target}/release/kvbench"
+    rm -rf results/ci/ci-sweep
+    "$kvbench" --threads 1 run experiments/ci/sweep.yaml --results results/ci
+    "$kvbench" compare results/baselines/ci/ci-sweep results/ci/ci-sweep --relative-to full "$@"

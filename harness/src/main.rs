@@ -1,6 +1,7 @@
 //! `kvbench`: benchmark and characterization of KV-cache management strategies.
 
 mod cell;
+mod compare;
 mod environment;
 mod experiment;
 mod generate;
@@ -43,6 +44,9 @@ enum Command {
     /// Check every strategy × attention implementation against full + eager at budget
     /// 1.0, and each strategy's KV bytes against a small budget.
     Verify(verify::VerifyArgs),
+    /// Compare a run with a baseline (both results directories): ratios of timings,
+    /// exact outcomes and ledger bytes; non-zero exit on a regression.
+    Compare(compare::CompareArgs),
 }
 
 fn main() -> Result<()> {
@@ -59,5 +63,6 @@ fn main() -> Result<()> {
         Command::Verify(a) => verify::run(a),
         Command::Run(a) => run::run(a),
         Command::RunCell(a) => cell::run(a),
+        Command::Compare(a) => compare::run(a),
     }
 }
