@@ -30,9 +30,9 @@ test: (fetch-model "smollm2")
     cargo clippy --all-targets -- -D warnings
     cargo test --release --workspace
 
-# Run an experiment YAML: each cell in its own process, results in results/<name>/ (resumable; --dry-run, --shard i/n, --force).
-run-experiment *args: build
-    @./target/release/kvbench run "$@"
+# Run an experiment: NAME under experiments/ without .yaml (cpu/quickstart) or a YAML path; each cell in its own process, results in results/<name>/ (resumable; --dry-run, --shard i/n, --force, --tables-only).
+run-experiment name *args: build
+    @"${CARGO_TARGET_DIR:-target}/release/kvbench" run "$@"
 
 # Criterion benches: `just bench` decode vs candle's quantized llama; `just bench policies` one step per strategy.
 bench which="decode" *args: (fetch-model "smollm2")
@@ -51,7 +51,7 @@ gpu-run *args:
 
 # Figures of an experiment as PNG + SVG in results/EXP/figures/: EXP is a results directory or a name under results/ (--figures fig1,fig3; --out DIR).
 figures exp *args: build
-    @./target/release/kvbench plot "$@"
+    @"${CARGO_TARGET_DIR:-target}/release/kvbench" plot "$@"
 
 # CI regression sweep: run experiments/ci/sweep.yaml (one thread) into results/ci/ and compare it with the committed results/baselines/ci/ci-sweep/, timings relative to `full` (extra args go to compare, e.g. --tolerance 80%).
 ci-sweep *args: build
@@ -61,3 +61,7 @@ ci-sweep *args: build
     rm -rf results/ci/ci-sweep
     "$kvbench" --threads 1 run experiments/ci/sweep.yaml --results results/ci
     "$kvbench" compare results/baselines/ci/ci-sweep results/ci/ci-sweep --relative-to full "$@"
+
+# Report of an experiment: results/EXP/report.md and a self-contained report.html (environment, grid, cells, figures, the study's claims C1–C11 judged on the data); run `just figures EXP` first.
+report exp: build
+    @"${CARGO_TARGET_DIR:-target}/release/kvbench" report "$1"

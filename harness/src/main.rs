@@ -9,6 +9,7 @@ mod metrics;
 mod models;
 mod plot;
 mod recorder;
+mod report;
 mod run;
 mod sampler;
 mod setup;
@@ -47,6 +48,10 @@ enum Command {
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.
     Compare(compare::CompareArgs),
+    /// Write results/EXP/report.md and a self-contained report.html: environment,
+    /// grid, a table per cell, the figures, and what the data says of each of the
+    /// study's claims.
+    Report(report::ReportArgs),
 }
 
 fn main() -> Result<()> {
@@ -64,5 +69,6 @@ fn main() -> Result<()> {
         Command::Run(a) => run::run(a),
         Command::RunCell(a) => cell::run(a),
         Command::Compare(a) => compare::run(a),
+        Command::Report(a) => report::run(a),
     }
 }

@@ -385,8 +385,11 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         );
     }
     println!(
-        "results: {} (cells/ and runs, requests, steps, samples .parquet)",
-        exp_dir.display()
+        "results: {} (cells/ and runs, requests, steps, samples .parquet)\n\
+         figures: kvbench plot {0}   (just figures {1})\n\
+         report:  kvbench report {0}   (just report {1})",
+        exp_dir.display(),
+        plan.exp.name
     );
     Ok(())
 }
