@@ -447,6 +447,7 @@ fn c5(runs: &[&Run], batches: &[f64]) -> (Verdict, String) {
         ok &= h.1 <= 0.6 * f.1;
     } else {
         ev.push_str("; no h2o at the largest batch");
+        return (Verdict::CannotTell, ev);
     }
     let ig = host("infinigen");
     if !ig.is_empty() {
