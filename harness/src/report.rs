@@ -6,7 +6,7 @@
 use anyhow::{bail, Context, Result};
 use base64::Engine as _;
 use clap::Args;
-use polars::prelude::{DataFrame, DataType, ParquetReader, SerReader};
+use polars::prelude::{DataFrame, ParquetReader, SerReader};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -65,28 +65,14 @@ impl Run {
     }
 }
 
+/// A column as strings, all null when the table lacks it.
 fn strings(df: &DataFrame, name: &str) -> Vec<Option<String>> {
-    let Ok(c) = df.column(name) else {
-        return vec![None; df.height()];
-    };
-    let Ok(c) = c.cast(&DataType::String) else {
-        return vec![None; df.height()];
-    };
-    let s = c.str().expect("cast to string");
-    (0..df.height())
-        .map(|i| s.get(i).map(str::to_owned))
-        .collect()
+    kvbench_plots::strs(df, name).unwrap_or_else(|| vec![None; df.height()])
 }
 
+/// A column as numbers, all null when the table lacks it.
 fn floats(df: &DataFrame, name: &str) -> Vec<Option<f64>> {
-    let Ok(c) = df.column(name) else {
-        return vec![None; df.height()];
-    };
-    let Ok(c) = c.cast(&DataType::Float64) else {
-        return vec![None; df.height()];
-    };
-    let f = c.f64().expect("cast to f64");
-    (0..df.height()).map(|i| f.get(i)).collect()
+    kvbench_plots::f64s(df, name).unwrap_or_else(|| vec![None; df.height()])
 }
 
 /// Read runs.parquet of `dir`.
