@@ -1,5 +1,6 @@
-//! kvbench datasets: corpora → prompts of exact token length, arrival processes; later
-//! chat conversations, multiple-choice tasks and the retention task.
+//! kvbench datasets: corpora → prompts of exact token length, arrival processes, the
+//! multiple-choice log-likelihood tasks (lm-eval's formats); later chat conversations
+//! and the retention task.
 //!
 //! The crate knows nothing of the engines: text is turned into tokens through the
 //! [`Tokenize`] trait, which the harness implements with the model's tokenizer.
@@ -7,6 +8,7 @@
 pub mod arrivals;
 pub mod corpus;
 pub mod prompts;
+pub mod tasks;
 
 use std::path::PathBuf;
 
@@ -25,6 +27,12 @@ pub enum Error {
     },
     #[error("{path}: {message}")]
     Format { path: PathBuf, message: String },
+    #[error("{path}:{line}: {message}")]
+    Line {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("invalid workload: {0}")]
