@@ -281,6 +281,12 @@ impl Engine {
         &self.finished
     }
 
+    /// Hand over the outputs finished so far (a long scoring run need not keep every
+    /// request's logits).
+    pub fn take_finished(&mut self) -> Vec<RequestOutput> {
+        std::mem::take(&mut self.finished)
+    }
+
     pub fn scheduler(&self) -> &Scheduler {
         &self.sched
     }
@@ -293,6 +299,34 @@ impl Engine {
     /// vocabulary, longer than `max_model_len`, more KV than the whole pool) is
     /// rejected here with an error rather than left to loop in the scheduler.
     pub fn add_request(&mut self, req: Request) -> Result<SeqId> {
+        self.add_request_inner(req, None)
+    }
+
+    /// As [`Engine::add_request`] with `record_logits`, also keeping the logits of the
+    /// prompt positions `from..prompt.len() - 1` (the row at position p predicts token
+    /// p + 1): one-pass scoring of a continuation that is part of the prompt. Those
+    /// rows come first in `RequestOutput::logits`, then one per generated token.
+    pub fn add_request_with_prompt_logits(&mut self, req: Request, from: usize) -> Result<SeqId> {
+        if from >= req.prompt.len() {
+            return Err(Error::Config(format!(
+                "prompt logits from position {from}: the prompt has {} tokens",
+                req.prompt.len()
+            )));
+        }
+        self.add_request_inner(
+            Request {
+                record_logits: true,
+                ..req
+            },
+            Some(from),
+        )
+    }
+
+    fn add_request_inner(
+        &mut self,
+        req: Request,
+        prompt_logits_from: Option<usize>,
+    ) -> Result<SeqId> {
         let id = self.next_id;
         self.next_id += 1;
         let total = req.prompt.len() + req.max_new_tokens;
@@ -338,6 +372,7 @@ impl Engine {
             forced: req.forced_output,
             record_logits: req.record_logits,
             logits: Vec::new(),
+            prompt_logits_from,
         });
         Ok(id)
     }
@@ -399,7 +434,11 @@ impl Engine {
                 .expect("admitted ids are known");
             s.admitted_s.get_or_insert(t_start);
         }
-        let (tokens, positions, batch, sample_rows, sample_ids, counts) = self.pack(&plan);
+        let (tokens, positions, batch, mut sample_rows, sample_ids, counts, prompt_rows) =
+            self.pack(&plan);
+        // Rows kept only for their logits (one-pass scoring) follow the sampled rows.
+        let n_sampled = sample_rows.len();
+        sample_rows.extend(prompt_rows.iter().map(|&(row, _)| row));
         let schedule_s = t0.elapsed().as_secs_f64();
 
         let act = self.model.activation_bytes(tokens.len(), sample_rows.len());
@@ -440,7 +479,16 @@ impl Engine {
         let (attended, context) = self.audit(&batch)?;
 
         let t2 = Instant::now();
-        let rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let kept = rows.split_off(n_sampled);
+        for (row, (_, id)) in kept.into_iter().zip(&prompt_rows) {
+            let s = self
+                .sched
+                .seqs
+                .get_mut(id)
+                .expect("scheduled ids are known");
+            s.logits.push(row);
+        }
         let mut next = argmax(&rows);
         for (i, id) in sample_ids.iter().enumerate() {
             let s = self
@@ -580,7 +628,8 @@ impl Engine {
     }
 
     /// Pack the plan's sequences row-wise: tokens, positions, the batch layout, the rows
-    /// (and sequences) that produce a token, and (prefill tokens, decode tokens).
+    /// (and sequences) that produce a token, (prefill tokens, decode tokens), and the
+    /// prompt rows whose logits are kept (with their sequences).
     #[allow(clippy::type_complexity)]
     fn pack(
         &self,
@@ -592,17 +641,26 @@ impl Engine {
         Vec<u32>,
         Vec<SeqId>,
         (usize, usize),
+        Vec<(u32, SeqId)>,
     ) {
         let mut tokens = Vec::new();
         let mut positions = Vec::new();
         let mut batch = StepBatch::default();
         let mut rows = Vec::new();
         let mut ids = Vec::new();
+        let mut kept = Vec::new();
         let (mut prefill, mut decode) = (0, 0);
         for &(id, n) in &plan.entries {
             let s = &self.sched.seqs[&id];
             let start = s.num_computed;
+            let keep = s.prompt_logit_positions();
+            // After a preemption the prompt is recomputed: rows already kept are not
+            // kept again.
+            let done = keep.start + s.logits.len().min(keep.len());
             for p in start..start + n {
+                if p >= done && keep.contains(&p) {
+                    kept.push((tokens.len() as u32, id));
+                }
                 tokens.push(s.token(p));
                 positions.push(p as u32);
             }
@@ -618,7 +676,7 @@ impl Engine {
                 ids.push(id);
             }
         }
-        (tokens, positions, batch, rows, ids, (prefill, decode))
+        (tokens, positions, batch, rows, ids, (prefill, decode), kept)
     }
 
     fn on_token(&mut self, id: SeqId, tok: u32, now: f64) {

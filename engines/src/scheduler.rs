@@ -66,6 +66,9 @@ pub struct Sequence {
     /// Keep the logits of every generated position.
     pub record_logits: bool,
     pub logits: Vec<Vec<f32>>,
+    /// Also keep the logits of prompt positions from this one on (one-pass scoring of a
+    /// continuation placed in the prompt); they come first in `logits`.
+    pub prompt_logits_from: Option<usize>,
 }
 
 impl Sequence {
@@ -82,6 +85,16 @@ impl Sequence {
             prompt_len: self.prompt.len(),
             max_new_tokens: self.max_new_tokens,
             prefill_len: self.total_len(),
+        }
+    }
+
+    /// Prompt positions whose logits are kept besides the sampled row: from
+    /// `prompt_logits_from` to the one before the last prompt token (the last one is
+    /// the sampled row).
+    pub fn prompt_logit_positions(&self) -> std::ops::Range<usize> {
+        match self.prompt_logits_from {
+            Some(from) if self.record_logits => from.min(self.prompt.len())..self.prompt.len() - 1,
+            _ => 0..0,
         }
     }
 
