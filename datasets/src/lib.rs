@@ -1,6 +1,6 @@
 //! kvbench datasets: corpora → prompts of exact token length, arrival processes, the
-//! multiple-choice log-likelihood tasks (lm-eval's formats); later chat conversations
-//! and the retention task.
+//! multiple-choice log-likelihood tasks (lm-eval's formats), chat conversations and the
+//! retention task.
 //!
 //! The crate knows nothing of the engines: text is turned into tokens through the
 //! [`Tokenize`] trait, which the harness implements with the model's tokenizer.
@@ -8,6 +8,7 @@
 pub mod arrivals;
 pub mod corpus;
 pub mod prompts;
+pub mod retention;
 pub mod tasks;
 
 use std::path::PathBuf;

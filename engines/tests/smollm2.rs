@@ -202,3 +202,32 @@ fn gguf_config_has_smollm2_architecture() {
     assert!(c.tie_word_embeddings && c.rope_interleaved);
     assert_eq!(c.eos_token_ids, vec![2]);
 }
+
+#[test]
+fn chat_template_comes_from_the_gguf_and_encodes_chatml_markers_as_single_tokens() {
+    use kvbench_engines::tokenizer::ChatTemplate;
+    let file = GgufFile::open(&smollm2_path()).unwrap();
+    let tok = TextTokenizer::from_gguf(&file.content).unwrap();
+    let t = tok
+        .chat_template
+        .clone()
+        .expect("SmolLM2 has a chat template");
+    assert_eq!(
+        t,
+        ChatTemplate::ChatMl {
+            default_system: Some(
+                "You are a helpful AI assistant named SmolLM, trained by Hugging Face".into()
+            )
+        }
+    );
+    let text = t.render(&[("user", "Hi")], true);
+    let ids = tok.encode(&text).unwrap();
+    let (start, end) = (tok.token_id("<|im_start|>"), tok.token_id("<|im_end|>"));
+    assert_eq!((start, end), (Some(1), Some(2)));
+    assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3, "{ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 2, "{ids:?}");
+    // No spurious space after a marker: `<|im_start|>user` is `user`, not `Ġuser`.
+    assert_eq!(tok.decode(&ids[..2]).unwrap(), "system");
+    assert_eq!(tok.inner.id_to_token(ids[1]).as_deref(), Some("system"));
+    assert_eq!(tok.end_of_turn_ids(), vec![2]);
+}
