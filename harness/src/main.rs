@@ -10,6 +10,7 @@ mod models;
 mod plot;
 mod recorder;
 mod report;
+mod retention;
 mod run;
 mod sampler;
 mod setup;
