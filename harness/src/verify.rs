@@ -225,14 +225,19 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         pass: complete && d <= tolerance,
         error: None,
     });
-    // On CUDA only `full` has device kernels so far.
+    // On CUDA: the strategies with device kernels (StreamingLLM without rolling
+    // positions).
     let impls = [
         AttentionImpl::Eager,
         AttentionImpl::Chunked,
         AttentionImpl::Flash,
     ];
     let strategies: &[(&str, &[(&str, &str)])] = if on_cuda {
-        &[("full", &[])]
+        &[
+            ("full", &[]),
+            ("h2o", &[]),
+            ("streaming", &[("rolling_positions", "false")]),
+        ]
     } else {
         &[
             ("full", &[]),
@@ -299,13 +304,23 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     };
     let token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
     let elem = kvbench_engines::kv::KvDtype::from_candle(model.dtype()).size();
-    let audited: &[&str] = if on_cuda {
-        &[]
+    let audited: &[(&str, &[(&str, &str)])] = if on_cuda {
+        &[
+            ("h2o", &[]),
+            ("h2o", &[("stats", "eager")]),
+            ("streaming", &[("rolling_positions", "false")]),
+        ]
     } else {
-        &["h2o", "streaming", "infinigen"]
+        &[("h2o", &[]), ("streaming", &[]), ("infinigen", &[])]
     };
-    for &name in audited {
-        let spec = make(name, b, &[])?;
+    for &(name, extra) in audited {
+        let spec = make(name, b, extra)?;
+        // Statistics from materialized probabilities need a cuBLAS attention on CUDA.
+        let imp = if extra.contains(&("stats", "eager")) {
+            AttentionImpl::Eager
+        } else {
+            AttentionImpl::Flash
+        };
         let params = spec.params_json();
         let n = prompts[0].len() + a.steps - 1;
         let allowed = allowed_device_bytes(
@@ -313,10 +328,10 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
             16,
             token_bytes,
         );
-        let row = match run_one(spec.clone(), AttentionImpl::Flash, Some(&forced)) {
+        let row = match run_one(spec.clone(), imp, Some(&forced)) {
             Ok(o) => Row {
                 engine: spec.name(),
-                attention: "flash".into(),
+                attention: imp.to_string(),
                 budget: b,
                 params,
                 max_abs_logit_diff: None,
@@ -327,7 +342,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
             },
             Err(e) => Row {
                 engine: spec.name(),
-                attention: "flash".into(),
+                attention: imp.to_string(),
                 budget: b,
                 params,
                 max_abs_logit_diff: None,

@@ -256,6 +256,435 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 pass: e <= BF16_TOL,
             });
         }
+        out.extend(evicting_checks(dev, &mut rng, h, kvh, d, bs)?);
     }
     Ok(out)
+}
+
+/// Softmax probabilities `[H, n]` of one query row over `n` keys (`[_, KVH, D]`), f64.
+fn reference_probs(q: &[f32], k: &[f32], n: usize, kvh: usize, d: usize) -> Vec<f64> {
+    let h = q.len() / d;
+    let g = h / kvh;
+    let mut out = vec![0f64; h * n];
+    for head in 0..h {
+        let kh = head / g;
+        let qh = &q[head * d..(head + 1) * d];
+        let s: Vec<f64> = (0..n)
+            .map(|j| {
+                let kr = &k[(j * kvh + kh) * d..(j * kvh + kh + 1) * d];
+                qh.iter()
+                    .zip(kr)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    / (d as f64).sqrt()
+            })
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let l: f64 = s.iter().map(|x| (x - m).exp()).sum();
+        for j in 0..n {
+            out[head * n + j] = (s[j] - m).exp() / l;
+        }
+    }
+    out
+}
+
+/// Column sums `[KVH, n]` of rows `q` (`[T, H, D]` at positions `first..first+T`) whose
+/// row `i` attends keys `key0..=first+i` of `k`, f64.
+#[allow(clippy::too_many_arguments)]
+fn reference_columns(
+    q: &[f32],
+    k: &[f32],
+    first: usize,
+    key0: usize,
+    n: usize,
+    h: usize,
+    kvh: usize,
+    d: usize,
+) -> Vec<f64> {
+    let t = q.len() / (h * d);
+    let g = h / kvh;
+    let mut col = vec![0f64; kvh * n];
+    for i in 0..t {
+        let seen = first + i + 1 - key0;
+        let p = reference_probs(
+            &q[i * h * d..(i + 1) * h * d],
+            &k[key0 * kvh * d..],
+            seen,
+            kvh,
+            d,
+        );
+        for head in 0..h {
+            for j in 0..seen {
+                col[(head / g) * n + key0 + j] += p[head * seen + j];
+            }
+        }
+    }
+    col
+}
+
+fn exact_check(kernel: &'static str, case: String, ok: bool) -> KernelCheck {
+    KernelCheck {
+        kernel,
+        case,
+        rel_err: if ok { 0.0 } else { 1.0 },
+        tolerance: 0.0,
+        pass: ok,
+    }
+}
+
+/// The kernels of the evicting strategies (H2O, StreamingLLM) on one shape: exact
+/// column statistics (flash log-sum-exp + second pass), statistics from materialized
+/// probabilities (eager, chunked), decode probabilities into the scores, the decode
+/// eviction of each victim rule and the prefill compaction, against the host.
+fn evicting_checks(
+    dev: &Device,
+    rng: &mut StdRng,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    bs: usize,
+) -> Result<Vec<KernelCheck>> {
+    use super::evicting::{
+        colsum, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init, SlotLayer,
+    };
+    use super::{flash_prefill_with, paged_decode_with, prefill_attention_stats, DecodeScores};
+    use crate::attention::prefill::ColumnStats;
+    use crate::policy::evicting::{Counts, Eviction, VictimKind};
+    use crate::policy::h2o::{H2o, H2oParams};
+    use crate::policy::streaming::{Streaming, StreamingParams};
+
+    let cuda = device_of(dev)?;
+    let mut out = Vec::new();
+    let lens = [700usize, 130];
+    let total_blocks: usize = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
+    let mut free: Vec<i32> = (0..total_blocks as i32).collect();
+    free.shuffle(rng);
+    let tables: Vec<Vec<i32>> = lens
+        .iter()
+        .map(|l| free.split_off(free.len() - l.div_ceil(bs)))
+        .collect();
+    let phys = |si: usize, i: usize| tables[si][i / bs] * bs as i32 + (i % bs) as i32;
+    let mut sl = SlotLayer::new(&cuda, total_blocks * bs, kvh, d)?;
+    let mut keys = Vec::new();
+    for (si, &l) in lens.iter().enumerate() {
+        let k = rand_bf16(rng, l * kvh * d, 1.0);
+        let v = rand_bf16(rng, l * kvh * d, 1.0);
+        let slots: Vec<i32> = (0..l).map(|i| phys(si, i)).collect();
+        kv_write(
+            &mut sl.kv,
+            &upload(&k, &[l, kvh, d], dev)?,
+            &upload(&v, &[l, kvh, d], dev)?,
+            &slots,
+        )?;
+        keys.push((k, v, slots));
+    }
+    let reset = |sl: &mut SlotLayer| -> Result<()> {
+        for (si, &l) in lens.iter().enumerate() {
+            let pos: Vec<i32> = (0..l as i32).collect();
+            slot_meta_init(&cuda, sl, &keys[si].2, &pos)?;
+        }
+        Ok(())
+    };
+    let tables_d: Vec<_> = tables
+        .iter()
+        .map(|t| super::upload_i32(&cuda, t))
+        .collect::<Result<_>>()?;
+    let scores_of = |sl: &SlotLayer, si: usize, n: usize| -> Result<Vec<f32>> {
+        let s = scores_gather(&cuda, sl, &tables_d[si], n, kvh, bs)?;
+        Ok(cuda
+            .cuda_stream()
+            .clone_dtoh(&s)
+            .map_err(candle_core::Error::wrap)?)
+    };
+
+    // Exact statistics: a whole prompt, and the last rows after a cached prefix.
+    for (si, t) in [(1usize, lens[1]), (0, 200)] {
+        let l = lens[si];
+        let before = l - t;
+        reset(&mut sl)?;
+        let qp = rand_bf16(rng, t * h * d, 2.0);
+        let qt = upload(&qp, &[t, h, d], dev)?;
+        let mut lse = cuda.alloc_zeros::<f32>(t * h)?;
+        flash_prefill_with(&sl.kv, &qt, &tables[si], before, kvh, bs, Some(&mut lse))?;
+        colsum(&cuda, &mut sl, &qt, &lse, &tables_d[si], before, kvh, bs)?;
+        let got = scores_of(&sl, si, l)?;
+        let reference = reference_columns(&qp, &keys[si].0, before, 0, l, h, kvh, d);
+        let e = rel_err(&got, &reference);
+        out.push(KernelCheck {
+            kernel: "h2o exact statistics",
+            case: format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
+            rel_err: e,
+            tolerance: BF16_TOL,
+            pass: e <= BF16_TOL,
+        });
+    }
+
+    // Statistics from the materialized probabilities (cuBLAS): eager and chunked.
+    {
+        let (si, t) = (0usize, 150usize);
+        let l = lens[si];
+        let before = l - t;
+        let qp = rand_bf16(rng, t * h * d, 2.0);
+        let (k, v, _) = &keys[si];
+        for (mode, chunk) in [(ColumnStats::Eager, t), (ColumnStats::Chunked, 37)] {
+            let (_, _, col) = prefill_attention_stats(
+                &upload(&qp, &[t, h, d], dev)?,
+                &upload(k, &[l, kvh, d], dev)?,
+                &upload(v, &[l, kvh, d], dev)?,
+                before,
+                chunk,
+                None,
+                Some(mode),
+            )?;
+            let col = match col {
+                Some(c) => download(&c)?,
+                None => Vec::new(),
+            };
+            let reference = if mode == ColumnStats::Eager {
+                reference_columns(&qp, k, before, 0, l, h, kvh, d)
+            } else {
+                let mut r = vec![0f64; kvh * l];
+                for c0 in (0..t).step_by(chunk) {
+                    let c = chunk.min(t - c0);
+                    let part = reference_columns(
+                        &qp[c0 * h * d..(c0 + c) * h * d],
+                        k,
+                        before + c0,
+                        before + c0,
+                        l,
+                        h,
+                        kvh,
+                        d,
+                    );
+                    for (x, y) in r.iter_mut().zip(part) {
+                        *x += y;
+                    }
+                }
+                r
+            };
+            let e = rel_err(&col, &reference);
+            out.push(KernelCheck {
+                kernel: "h2o materialized statistics",
+                case: format!("H={h} KVH={kvh} D={d}, {mode}, {t} rows after {before}"),
+                rel_err: e,
+                tolerance: BF16_TOL,
+                pass: e <= BF16_TOL,
+            });
+        }
+    }
+
+    // Decode probabilities into the scores: one row per sequence at its last position.
+    {
+        reset(&mut sl)?;
+        let rows = lens.len();
+        let q = rand_bf16(rng, rows * h * d, 2.0);
+        let dt = DecodeTables::new(&cuda, &tables, &lens)?;
+        let stride = lens.iter().copied().max().unwrap_or(1);
+        let mut lse = cuda.alloc_zeros::<f32>(rows * h)?;
+        let mut raw = cuda.alloc_zeros::<f32>(rows * h * stride)?;
+        let scores = DecodeScores {
+            lse: &mut lse,
+            raw: &mut raw,
+            stride,
+        };
+        let shape = DecodeShape {
+            num_heads: h,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: bs,
+            part_size: 256,
+        };
+        paged_decode_with(
+            &sl.kv,
+            &upload(&q, &[rows, h, d], dev)?,
+            &dt,
+            shape,
+            Some(scores),
+        )?;
+        let scores = DecodeScores {
+            lse: &mut lse,
+            raw: &mut raw,
+            stride,
+        };
+        decode_scores_accum(&cuda, &mut sl, &scores, &dt, h / kvh, bs)?;
+        let (mut got, mut reference) = (Vec::new(), Vec::new());
+        for (si, &l) in lens.iter().enumerate() {
+            got.extend(scores_of(&sl, si, l)?);
+            reference.extend(reference_columns(
+                &q[si * h * d..(si + 1) * h * d],
+                &keys[si].0,
+                l - 1,
+                0,
+                l,
+                h,
+                kvh,
+                d,
+            ));
+        }
+        let e = rel_err(&got, &reference);
+        out.push(KernelCheck {
+            kernel: "h2o decode probabilities",
+            case: format!("H={h} KVH={kvh} D={d}, contexts {lens:?}"),
+            rel_err: e,
+            tolerance: BF16_TOL,
+            pass: e <= BF16_TOL,
+        });
+    }
+
+    // Random positions and scores (with ties) on every slot, for the eviction and
+    // compaction checks: positions are a shuffled range per head, scores small
+    // integers.
+    let scramble = |sl: &mut SlotLayer, rng: &mut StdRng| -> Result<Vec<(Vec<i32>, Vec<f32>)>> {
+        let slots = sl.score.len() / kvh;
+        let mut pos = vec![0i32; slots * kvh];
+        let mut score = vec![0f32; slots * kvh];
+        let mut per_seq = Vec::new();
+        for (si, &l) in lens.iter().enumerate() {
+            let (mut p_all, mut s_all) = (vec![0i32; kvh * l], vec![0f32; kvh * l]);
+            for g in 0..kvh {
+                let mut p: Vec<i32> = (0..(l + l / 2) as i32).collect();
+                p.shuffle(rng);
+                for i in 0..l {
+                    let slot = phys(si, i) as usize;
+                    pos[slot * kvh + g] = p[i];
+                    score[slot * kvh + g] = rng.random_range(0..6) as f32;
+                    p_all[g * l + i] = p[i];
+                    s_all[g * l + i] = score[slot * kvh + g];
+                }
+            }
+            per_seq.push((p_all, s_all));
+        }
+        let st = cuda.cuda_stream();
+        sl.pos = st.clone_htod(&pos).map_err(candle_core::Error::wrap)?;
+        sl.score = st.clone_htod(&score).map_err(candle_core::Error::wrap)?;
+        Ok(per_seq)
+    };
+    let download_meta = |sl: &SlotLayer, si: usize, m: usize| -> Result<(Vec<i32>, Vec<f32>)> {
+        let st = cuda.cuda_stream();
+        let pos = st.clone_dtoh(&sl.pos).map_err(candle_core::Error::wrap)?;
+        let score = st.clone_dtoh(&sl.score).map_err(candle_core::Error::wrap)?;
+        let (mut p, mut s) = (vec![0i32; kvh * m], vec![0f32; kvh * m]);
+        for g in 0..kvh {
+            for i in 0..m {
+                let slot = phys(si, i) as usize;
+                p[g * m + i] = pos[slot * kvh + g];
+                s[g * m + i] = score[slot * kvh + g];
+            }
+        }
+        Ok((p, s))
+    };
+
+    // Decode eviction: every rule, both sequences, against the rules' own victim.
+    let rules: [(&str, Box<dyn Eviction>); 3] = [
+        ("h2o", Box::new(H2o(H2oParams::default()))),
+        (
+            "h2o frozen",
+            Box::new(H2o(H2oParams {
+                decode_update: false,
+                ..H2oParams::default()
+            })),
+        ),
+        ("streaming", Box::new(Streaming(StreamingParams::default()))),
+    ];
+    for (name, rule) in &rules {
+        let meta = scramble(&mut sl, rng)?;
+        let k_before = download(&tensor_from_k(&cuda, &sl, &lens, &tables, (bs, kvh, d))?)?;
+        let mut params = Vec::new();
+        let mut expect = Vec::new();
+        for (si, &l) in lens.iter().enumerate() {
+            let (m, n) = (l, l + l / 2);
+            let c = Counts {
+                capacity: m - 1,
+                recent: m / 5,
+            };
+            params.extend([m as i32, n as i32, c.capacity as i32, c.recent as i32]);
+            let (mut p, mut s) = meta[si].clone();
+            let mut victims = Vec::new();
+            for g in 0..kvh {
+                let pu: Vec<u32> = p[g * m..(g + 1) * m].iter().map(|&x| x as u32).collect();
+                let vi = rule.victim(c, n, &pu, &s[g * m..(g + 1) * m]);
+                p[g * m + vi] = p[g * m + m - 1];
+                s[g * m + vi] = s[g * m + m - 1];
+                victims.push(vi);
+            }
+            expect.push((p, s, victims));
+        }
+        let dt = DecodeTables::new(&cuda, &tables, &lens)?;
+        let params_d = super::upload_i32(&cuda, &params)?;
+        let mode: VictimKind = rule.victim_kind();
+        evict(&cuda, &mut sl, &dt, &params_d, d, bs, mode)?;
+        let k_after = download(&tensor_from_k(&cuda, &sl, &lens, &tables, (bs, kvh, d))?)?;
+        let mut ok = true;
+        let mut base = 0;
+        for (si, &l) in lens.iter().enumerate() {
+            let m = l;
+            let (p, s) = download_meta(&sl, si, m)?;
+            let (ep, es, victims) = &expect[si];
+            for g in 0..kvh {
+                // Slots 0..m-1 remain; slot m-1 is dropped.
+                ok &= p[g * m..g * m + m - 1] == ep[g * m..g * m + m - 1];
+                ok &= s[g * m..g * m + m - 1] == es[g * m..g * m + m - 1];
+                let (vi, last) = (victims[g], m - 1);
+                let row = |i: usize| base + (i * kvh + g) * d;
+                ok &= k_after[row(vi)..row(vi) + d] == k_before[row(last)..row(last) + d];
+            }
+            base += l * kvh * d;
+        }
+        out.push(exact_check(
+            "evict_one",
+            format!("{name}: KVH={kvh} D={d}, slots {lens:?}"),
+            ok,
+        ));
+    }
+
+    // Prefill compaction: H2O's keep sets from random scores.
+    {
+        let meta = scramble(&mut sl, rng)?;
+        let k_before = download(&tensor_from_k(&cuda, &sl, &lens, &tables, (bs, kvh, d))?)?;
+        let (si, l) = (0usize, lens[0]);
+        let c = Counts {
+            capacity: l / 3,
+            recent: l / 10,
+        };
+        let rule = H2o(H2oParams::default());
+        let mut keep = Vec::new();
+        for g in 0..kvh {
+            keep.push(rule.prefill_keep(c, l, &meta[si].1[g * l..(g + 1) * l]));
+        }
+        let flat: Vec<i32> = keep.iter().flatten().map(|&x| x as i32).collect();
+        compact_slots(&cuda, &mut sl, &tables_d[si], &flat, kvh, d, bs)?;
+        let k_after = download(&tensor_from_k(&cuda, &sl, &lens, &tables, (bs, kvh, d))?)?;
+        let (p, s) = download_meta(&sl, si, c.capacity)?;
+        let mut ok = true;
+        for (g, kg) in keep.iter().enumerate() {
+            for (dst, &src) in kg.iter().enumerate() {
+                ok &= p[g * c.capacity + dst] == meta[si].0[g * l + src];
+                ok &= s[g * c.capacity + dst] == meta[si].1[g * l + src];
+                let (a, b) = ((dst * kvh + g) * d, (src * kvh + g) * d);
+                ok &= k_after[a..a + d] == k_before[b..b + d];
+            }
+        }
+        out.push(exact_check(
+            "compact_slots",
+            format!("KVH={kvh} D={d}, keep {} of {l}", c.capacity),
+            ok,
+        ));
+    }
+    Ok(out)
+}
+
+/// Every sequence's K in slot order, concatenated (`[Σ l, KVH, D]`).
+fn tensor_from_k(
+    cuda: &candle_core::cuda_backend::CudaDevice,
+    sl: &super::evicting::SlotLayer,
+    lens: &[usize],
+    tables: &[Vec<i32>],
+    (bs, kvh, d): (usize, usize, usize),
+) -> Result<Tensor> {
+    let mut parts = Vec::new();
+    for (si, &l) in lens.iter().enumerate() {
+        let (k, _) = kv_gather(cuda, &sl.kv, &tables[si], l, bs, kvh, d)?;
+        parts.push(k);
+    }
+    Ok(Tensor::cat(&parts, 0)?)
 }

@@ -55,7 +55,8 @@ extern "C" __global__ void kv_gather_bf16(
     }
 }
 
-// Partition pass of paged decode attention.
+// Partition pass of paged decode attention. `raw` (optional, may be null) receives
+// every scaled score at [rows, H, raw_stride].
 // grid (rows, KVH, parts), block DECODE_THREADS. Each block takes the G query heads
 // that share one KV head over keys [part * P, min(ctx, (part + 1) * P)) and writes
 // the partition's max score m, sum of exp l, and unnormalized output acc (f32) to
@@ -66,8 +67,9 @@ extern "C" __global__ void paged_decode_part_bf16(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
     const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
-    float* __restrict__ part_l, float* __restrict__ part_acc, int num_kv_heads, int group,
-    int head_dim, int block_size, int max_blocks, int part_size, float scale) {
+    float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
+    int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
+    int part_size, float scale) {
     extern __shared__ float smem[];
     const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
     const int parts = gridDim.z;
@@ -113,7 +115,13 @@ extern "C" __global__ void paged_decode_part_bf16(
             float acc = 0.f;
             for (int d = lane; d < D; d += WARP) acc += sq[g * D + d] * __bfloat162float(kr[d]);
             acc = warp_sum(acc);
-            if (lane == 0) ss[g * part_size + j] = acc * scale;
+            if (lane == 0) {
+                ss[g * part_size + j] = acc * scale;
+                // H2O: the scaled scores, turned into probabilities once the
+                // reduction knows each head's log-sum-exp.
+                if (raw != nullptr)
+                    raw[((int64_t)row * H + kvh * group + g) * raw_stride + t] = acc * scale;
+            }
         }
     }
     __syncthreads();
@@ -354,4 +362,310 @@ extern "C" __global__ void __launch_bounds__(128) flash_prefill_d128_bf16(
     int num_heads, int num_kv_heads, int block_size, float scale) {
     flash_prefill<128>(q, k_cache, v_cache, table, out, lse, T, ctx_before, num_heads,
                        num_kv_heads, block_size, scale);
+}
+
+// ---------------------------------------------------------------------------------
+// Evicting strategies (H2O, StreamingLLM). Slot i of (sequence, KV head) holds any
+// position that head kept there; beside K/V every (slot, KV head) has an f32 score and
+// an int32 position: score/pos [num_slots, KVH].
+
+// Metadata of freshly written slots: position and a zero score for every KV head.
+// grid T, any block size.
+extern "C" __global__ void slot_meta_init(const int32_t* __restrict__ slots,
+                                          const int32_t* __restrict__ positions,
+                                          float* __restrict__ score, int32_t* __restrict__ pos,
+                                          int num_kv_heads) {
+    const int t = blockIdx.x;
+    for (int g = threadIdx.x; g < num_kv_heads; g += blockDim.x) {
+        const int64_t o = (int64_t)slots[t] * num_kv_heads + g;
+        score[o] = 0.f;
+        pos[o] = positions[t];
+    }
+}
+
+// H2O's exact column statistics, second pass (algorithms.md section 9): with each
+// query row's log-sum-exp from the attention pass, add the sum over rows and over the
+// group's query heads of p_ij = exp(s_ij - lse_i) to the score of key j, per KV head.
+// grid (ceil(n_keys / 64), KVH), block 128 (4 warps x 16 rows of a 64-row query tile).
+// One block owns its 64 keys' scores for one KV head: no atomics, fixed order.
+// Shared memory: the flash layout (Q and K tiles, per-warp scores, partial sums).
+template <int D>
+__device__ void attn_colsum(const __nv_bfloat16* __restrict__ q,
+                            const __nv_bfloat16* __restrict__ k_cache,
+                            const int32_t* __restrict__ table, const float* __restrict__ lse,
+                            float* __restrict__ score, int T, int ctx_before, int num_heads,
+                            int num_kv_heads, int block_size, float scale) {
+    using L = FlashSmem<D>;
+    extern __shared__ __align__(128) unsigned char fsmem[];
+    __nv_bfloat16* Qs = (__nv_bfloat16*)(fsmem + L::Q);
+    __nv_bfloat16* Ks = (__nv_bfloat16*)(fsmem + L::K);
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    float* Sw = (float*)(fsmem + L::S) + warp * 16 * L::LDS;
+    float* Cw = (float*)(fsmem + L::O);  // [FP_WARPS, FP_BN] partial column sums
+    float* Lr = (float*)(fsmem + L::M);  // lse of the tile's rows
+    const int kvh = blockIdx.y;
+    const int group = num_heads / num_kv_heads;
+    const int n_keys = ctx_before + T;
+    const int kt = blockIdx.x * FP_BN;
+    constexpr int CH = D / 8;
+
+    for (int i = threadIdx.x; i < FP_BN * CH; i += blockDim.x) {
+        const int j = i / CH, c = (i % CH) * 8;
+        const int t = kt + j;
+        uint4 kx = make_uint4(0, 0, 0, 0);
+        if (t < n_keys) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            kx = *(const uint4*)(k_cache + (slot * num_kv_heads + kvh) * D + c);
+        }
+        *(uint4*)(Ks + j * L::LDQ + c) = kx;
+    }
+    float c0 = 0.f, c1 = 0.f;  // this lane's columns lane and lane + 32
+    // Rows before the first that can see key kt (position >= kt) contribute nothing.
+    const int first = max(0, kt - ctx_before) / FP_BM * FP_BM;
+    const int wrow0 = warp * 16;
+    for (int gi = 0; gi < group; ++gi) {
+        const int h = kvh * group + gi;
+        for (int row0 = first; row0 < T; row0 += FP_BM) {
+            __syncthreads();
+            const int rows = min(FP_BM, T - row0);
+            for (int i = threadIdx.x; i < FP_BM * CH; i += blockDim.x) {
+                const int r = i / CH, c = (i % CH) * 8;
+                uint4 x = make_uint4(0, 0, 0, 0);
+                if (r < rows)
+                    x = *(const uint4*)(q + ((int64_t)(row0 + r) * num_heads + h) * D + c);
+                *(uint4*)(Qs + r * L::LDQ + c) = x;
+            }
+            if (threadIdx.x < FP_BM)
+                Lr[threadIdx.x] =
+                    threadIdx.x < rows ? lse[(int64_t)(row0 + threadIdx.x) * num_heads + h] : 0.f;
+            __syncthreads();
+            if (wrow0 >= rows) continue;
+            for (int nb = 0; nb < FP_BN / 16; ++nb) {
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+                wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> a;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> b;
+                    wmma::load_matrix_sync(a, Qs + wrow0 * L::LDQ + kk * 16, L::LDQ);
+                    wmma::load_matrix_sync(b, Ks + nb * 16 * L::LDQ + kk * 16, L::LDQ);
+                    wmma::mma_sync(acc, a, b, acc);
+                }
+                wmma::store_matrix_sync(Sw + nb * 16, acc, L::LDS, wmma::mem_row_major);
+            }
+            __syncwarp();
+            const int wrows = min(16, rows - wrow0);
+            for (int r = 0; r < wrows; ++r) {
+                const int p = ctx_before + row0 + wrow0 + r;
+                const float l = Lr[wrow0 + r];
+                if (kt + lane <= p && kt + lane < n_keys)
+                    c0 += __expf(Sw[r * L::LDS + lane] * scale - l);
+                if (kt + lane + 32 <= p && kt + lane + 32 < n_keys)
+                    c1 += __expf(Sw[r * L::LDS + lane + 32] * scale - l);
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    Cw[warp * FP_BN + lane] = c0;
+    Cw[warp * FP_BN + lane + 32] = c1;
+    __syncthreads();
+    if (threadIdx.x < FP_BN) {
+        const int t = kt + threadIdx.x;
+        if (t < n_keys) {
+            float sum = 0.f;
+            for (int w = 0; w < FP_WARPS; ++w) sum += Cw[w * FP_BN + threadIdx.x];
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            score[slot * num_kv_heads + kvh] += sum;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_colsum_d64_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
+    const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
+    int block_size, float scale) {
+    attn_colsum<64>(q, k_cache, table, lse, score, T, ctx_before, num_heads, num_kv_heads,
+                    block_size, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attn_colsum_d128_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
+    const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
+    int block_size, float scale) {
+    attn_colsum<128>(q, k_cache, table, lse, score, T, ctx_before, num_heads, num_kv_heads,
+                     block_size, scale);
+}
+
+// Decode rows' probabilities into the scores: score[slot(t), kvh] += sum over the
+// group's heads of exp(raw - lse). grid (rows, KVH, ceil(max_ctx / blockDim)).
+extern "C" __global__ void decode_scores_accum(const float* __restrict__ raw,
+                                               const float* __restrict__ lse,
+                                               const int32_t* __restrict__ tables,
+                                               const int32_t* __restrict__ ctx_lens,
+                                               float* __restrict__ score, int num_kv_heads,
+                                               int group, int block_size, int max_blocks,
+                                               int raw_stride) {
+    const int row = blockIdx.x, kvh = blockIdx.y;
+    const int t = blockIdx.z * blockDim.x + threadIdx.x;
+    if (t >= ctx_lens[row]) return;
+    const int H = num_kv_heads * group;
+    float acc = 0.f;
+    for (int g = 0; g < group; ++g) {
+        const int64_t o = (int64_t)row * H + kvh * group + g;
+        acc += __expf(raw[o * raw_stride + t] - lse[o]);
+    }
+    const int32_t* table = tables + (int64_t)row * max_blocks;
+    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+    score[slot * num_kv_heads + kvh] += acc;
+}
+
+// Column sums [KVH, n] (f32) of a sequence's first n slots added to their scores.
+// grid ceil(n / blockDim).
+extern "C" __global__ void scores_add(float* __restrict__ score, const float* __restrict__ col,
+                                      const int32_t* __restrict__ table, int n,
+                                      int num_kv_heads, int block_size) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+    for (int g = 0; g < num_kv_heads; ++g)
+        score[slot * num_kv_heads + g] += col[(int64_t)g * n + t];
+}
+
+// Scores of a sequence's first n slots as [KVH, n]. grid ceil(n / blockDim).
+extern "C" __global__ void scores_gather(const float* __restrict__ score,
+                                         float* __restrict__ out,
+                                         const int32_t* __restrict__ table, int n,
+                                         int num_kv_heads, int block_size) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+    for (int g = 0; g < num_kv_heads; ++g)
+        out[(int64_t)g * n + t] = score[slot * num_kv_heads + g];
+}
+
+// Victim rules (the Eviction rules of the CPU policies, same total orders):
+//   0 lowest score among positions older than the window, newest on ties (H2O)
+//   1 newest position older than the window (H2O with frozen heavy hitters)
+//   2 oldest position that is not a sink (StreamingLLM)
+__device__ __forceinline__ bool victim_better(int mode, float s, int p, float sb, int pb) {
+    if (mode == 0) return s < sb || (s == sb && p > pb);
+    if (mode == 1) return p > pb;
+    return p < pb;
+}
+
+// One eviction per (decode row, KV head): among the row's m slots (the last holds the
+// step's token) pick the victim, then move the last slot into it. params per row:
+// m, n (context including the token), capacity, recent. grid (rows, KVH), block 256.
+#define EVICT_THREADS 256
+extern "C" __global__ void __launch_bounds__(EVICT_THREADS) evict_one(
+    __nv_bfloat16* __restrict__ k_cache, __nv_bfloat16* __restrict__ v_cache,
+    float* __restrict__ score, int32_t* __restrict__ pos, const int32_t* __restrict__ tables,
+    const int32_t* __restrict__ params, int num_kv_heads, int head_dim, int block_size,
+    int max_blocks, int mode) {
+    __shared__ int sidx[EVICT_THREADS];
+    __shared__ float ssc[EVICT_THREADS];
+    __shared__ int spos[EVICT_THREADS];
+    const int row = blockIdx.x, g = blockIdx.y;
+    const int m = params[row * 4], n = params[row * 4 + 1];
+    const int cap = params[row * 4 + 2], rec = params[row * 4 + 3];
+    if (m <= cap) return;  // still under its capacity (or keeping everything)
+    const int window_start = max(n - rec, 0), sinks = cap - rec;
+    const int32_t* table = tables + (int64_t)row * max_blocks;
+    int best = -1, bp = 0;
+    float bs = 0.f;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int64_t slot = (int64_t)table[i / block_size] * block_size + i % block_size;
+        const int p = pos[slot * num_kv_heads + g];
+        const float s = score[slot * num_kv_heads + g];
+        const bool eligible = mode == 2 ? p >= sinks : p < window_start;
+        if (!eligible) continue;
+        if (best < 0 || victim_better(mode, s, p, bs, bp)) {
+            best = i;
+            bs = s;
+            bp = p;
+        }
+    }
+    sidx[threadIdx.x] = best;
+    ssc[threadIdx.x] = bs;
+    spos[threadIdx.x] = bp;
+    __syncthreads();
+    for (int w = blockDim.x / 2; w > 0; w >>= 1) {
+        if (threadIdx.x < w) {
+            const int o = threadIdx.x + w;
+            if (sidx[o] >= 0 &&
+                (sidx[threadIdx.x] < 0 ||
+                 victim_better(mode, ssc[o], spos[o], ssc[threadIdx.x], spos[threadIdx.x]))) {
+                sidx[threadIdx.x] = sidx[o];
+                ssc[threadIdx.x] = ssc[o];
+                spos[threadIdx.x] = spos[o];
+            }
+        }
+        __syncthreads();
+    }
+    const int victim = sidx[0] < 0 ? 0 : sidx[0];
+    if (victim == m - 1) return;
+    const int64_t src = (int64_t)table[(m - 1) / block_size] * block_size + (m - 1) % block_size;
+    const int64_t dst = (int64_t)table[victim / block_size] * block_size + victim % block_size;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        k_cache[(dst * num_kv_heads + g) * head_dim + d] =
+            k_cache[(src * num_kv_heads + g) * head_dim + d];
+        v_cache[(dst * num_kv_heads + g) * head_dim + d] =
+            v_cache[(src * num_kv_heads + g) * head_dim + d];
+    }
+    if (threadIdx.x == 0) {
+        score[dst * num_kv_heads + g] = score[src * num_kv_heads + g];
+        pos[dst * num_kv_heads + g] = pos[src * num_kv_heads + g];
+    }
+}
+
+// After a prefill: keep only slots keep[g, 0..C) (ascending) of each KV head, moved to
+// slots 0..C in order. Every source is at or after its destination, so chunks staged
+// through shared memory in increasing order never overwrite a slot still to be read.
+// grid KVH, block 256, shared 2 * COMPACT_CHUNK * D bf16 + COMPACT_CHUNK * 8 bytes.
+#define COMPACT_CHUNK 32
+extern "C" __global__ void compact_slots(__nv_bfloat16* __restrict__ k_cache,
+                                         __nv_bfloat16* __restrict__ v_cache,
+                                         float* __restrict__ score, int32_t* __restrict__ pos,
+                                         const int32_t* __restrict__ table,
+                                         const int32_t* __restrict__ keep, int C,
+                                         int num_kv_heads, int head_dim, int block_size) {
+    extern __shared__ __align__(16) unsigned char csmem[];
+    __nv_bfloat16* bk = (__nv_bfloat16*)csmem;
+    __nv_bfloat16* bv = bk + COMPACT_CHUNK * head_dim;
+    float* bsc = (float*)(bv + COMPACT_CHUNK * head_dim);
+    int* bpos = (int*)(bsc + COMPACT_CHUNK);
+    const int g = blockIdx.x;
+    const int32_t* kg = keep + (int64_t)g * C;
+    for (int base = 0; base < C; base += COMPACT_CHUNK) {
+        const int cnt = min(COMPACT_CHUNK, C - base);
+        for (int e = threadIdx.x; e < cnt * head_dim; e += blockDim.x) {
+            const int i = e / head_dim, d = e % head_dim;
+            const int s = kg[base + i];
+            const int64_t slot = (int64_t)table[s / block_size] * block_size + s % block_size;
+            bk[e] = k_cache[(slot * num_kv_heads + g) * head_dim + d];
+            bv[e] = v_cache[(slot * num_kv_heads + g) * head_dim + d];
+        }
+        for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
+            const int s = kg[base + i];
+            const int64_t slot = (int64_t)table[s / block_size] * block_size + s % block_size;
+            bsc[i] = score[slot * num_kv_heads + g];
+            bpos[i] = pos[slot * num_kv_heads + g];
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < cnt * head_dim; e += blockDim.x) {
+            const int i = e / head_dim, d = e % head_dim;
+            const int s = base + i;
+            const int64_t slot = (int64_t)table[s / block_size] * block_size + s % block_size;
+            k_cache[(slot * num_kv_heads + g) * head_dim + d] = bk[e];
+            v_cache[(slot * num_kv_heads + g) * head_dim + d] = bv[e];
+        }
+        for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
+            const int s = base + i;
+            const int64_t slot = (int64_t)table[s / block_size] * block_size + s % block_size;
+            score[slot * num_kv_heads + g] = bsc[i];
+            pos[slot * num_kv_heads + g] = bpos[i];
+        }
+        __syncthreads();
+    }
 }

@@ -4,8 +4,10 @@
 //! [`check`] compares every kernel with the CPU reference on random inputs.
 
 pub mod check;
+pub mod evicting;
 pub mod full;
 
+use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
@@ -232,6 +234,26 @@ pub fn paged_decode(
     t: &DecodeTables,
     s: DecodeShape,
 ) -> Result<Tensor> {
+    paged_decode_with(cache, q, t, s, None)
+}
+
+/// Extra outputs of a paged decode for H2O: each row's log-sum-exp per head
+/// (`[R, H]`) and every scaled score (`[R, H, stride]`, stride ≥ the longest context).
+pub struct DecodeScores<'a> {
+    pub lse: &'a mut CudaSlice<f32>,
+    pub raw: &'a mut CudaSlice<f32>,
+    pub stride: usize,
+}
+
+/// [`paged_decode`], optionally keeping what H2O needs to turn scores into
+/// probabilities.
+pub fn paged_decode_with(
+    cache: &LayerCache,
+    q: &Tensor,
+    t: &DecodeTables,
+    s: DecodeShape,
+    scores: Option<DecodeScores<'_>>,
+) -> Result<Tensor> {
     check_bf16(q, "paged_decode q")?;
     let dev = device_of(q.device())?;
     let rows = q.dim(0)?;
@@ -270,6 +292,23 @@ pub fn paged_decode(
         as_i32(max_blocks, "blocks")?,
         as_i32(s.part_size, "partition")?,
     );
+    if let Some(sc) = &scores {
+        if sc.stride < t.max_ctx || sc.raw.len() < rows * h * sc.stride || sc.lse.len() < rows * h {
+            return Err(Error::Config(format!(
+                "paged_decode: score buffers too small for {rows} rows of up to {} keys",
+                t.max_ctx
+            )));
+        }
+    }
+    let null: u64 = 0;
+    let (mut lse_out, raw_out, stride) = match scores {
+        Some(sc) => (
+            Some(sc.lse),
+            Some(sc.raw),
+            as_i32(sc.stride, "score stride")?,
+        ),
+        None => (None, None, 0),
+    };
     let f = dev.get_or_load_custom_func("paged_decode_part_bf16", MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&qv)
@@ -279,7 +318,12 @@ pub fn paged_decode(
         .arg(&t.ctx)
         .arg(&mut pm)
         .arg(&mut pl)
-        .arg(&mut pacc)
+        .arg(&mut pacc);
+    match raw_out {
+        Some(r) => b.arg(r),
+        None => b.arg(&null),
+    };
+    b.arg(&stride)
         .arg(&kvh_i)
         .arg(&g_i)
         .arg(&d_i)
@@ -305,17 +349,14 @@ pub fn paged_decode(
     let mut out = dev.alloc_zeros::<bf16>(rows * h * d)?;
     let h_i = as_i32(h, "heads")?;
     let parts_i = as_i32(parts, "partitions")?;
-    let null: u64 = 0;
     let f = dev.get_or_load_custom_func("paged_decode_reduce_bf16", MODULE, PTX)?;
     let mut b = f.builder();
-    b.arg(&pm)
-        .arg(&pl)
-        .arg(&pacc)
-        .arg(&mut out)
-        .arg(&null)
-        .arg(&h_i)
-        .arg(&d_i)
-        .arg(&parts_i);
+    b.arg(&pm).arg(&pl).arg(&pacc).arg(&mut out);
+    match lse_out.as_mut() {
+        Some(l) => b.arg(&mut **l),
+        None => b.arg(&null),
+    };
+    b.arg(&h_i).arg(&d_i).arg(&parts_i);
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, h as u32, 1),
         block_dim: (d.min(1024) as u32, 1, 1),
@@ -338,6 +379,23 @@ pub fn prefill_attention(
     chunk: usize,
     scratch_limit: Option<u64>,
 ) -> Result<(Tensor, u64)> {
+    let (o, scratch, _) = prefill_attention_stats(q, k, v, ctx_before, chunk, scratch_limit, None)?;
+    Ok((o, scratch))
+}
+
+/// [`prefill_attention`] with H2O's column statistics from the materialized
+/// probabilities, `[KVH, n]` f32 summed over rows and each group's heads: `Eager` and
+/// `Exact` from the attention's own rows (exact values), `Chunked` with each chunk's
+/// rows softmaxed over the chunk's own keys only (the study's approximation).
+pub fn prefill_attention_stats(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx_before: usize,
+    chunk: usize,
+    scratch_limit: Option<u64>,
+    stats: Option<ColumnStats>,
+) -> Result<(Tensor, u64, Option<Tensor>)> {
     let (t, h, d) = q.dims3()?;
     let (n, kvh, _) = k.dims3()?;
     if n != ctx_before + t {
@@ -363,6 +421,7 @@ pub fn prefill_attention(
     let kt = k.permute((1, 2, 0))?.contiguous()?; // [KVH, D, n]
     let vt = v.transpose(0, 1)?.contiguous()?; // [KVH, n, D]
     let mut outs = Vec::with_capacity(t.div_ceil(chunk));
+    let mut col: Option<Tensor> = None;
     for c0 in (0..t).step_by(chunk) {
         let c = chunk.min(t - c0);
         let first = ctx_before + c0; // position of the chunk's first row
@@ -392,6 +451,22 @@ pub fn prefill_attention(
             .reshape((kvh, g, c, nk))?
             .broadcast_add(&bias)?;
         let p = candle_nn::ops::softmax_last_dim(&s)?;
+        if let Some(mode) = stats {
+            // [KVH, keys] of this chunk, placed at key offset `off`.
+            let (part, off) = match mode {
+                ColumnStats::Chunked => {
+                    let own = candle_nn::ops::softmax_last_dim(&s.narrow(3, first, c)?)?;
+                    (own.sum(2)?.sum(1)?, first)
+                }
+                _ => (p.sum(2)?.sum(1)?, 0),
+            };
+            let w = part.dim(1)?;
+            let part = part.pad_with_zeros(1, off, n - off - w)?;
+            col = Some(match col {
+                None => part,
+                Some(acc) => (acc + part)?,
+            });
+        }
         drop(s);
         let p = p.to_dtype(q.dtype())?.reshape((kvh, g * c, nk))?;
         let o = p
@@ -401,7 +476,7 @@ pub fn prefill_attention(
             .reshape((c, h, d))?;
         outs.push(o);
     }
-    Ok((Tensor::cat(&outs, 0)?, scratch))
+    Ok((Tensor::cat(&outs, 0)?, scratch, col))
 }
 
 /// Shared-memory bytes of the flash prefill kernel for head dimension `d` (the layout
@@ -427,6 +502,20 @@ pub fn flash_prefill(
     ctx_before: usize,
     num_kv_heads: usize,
     block_size: usize,
+) -> Result<Tensor> {
+    flash_prefill_with(cache, q, table, ctx_before, num_kv_heads, block_size, None)
+}
+
+/// [`flash_prefill`], optionally writing each row's log-sum-exp per head (`[T, H]`
+/// f32, the natural log of the scaled scores' softmax denominator).
+pub fn flash_prefill_with(
+    cache: &LayerCache,
+    q: &Tensor,
+    table: &[i32],
+    ctx_before: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+    lse: Option<&mut CudaSlice<f32>>,
 ) -> Result<Tensor> {
     check_bf16(q, "flash_prefill q")?;
     let dev = device_of(q.device())?;
@@ -468,14 +557,22 @@ pub fn flash_prefill(
         as_i32(block_size, "block size")?,
     );
     let scale = 1.0f32 / (d as f32).sqrt();
+    if lse.as_ref().is_some_and(|l| l.len() < t * h) {
+        return Err(Error::Config(format!(
+            "flash_prefill: log-sum-exp buffer smaller than {t} rows x {h} heads"
+        )));
+    }
     let mut b = f.builder();
     b.arg(&qv)
         .arg(&cache.k)
         .arg(&cache.v)
         .arg(&table_d)
-        .arg(&mut out)
-        .arg(&null)
-        .arg(&t_i)
+        .arg(&mut out);
+    match lse {
+        Some(l) => b.arg(l),
+        None => b.arg(&null),
+    };
+    b.arg(&t_i)
         .arg(&cb_i)
         .arg(&h_i)
         .arg(&kvh_i)

@@ -27,8 +27,22 @@ pub struct Counts {
     pub recent: usize,
 }
 
+/// A decode victim rule as the device kernel implements it (`victim_better` in
+/// cuda/kernels.cu): the same total orders as the rules' [`Eviction::victim`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VictimKind {
+    /// Lowest score among positions older than the recent window, newest on ties.
+    LowestScore = 0,
+    /// Newest position older than the window (frozen heavy hitters).
+    NewestOutsideWindow = 1,
+    /// Oldest position that is not a sink.
+    OldestAfterSinks = 2,
+}
+
 /// A strategy's eviction rule.
 pub trait Eviction: Send + Sync + 'static {
+    /// Which device victim rule reproduces [`Eviction::victim`].
+    fn victim_kind(&self) -> VictimKind;
     fn name(&self) -> &'static str;
     /// `None`: keep everything (budget ≥ 1).
     fn counts(&self, info: &SeqInfo) -> Option<Counts>;
@@ -49,16 +63,17 @@ pub trait Eviction: Send + Sync + 'static {
     fn victim(&self, c: Counts, n: usize, pos: &[u32], score: &[f32]) -> usize;
 }
 
+/// What an evicting policy knows of one sequence (shared with the CUDA storage).
 #[derive(Debug, Clone, Copy)]
-struct SeqState {
-    info: SeqInfo,
-    counts: Option<Counts>,
+pub(crate) struct SeqState {
+    pub(crate) info: SeqInfo,
+    pub(crate) counts: Option<Counts>,
     /// Tokens computed so far (K/V written in every layer).
-    computed: usize,
+    pub(crate) computed: usize,
 }
 
 impl SeqState {
-    fn prefilled(&self) -> bool {
+    pub(crate) fn prefilled(&self) -> bool {
         self.computed >= self.info.prefill_len
     }
 }

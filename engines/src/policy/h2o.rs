@@ -4,7 +4,7 @@
 //! step once the cache holds C+1 tokens, after the step's attention.
 
 use super::budget::{h2o_counts, H2oRatio};
-use super::evicting::{Counts, EvictingPolicy, Eviction};
+use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
 use super::SeqInfo;
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 
@@ -49,6 +49,14 @@ fn better(sa: f32, pa: usize, sb: f32, pb: usize) -> bool {
 impl Eviction for H2o {
     fn name(&self) -> &'static str {
         "h2o"
+    }
+
+    fn victim_kind(&self) -> VictimKind {
+        if self.0.decode_update {
+            VictimKind::LowestScore
+        } else {
+            VictimKind::NewestOutsideWindow
+        }
     }
 
     fn counts(&self, info: &SeqInfo) -> Option<Counts> {

@@ -281,22 +281,35 @@ impl PolicySpec {
 }
 
 impl PolicySpec {
-    /// The device-resident implementations. Only `full` has CUDA kernels so far; the
-    /// others would run their CPU code over host copies, which is not the paradigm
-    /// they stand for, so they are refused rather than measured.
+    /// The device-resident implementations: `full`, `h2o` and `streaming` (without
+    /// rolling positions) have CUDA kernels. InfiniGen would run its CPU code over host
+    /// copies, which is not the paradigm it stands for, so it is refused rather than
+    /// measured.
     #[cfg(feature = "cuda")]
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        use crate::cuda::evicting::CudaEvictingPolicy;
         let cfg = &model.cfg;
+        if model.dtype() != candle_core::DType::BF16 {
+            return Err(Error::Config(format!(
+                "the CUDA kernels keep K/V in bf16: load the model with bf16 weights (got {})",
+                model.weight_dtype
+            )));
+        }
         match self {
+            PolicySpec::H2o(p) => Ok(Box::new(CudaEvictingPolicy::new(
+                H2o(*p),
+                model.device(),
+                cfg,
+                env,
+            )?)),
+            PolicySpec::Streaming(p) => Ok(Box::new(CudaEvictingPolicy::new(
+                Streaming(*p),
+                model.device(),
+                cfg,
+                env,
+            )?)),
             PolicySpec::Full => {
                 let opts = env.full_options();
-                if model.dtype() != candle_core::DType::BF16 {
-                    return Err(Error::Config(format!(
-                        "the CUDA kernels keep K/V in bf16: load the model with bf16 weights \
-                         (got {})",
-                        model.weight_dtype
-                    )));
-                }
                 let num_blocks =
                     (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
                 Ok(Box::new(crate::cuda::full::CudaFullPolicy::new(
@@ -307,8 +320,8 @@ impl PolicySpec {
                 )?))
             }
             other => Err(Error::Config(format!(
-                "`{}` has no CUDA implementation yet (only `full` runs on CUDA); run it with \
-                 --device cpu",
+                "`{}` has no CUDA implementation yet (full, h2o and streaming run on CUDA); \
+                 run it with --device cpu",
                 other.name()
             ))),
         }

@@ -4,7 +4,7 @@
 //! keys keep their true positions.
 
 use super::budget::streaming_counts;
-use super::evicting::{Counts, EvictingPolicy, Eviction};
+use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
 use super::SeqInfo;
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 
@@ -32,6 +32,10 @@ pub struct Streaming(pub StreamingParams);
 pub type StreamingPolicy = EvictingPolicy<Streaming>;
 
 impl Eviction for Streaming {
+    fn victim_kind(&self) -> VictimKind {
+        VictimKind::OldestAfterSinks
+    }
+
     fn name(&self) -> &'static str {
         "streaming"
     }

@@ -1,0 +1,996 @@
+//! H2O and StreamingLLM on CUDA: the permanent-eviction paradigm with its slots in
+//! device memory. As on the CPU ([`crate::policy::evicting`]), slot `i` of (sequence,
+//! layer, KV head) holds whichever position that head kept there, so every head of a
+//! sequence holds the same number of slots and one block table serves them all; the
+//! paged decode and flash prefill kernels of `full` read them unchanged (keys carry
+//! their RoPE). Beside K/V each (slot, KV head) has an f32 score and an i32 position.
+//!
+//! Per step and layer: K/V written to the next slots; decode rows attend their slots
+//! plus the new token, H2O adds the rows' probabilities (raw scores and log-sum-exp
+//! from the decode kernel) to the scores, then one eviction per (row, KV head) on the
+//! device moves the last slot into the victim. Prefill rows attend with flash (H2O's
+//! exact statistics: a second tiled pass on the tensor cores with the rows'
+//! log-sum-exp) or cuBLAS (statistics from the materialized probabilities); when a
+//! prompt is complete its heads are compacted to their kept slots. Only the prefill
+//! keep decision runs on the host, over the scores copied back once per layer.
+//!
+//! The pool (K/V bf16, scores, positions) is allocated once, like `full`'s: memory
+//! reports it as reserved and the blocks sequences hold as used.
+
+use super::{
+    as_i32, device_of, flash_prefill_with, flash_smem_bytes, kv_gather, kv_write,
+    paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores, DecodeShape,
+    DecodeTables, LayerCache, MODULE, PTX,
+};
+use crate::attention::prefill::{AttentionImpl, ColumnStats};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::kv::{BlockId, BlockPool};
+use crate::policy::evicting::{Counts, Eviction, SeqState, VictimKind};
+use crate::policy::spec::PolicyEnv;
+use crate::policy::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaEvent, CudaSlice, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Tensor};
+use std::collections::HashMap;
+
+/// Keys per partition of the decode kernel.
+const PART_SIZE: usize = 512;
+/// Keys per block of the decode-probability kernel.
+const ACCUM_THREADS: usize = 128;
+/// Slots staged per round of the compaction kernel (`COMPACT_CHUNK` in kernels.cu).
+const COMPACT_CHUNK: usize = 32;
+
+/// One layer's slots: K/V, and a score and a position per (slot, KV head).
+pub struct SlotLayer {
+    pub kv: LayerCache,
+    pub score: CudaSlice<f32>,
+    pub pos: CudaSlice<i32>,
+    pub num_kv_heads: usize,
+}
+
+impl SlotLayer {
+    pub fn new(
+        dev: &CudaDevice,
+        slots: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        Ok(Self {
+            kv: LayerCache::new(dev, slots, num_kv_heads * head_dim)?,
+            score: dev.alloc_zeros::<f32>(slots * num_kv_heads)?,
+            pos: dev.alloc_zeros::<i32>(slots * num_kv_heads)?,
+            num_kv_heads,
+        })
+    }
+}
+
+#[derive(Debug, Default)]
+struct DevSeq {
+    table: Vec<BlockId>,
+    /// Slots holding kept tokens (the same in every layer and head).
+    len: usize,
+}
+
+/// What the decode rows of one step need on the device, built at its first layer.
+struct StepDecode {
+    /// Indices into the batch's sequences.
+    rows: Vec<usize>,
+    tables: DecodeTables,
+    /// Per row: slots m (with the new token), context n, capacity, recent.
+    params: CudaSlice<i32>,
+    /// Whether any row evicts this step.
+    evicts: bool,
+    /// Whether the decode probabilities are accumulated this step.
+    probs: bool,
+    lse: CudaSlice<f32>,
+    raw: CudaSlice<f32>,
+    stride: usize,
+}
+
+pub struct CudaEvictingPolicy<E: Eviction> {
+    rule: E,
+    dev: CudaDevice,
+    /// H, KVH, D.
+    heads: (usize, usize, usize),
+    attention: AttentionImpl,
+    chunk_size: usize,
+    block_size: usize,
+    device_name: String,
+    layers: Vec<SlotLayer>,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, SeqState>,
+    store: HashMap<SeqId, DevSeq>,
+    stats: PolicyStats,
+    attended: Vec<AttendRecord>,
+    scratch_limit: Option<u64>,
+    /// Start and end of each cache operation of the current step (device timeline).
+    events: Vec<(CudaEvent, CudaEvent)>,
+    event_errors: u64,
+    step: Option<StepDecode>,
+    /// Bytes of one slot over all layers: K, V, score and position of every KV head.
+    slot_bytes: u64,
+}
+
+impl<E: Eviction> CudaEvictingPolicy<E> {
+    /// Bytes of one slot over all layers (K and V in bf16, score and position).
+    pub fn slot_bytes(cfg: &ModelConfig) -> u64 {
+        (cfg.num_layers * cfg.num_kv_heads * (4 * cfg.head_dim + 8)) as u64
+    }
+
+    pub fn new(
+        rule: E,
+        dev: &candle_core::Device,
+        cfg: &ModelConfig,
+        env: PolicyEnv,
+    ) -> Result<Self> {
+        if rule.rolling_positions() {
+            return Err(Error::Config(format!(
+                "`{}` with rolling positions re-rotates every cached key each step; that \
+                 has no CUDA kernel: set rolling_positions=false or run it with --device cpu",
+                rule.name()
+            )));
+        }
+        let dev = device_of(dev)?;
+        let slot_bytes = Self::slot_bytes(cfg);
+        let bs = env.block_size;
+        let num_blocks = (env.kv_device_bytes / (slot_bytes * bs as u64).max(1)) as usize;
+        let slots = num_blocks * bs;
+        let layers = (0..cfg.num_layers)
+            .map(|_| SlotLayer::new(&dev, slots, cfg.num_kv_heads, cfg.head_dim))
+            .collect::<Result<Vec<_>>>()?;
+        let mut pool = BlockPool::new(num_blocks);
+        if let Some(seed) = env.shuffle_seed {
+            pool.shuffle_free(seed);
+        }
+        Ok(Self {
+            rule,
+            dev,
+            heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            attention: env.attention,
+            chunk_size: env.chunk_size,
+            block_size: bs,
+            device_name: env.device_name,
+            layers,
+            pool,
+            seqs: HashMap::new(),
+            store: HashMap::new(),
+            stats: PolicyStats::default(),
+            attended: Vec::new(),
+            scratch_limit: None,
+            events: Vec::new(),
+            event_errors: 0,
+            step: None,
+            slot_bytes,
+        })
+    }
+
+    fn phys(&self, seq: SeqId, slot: usize) -> i32 {
+        let t = &self.store[&seq].table;
+        (t[slot / self.block_size] as usize * self.block_size + slot % self.block_size) as i32
+    }
+
+    fn table_i32(&self, seq: SeqId) -> Vec<i32> {
+        self.store
+            .get(&seq)
+            .map_or_else(Vec::new, |s| s.table.iter().map(|&b| b as i32).collect())
+    }
+
+    fn begin(&self) -> Result<CudaEvent> {
+        Ok(self
+            .dev
+            .cuda_stream()
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .w()?)
+    }
+
+    fn end(&mut self, start: CudaEvent) -> Result<()> {
+        let end = self.begin()?;
+        self.events.push((start, end));
+        Ok(())
+    }
+
+    /// The step's decode rows on the device (block tables, eviction parameters and
+    /// probability buffers), shared by every layer of the step.
+    fn step_decode(&self, batch: &StepBatch) -> Result<StepDecode> {
+        let h = self.heads.0;
+        let rows: Vec<usize> = (0..batch.seqs.len())
+            .filter(|&i| self.seqs[&batch.seqs[i].id].prefilled())
+            .collect();
+        let mut tables = Vec::with_capacity(rows.len());
+        let mut ctx = Vec::with_capacity(rows.len());
+        let mut params = Vec::with_capacity(rows.len() * 4);
+        let (mut evicts, mut counted) = (false, false);
+        for &i in &rows {
+            let s = batch.seqs[i];
+            let m = self.store[&s.id].len + 1;
+            tables.push(self.table_i32(s.id));
+            ctx.push(m);
+            let (cap, rec) = match self.seqs[&s.id].counts {
+                Some(c) => {
+                    counted = true;
+                    evicts |= m > c.capacity;
+                    (c.capacity, c.recent)
+                }
+                None => (usize::MAX >> 33, 0),
+            };
+            params.extend([
+                as_i32(m, "slots")?,
+                as_i32(s.ctx_before + 1, "context")?,
+                as_i32(cap, "capacity")?,
+                as_i32(rec, "recent window")?,
+            ]);
+        }
+        let probs = counted && self.rule.decode_probs();
+        let stride = ctx.iter().copied().max().unwrap_or(1).max(1);
+        let n = rows.len().max(1);
+        Ok(StepDecode {
+            tables: DecodeTables::new(&self.dev, &tables, &ctx)?,
+            params: upload_i32(&self.dev, &params)?,
+            evicts,
+            probs,
+            lse: self.dev.alloc_zeros::<f32>(n * h)?,
+            raw: self
+                .dev
+                .alloc_zeros::<f32>(if probs { n * h * stride } else { 1 })?,
+            stride,
+            rows,
+        })
+    }
+
+    /// Decode rows: attention over their slots and the new token, H2O's probabilities
+    /// into the scores, one eviction per (row, KV head). Returns `[R, H, D]`.
+    fn decode(&mut self, layer: usize, q: &Tensor, batch: &StepBatch) -> Result<Option<Tensor>> {
+        let (h, kvh, d) = self.heads;
+        let Some(step) = self.step.take() else {
+            return Ok(None);
+        };
+        if step.rows.is_empty() {
+            self.step = Some(step);
+            return Ok(None);
+        }
+        let mut step = step;
+        let idx: Vec<u32> = step
+            .rows
+            .iter()
+            .map(|&i| batch.seqs[i].q_start as u32)
+            .collect();
+        let qd = if step.rows.len() == batch.num_tokens {
+            q.clone()
+        } else {
+            q.index_select(&Tensor::new(idx.as_slice(), q.device())?, 0)?
+        };
+        let shape = DecodeShape {
+            num_heads: h,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: self.block_size,
+            part_size: PART_SIZE,
+        };
+        let sl = &self.layers[layer];
+        let out = if step.probs {
+            let scores = DecodeScores {
+                lse: &mut step.lse,
+                raw: &mut step.raw,
+                stride: step.stride,
+            };
+            paged_decode_with(&sl.kv, &qd, &step.tables, shape, Some(scores))?
+        } else {
+            paged_decode_with(&sl.kv, &qd, &step.tables, shape, None)?
+        };
+        for &i in &step.rows {
+            let s = batch.seqs[i];
+            self.attended.push(AttendRecord {
+                seq: s.id,
+                layer,
+                attended: self.store[&s.id].len + 1,
+                context: s.ctx_before + 1,
+            });
+        }
+        if step.probs || step.evicts {
+            let start = self.begin()?;
+            let sl = &mut self.layers[layer];
+            if step.probs {
+                let scores = DecodeScores {
+                    lse: &mut step.lse,
+                    raw: &mut step.raw,
+                    stride: step.stride,
+                };
+                decode_scores_accum(
+                    &self.dev,
+                    sl,
+                    &scores,
+                    &step.tables,
+                    h / kvh,
+                    self.block_size,
+                )?;
+            }
+            if step.evicts {
+                let mode = self.rule.victim_kind();
+                evict(
+                    &self.dev,
+                    sl,
+                    &step.tables,
+                    &step.params,
+                    d,
+                    self.block_size,
+                    mode,
+                )?;
+            }
+            self.end(start)?;
+        }
+        self.step = Some(step);
+        Ok(Some(out))
+    }
+
+    /// A complete prompt of `n` tokens over its capacity: each KV head keeps the
+    /// rule's slots, decided on the host from the scores, moved to slots `0..C`.
+    fn compact(
+        &mut self,
+        layer: usize,
+        seq: SeqId,
+        n: usize,
+        c: Counts,
+        table: &CudaSlice<i32>,
+    ) -> Result<()> {
+        let (_, kvh, d) = self.heads;
+        let bs = self.block_size;
+        let scores = scores_gather(&self.dev, &self.layers[layer], table, n, kvh, bs)?;
+        let host = self.dev.cuda_stream().clone_dtoh(&scores).w()?;
+        let mut keep = Vec::with_capacity(kvh * c.capacity);
+        for g in 0..kvh {
+            let k = self.rule.prefill_keep(c, n, &host[g * n..(g + 1) * n]);
+            if k.len() != c.capacity {
+                return Err(Error::Config(format!(
+                    "sequence {seq}: `{}` kept {} of {n} tokens for capacity {}",
+                    self.rule.name(),
+                    k.len(),
+                    c.capacity
+                )));
+            }
+            keep.extend(k.into_iter().map(|x| x as i32));
+        }
+        compact_slots(&self.dev, &mut self.layers[layer], table, &keep, kvh, d, bs)
+    }
+
+    /// One prefill chunk of `s`: attention over its first `n` slots (= positions),
+    /// the rule's column statistics, and the compaction once the prompt is complete.
+    fn prefill(
+        &mut self,
+        layer: usize,
+        s: crate::policy::StepSeq,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let (h, kvh, d) = self.heads;
+        let st = self.seqs[&s.id];
+        let n = s.ctx_before + s.q_len;
+        let stats = st
+            .counts
+            .and_then(|_| self.rule.prefill_stats(self.attention));
+        let table = self.table_i32(s.id);
+        let table_d = upload_i32(&self.dev, &table)?;
+        let qs = q.narrow(0, s.q_start, s.q_len)?;
+        let out = if self.attention == AttentionImpl::Flash {
+            match stats {
+                None => flash_prefill_with(
+                    &self.layers[layer].kv,
+                    &qs,
+                    &table,
+                    s.ctx_before,
+                    kvh,
+                    self.block_size,
+                    None,
+                )?,
+                Some(ColumnStats::Exact) => {
+                    let mut lse = self.dev.alloc_zeros::<f32>(s.q_len * h)?;
+                    let o = flash_prefill_with(
+                        &self.layers[layer].kv,
+                        &qs,
+                        &table,
+                        s.ctx_before,
+                        kvh,
+                        self.block_size,
+                        Some(&mut lse),
+                    )?;
+                    let start = self.begin()?;
+                    let sl = &mut self.layers[layer];
+                    colsum(
+                        &self.dev,
+                        sl,
+                        &qs,
+                        &lse,
+                        &table_d,
+                        s.ctx_before,
+                        kvh,
+                        self.block_size,
+                    )?;
+                    self.end(start)?;
+                    o
+                }
+                Some(other) => {
+                    return Err(Error::Config(format!(
+                        "`{}` with {other} statistics needs the probabilities materialized: \
+                         on CUDA run it with --attention eager or chunked, or use exact \
+                         statistics with flash",
+                        self.rule.name()
+                    )))
+                }
+            }
+        } else {
+            let chunk = match self.attention {
+                AttentionImpl::Eager => usize::MAX,
+                _ => self.chunk_size,
+            };
+            let (kk, vv) = if s.ctx_before == 0 {
+                (
+                    k.narrow(0, s.q_start, s.q_len)?,
+                    v.narrow(0, s.q_start, s.q_len)?,
+                )
+            } else {
+                kv_gather(
+                    &self.dev,
+                    &self.layers[layer].kv,
+                    &table,
+                    n,
+                    self.block_size,
+                    kvh,
+                    d,
+                )?
+            };
+            let (o, scratch, col) = prefill_attention_stats(
+                &qs,
+                &kk,
+                &vv,
+                s.ctx_before,
+                chunk,
+                self.scratch_limit,
+                stats,
+            )
+            .map_err(|e| match e {
+                Error::OutOfMemory {
+                    requested,
+                    available,
+                    capacity,
+                    component,
+                    ..
+                } => Error::OutOfMemory {
+                    device: self.device_name.clone(),
+                    component,
+                    requested,
+                    available,
+                    capacity,
+                },
+                other => other,
+            })?;
+            self.stats.add_scratch(scratch);
+            if let Some(col) = col {
+                let start = self.begin()?;
+                add_columns(
+                    &self.dev,
+                    &mut self.layers[layer],
+                    &col,
+                    &table_d,
+                    self.block_size,
+                )?;
+                self.end(start)?;
+            }
+            o
+        };
+        if n >= st.info.prefill_len {
+            if let Some(c) = st.counts.filter(|c| n > c.capacity) {
+                let start = self.begin()?;
+                self.compact(layer, s.id, n, c, &table_d)?;
+                self.end(start)?;
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
+    fn name(&self) -> &'static str {
+        self.rule.name()
+    }
+
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+        self.seqs.insert(
+            seq,
+            SeqState {
+                info,
+                counts: self.rule.counts(&info),
+                computed: 0,
+            },
+        );
+    }
+
+    fn set_scratch_limit(&mut self, limit: Option<u64>) {
+        self.scratch_limit = limit;
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let st = *self.seqs.entry(seq).or_insert_with(|| SeqState {
+            info: SeqInfo {
+                prompt_len: total_tokens,
+                max_new_tokens: 0,
+                prefill_len: total_tokens,
+            },
+            counts: None,
+            computed: 0,
+        });
+        let e = self.store.entry(seq).or_default();
+        let slots = if st.prefilled() {
+            e.len + (total_tokens - st.computed)
+        } else {
+            total_tokens
+        };
+        self.pool
+            .grow(&mut e.table, slots.div_ceil(self.block_size))
+    }
+
+    fn fits(&self, total_tokens: usize) -> bool {
+        total_tokens.div_ceil(self.block_size) <= self.pool.num_blocks()
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        if let Some(e) = self.store.remove(&seq) {
+            self.pool.release_all(e.table);
+        }
+        self.seqs.remove(&seq);
+    }
+
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        let layer = input.layer;
+        let q = input.q.to_dtype(DType::BF16)?;
+        let k = input.k.to_dtype(DType::BF16)?;
+        let v = input.v.to_dtype(DType::BF16)?;
+
+        // New K/V into the next slots (positions until a prompt is complete).
+        let start = self.begin()?;
+        let mut slots = Vec::with_capacity(batch.num_tokens);
+        let mut positions = Vec::with_capacity(batch.num_tokens);
+        for s in &batch.seqs {
+            let first = if self.seqs[&s.id].prefilled() {
+                self.store[&s.id].len
+            } else {
+                s.ctx_before
+            };
+            for i in 0..s.q_len {
+                slots.push(self.phys(s.id, first + i));
+                positions.push(as_i32(s.ctx_before + i, "position")?);
+            }
+        }
+        let sl = &mut self.layers[layer];
+        kv_write(&mut sl.kv, &k, &v, &slots)?;
+        slot_meta_init(&self.dev, sl, &slots, &positions)?;
+        self.end(start)?;
+
+        if layer == 0 || self.step.is_none() {
+            self.step = Some(self.step_decode(batch)?);
+        }
+        let dec_out = self.decode(layer, &q, batch)?;
+        let n_dec = self.step.as_ref().map_or(0, |s| s.rows.len());
+        let out = if n_dec == batch.num_tokens {
+            dec_out.ok_or_else(|| Error::Config("decode rows without output".into()))?
+        } else {
+            let mut pieces = Vec::with_capacity(batch.seqs.len());
+            let mut next_dec = 0;
+            for &s in &batch.seqs {
+                if self.seqs[&s.id].prefilled() {
+                    let o = dec_out
+                        .as_ref()
+                        .ok_or_else(|| Error::Config("decode rows without output".into()))?;
+                    pieces.push(o.narrow(0, next_dec, 1)?);
+                    next_dec += 1;
+                } else {
+                    pieces.push(self.prefill(layer, s, &q, &k, &v)?);
+                }
+            }
+            Tensor::cat(&pieces, 0)?
+        };
+
+        if layer + 1 == self.layers.len() {
+            for s in &batch.seqs {
+                let st = self.seqs.get_mut(&s.id).expect("admitted");
+                let was_prefilled = st.prefilled();
+                st.computed = s.ctx_before + s.q_len;
+                let e = self.store.get_mut(&s.id).expect("reserved");
+                let held = if was_prefilled {
+                    e.len + 1
+                } else {
+                    st.computed
+                };
+                e.len = match st.counts {
+                    Some(c) if st.prefilled() => held.min(c.capacity),
+                    _ => held,
+                };
+                let keep_slots = if st.prefilled() { e.len + 1 } else { e.len };
+                while e.table.len() > keep_slots.div_ceil(self.block_size) {
+                    if let Some(b) = e.table.pop() {
+                        self.pool.release(b);
+                    }
+                }
+            }
+        }
+        Ok(out.to_dtype(input.q.dtype())?)
+    }
+
+    fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
+        self.step = None;
+        Ok(())
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let block = self.slot_bytes * self.block_size as u64;
+        PolicyMemory {
+            device_reserved: block * self.pool.num_blocks() as u64,
+            device_used: block * self.pool.num_used() as u64,
+            host_reserved: 0,
+            host_used: 0,
+        }
+    }
+
+    fn seq_device_bytes(&self, seq: SeqId) -> u64 {
+        self.store
+            .get(&seq)
+            .map_or(0, |s| s.len as u64 * self.slot_bytes)
+    }
+
+    fn take_stats(&mut self) -> PolicyStats {
+        // The step's logits were read back, so its events have completed.
+        for (a, b) in self.events.drain(..) {
+            match a.elapsed_ms(&b) {
+                Ok(ms) => self.stats.cache_ops_s += ms as f64 / 1e3,
+                Err(_) => self.event_errors += 1,
+            }
+        }
+        std::mem::take(&mut self.stats)
+    }
+
+    fn take_attended(&mut self) -> Vec<AttendRecord> {
+        std::mem::take(&mut self.attended)
+    }
+
+    /// Kept positions in slot order (copies the layer's positions back: tests only).
+    fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
+        let e = self.store.get(&seq)?;
+        let kvh = self.heads.1;
+        let all = self
+            .dev
+            .cuda_stream()
+            .clone_dtoh(&self.layers[layer].pos)
+            .ok()?;
+        Some(
+            (0..e.len)
+                .map(|i| all[self.phys(seq, i) as usize * kvh + g] as u32)
+                .collect(),
+        )
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.pool
+            .check_invariants(self.store.values().map(|s| s.table.as_slice()))?;
+        for (id, s) in &self.seqs {
+            let Some(e) = self.store.get(id) else {
+                continue;
+            };
+            if e.len > e.table.len() * self.block_size {
+                return Err(format!(
+                    "sequence {id}: {} slots in {} blocks",
+                    e.len,
+                    e.table.len()
+                ));
+            }
+            if let (Some(c), true) = (s.counts, s.prefilled()) {
+                if e.len > c.capacity {
+                    return Err(format!(
+                        "sequence {id}: {} tokens kept, capacity {}",
+                        e.len, c.capacity
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Column statistics of one prefill chunk, second pass: `q` `[T, H, D]` at positions
+/// `ctx_before..` with its rows' log-sum-exp `lse` `[T, H]`; the sum over rows and each
+/// group's heads of the probabilities is added to the scores of keys `0..ctx_before+T`.
+#[allow(clippy::too_many_arguments)]
+pub fn colsum(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    q: &Tensor,
+    lse: &CudaSlice<f32>,
+    table: &CudaSlice<i32>,
+    ctx_before: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+) -> Result<()> {
+    let (t, h, d) = q.dims3()?;
+    let name = match d {
+        64 => "attn_colsum_d64_bf16",
+        128 => "attn_colsum_d128_bf16",
+        _ => {
+            return Err(Error::Config(format!(
+                "exact H2O statistics have kernels for head dims 64 and 128, not {d}: use \
+                 --attention eager or chunked"
+            )))
+        }
+    };
+    let q = q.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let qv = super::view(&qs, ql, "attn_colsum q")?;
+    let smem = flash_smem_bytes(d);
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .w()?;
+    let (t_i, cb_i) = (as_i32(t, "rows")?, as_i32(ctx_before, "context")?);
+    let (h_i, kvh_i, bs_i) = (
+        as_i32(h, "heads")?,
+        as_i32(num_kv_heads, "KV heads")?,
+        as_i32(block_size, "block size")?,
+    );
+    let scale = 1.0f32 / (d as f32).sqrt();
+    let mut b = f.builder();
+    b.arg(&qv)
+        .arg(&sl.kv.k)
+        .arg(table)
+        .arg(lse)
+        .arg(&mut sl.score)
+        .arg(&t_i)
+        .arg(&cb_i)
+        .arg(&h_i)
+        .arg(&kvh_i)
+        .arg(&bs_i)
+        .arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: ((ctx_before + t).div_ceil(64) as u32, num_kv_heads as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Column sums `[KVH, n]` (f32) added to the scores of a sequence's first `n` slots.
+pub fn add_columns(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    col: &Tensor,
+    table: &CudaSlice<i32>,
+    block_size: usize,
+) -> Result<()> {
+    let (kvh, n) = col.dims2()?;
+    let col = col.to_dtype(DType::F32)?.contiguous()?;
+    let (cs, cl) = col.storage_and_layout();
+    let candle_core::Storage::Cuda(c) = &*cs else {
+        return Err(Error::Config(
+            "column statistics: expected a CUDA tensor".into(),
+        ));
+    };
+    let start = cl.start_offset();
+    let cv = c.as_cuda_slice::<f32>()?.slice(start..start + kvh * n);
+    let (n_i, kvh_i, bs_i) = (
+        as_i32(n, "keys")?,
+        as_i32(kvh, "KV heads")?,
+        as_i32(block_size, "block size")?,
+    );
+    let f = dev.get_or_load_custom_func("scores_add", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&mut sl.score)
+        .arg(&cv)
+        .arg(table)
+        .arg(&n_i)
+        .arg(&kvh_i)
+        .arg(&bs_i);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Scores of a sequence's first `n` slots as `[KVH, n]`.
+pub fn scores_gather(
+    dev: &CudaDevice,
+    sl: &SlotLayer,
+    table: &CudaSlice<i32>,
+    n: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+) -> Result<CudaSlice<f32>> {
+    let mut out = dev.alloc_zeros::<f32>((num_kv_heads * n).max(1))?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let (n_i, kvh_i, bs_i) = (
+        as_i32(n, "keys")?,
+        as_i32(num_kv_heads, "KV heads")?,
+        as_i32(block_size, "block size")?,
+    );
+    let f = dev.get_or_load_custom_func("scores_gather", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&sl.score)
+        .arg(&mut out)
+        .arg(table)
+        .arg(&n_i)
+        .arg(&kvh_i)
+        .arg(&bs_i);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(out)
+}
+
+/// Decode rows' probabilities (from [`paged_decode_with`]'s scores) added to the
+/// scores of their slots, summed over each group's heads.
+pub fn decode_scores_accum(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    scores: &DecodeScores<'_>,
+    tables: &DecodeTables,
+    group: usize,
+    block_size: usize,
+) -> Result<()> {
+    let kvh = sl.num_kv_heads;
+    let (kvh_i, g_i, bs_i) = (
+        as_i32(kvh, "KV heads")?,
+        as_i32(group, "group")?,
+        as_i32(block_size, "block size")?,
+    );
+    let (mb_i, stride_i) = (
+        as_i32(tables.max_blocks, "blocks")?,
+        as_i32(scores.stride, "score stride")?,
+    );
+    let f = dev.get_or_load_custom_func("decode_scores_accum", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&*scores.raw)
+        .arg(&*scores.lse)
+        .arg(&tables.tables)
+        .arg(&tables.ctx)
+        .arg(&mut sl.score)
+        .arg(&kvh_i)
+        .arg(&g_i)
+        .arg(&bs_i)
+        .arg(&mb_i)
+        .arg(&stride_i);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            tables.rows as u32,
+            kvh as u32,
+            scores.stride.div_ceil(ACCUM_THREADS) as u32,
+        ),
+        block_dim: (ACCUM_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// One eviction per (row, KV head) where the row holds more than its capacity:
+/// `params` per row: slots m (the last holds the step's token), context n, capacity,
+/// recent window.
+pub fn evict(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    tables: &DecodeTables,
+    params: &CudaSlice<i32>,
+    head_dim: usize,
+    block_size: usize,
+    mode: VictimKind,
+) -> Result<()> {
+    let kvh = sl.num_kv_heads;
+    let (kvh_i, d_i, bs_i) = (
+        as_i32(kvh, "KV heads")?,
+        as_i32(head_dim, "D")?,
+        as_i32(block_size, "block size")?,
+    );
+    let (mb_i, mode_i) = (as_i32(tables.max_blocks, "blocks")?, mode as i32);
+    let f = dev.get_or_load_custom_func("evict_one", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&mut sl.kv.k)
+        .arg(&mut sl.kv.v)
+        .arg(&mut sl.score)
+        .arg(&mut sl.pos)
+        .arg(&tables.tables)
+        .arg(params)
+        .arg(&kvh_i)
+        .arg(&d_i)
+        .arg(&bs_i)
+        .arg(&mb_i)
+        .arg(&mode_i);
+    let cfg = LaunchConfig {
+        grid_dim: (tables.rows as u32, kvh as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Keep slots `keep[g * C..(g + 1) * C]` (ascending) of each KV head `g` of a sequence,
+/// moved to slots `0..C` with their scores and positions.
+pub fn compact_slots(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    table: &CudaSlice<i32>,
+    keep: &[i32],
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+) -> Result<()> {
+    let c = keep.len() / num_kv_heads.max(1);
+    if c == 0 {
+        return Ok(());
+    }
+    let keep_d = upload_i32(dev, keep)?;
+    let (c_i, kvh_i) = (as_i32(c, "capacity")?, as_i32(num_kv_heads, "KV heads")?);
+    let (d_i, bs_i) = (as_i32(head_dim, "D")?, as_i32(block_size, "block size")?);
+    let f = dev.get_or_load_custom_func("compact_slots", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&mut sl.kv.k)
+        .arg(&mut sl.kv.v)
+        .arg(&mut sl.score)
+        .arg(&mut sl.pos)
+        .arg(table)
+        .arg(&keep_d)
+        .arg(&c_i)
+        .arg(&kvh_i)
+        .arg(&d_i)
+        .arg(&bs_i);
+    let cfg = LaunchConfig {
+        grid_dim: (num_kv_heads as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: (COMPACT_CHUNK * (4 * head_dim + 8)) as u32,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Positions `positions` and zero scores for the (already written) `slots`, every KV
+/// head.
+pub fn slot_meta_init(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    slots: &[i32],
+    positions: &[i32],
+) -> Result<()> {
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let kvh = sl.num_kv_heads;
+    let slots_d = upload_i32(dev, slots)?;
+    let pos_d = upload_i32(dev, positions)?;
+    let kvh_i = as_i32(kvh, "KV heads")?;
+    let f = dev.get_or_load_custom_func("slot_meta_init", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&slots_d)
+        .arg(&pos_d)
+        .arg(&mut sl.score)
+        .arg(&mut sl.pos)
+        .arg(&kvh_i);
+    let cfg = LaunchConfig {
+        grid_dim: (slots.len() as u32, 1, 1),
+        block_dim: (kvh.min(1024) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
