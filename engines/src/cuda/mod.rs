@@ -455,7 +455,8 @@ pub fn prefill_attention_stats(
             // [KVH, keys] of this chunk, placed at key offset `off`.
             let (part, off) = match mode {
                 ColumnStats::Chunked => {
-                    let own = candle_nn::ops::softmax_last_dim(&s.narrow(3, first, c)?)?;
+                    let own =
+                        candle_nn::ops::softmax_last_dim(&s.narrow(3, first, c)?.contiguous()?)?;
                     (own.sum(2)?.sum(1)?, first)
                 }
                 _ => (p.sum(2)?.sum(1)?, 0),
