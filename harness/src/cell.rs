@@ -9,7 +9,7 @@
 //! `kvbench-progress tokens=N total=M`: N tokens the engine has computed (prefill and
 //! decode) of the M its requests need (Σ prompt + output − 1, warm-up included).
 
-use crate::experiment::{Cell, Plan};
+use crate::experiment::{Cell, Kind, Plan};
 use crate::metrics::{compute, CellMetrics, Slo};
 use crate::setup::{
     host_memory_bytes, load_model, seeded_ids, skewing, DtypeArg, ModelArgs, Setup,
@@ -57,7 +57,7 @@ pub fn parse_progress(line: &str) -> Option<(u64, u64)> {
 }
 
 /// The cell's token progress, reported on stderr when asked (`KVBENCH_PROGRESS=1`).
-struct Progress {
+pub(crate) struct Progress {
     enabled: bool,
     tokens: u64,
     total: u64,
@@ -65,7 +65,7 @@ struct Progress {
 }
 
 impl Progress {
-    fn new(total: u64) -> Self {
+    pub(crate) fn new(total: u64) -> Self {
         let enabled = std::env::var(PROGRESS_ENV).is_ok_and(|v| v == "1");
         let mut p = Self {
             enabled,
@@ -93,12 +93,12 @@ impl Progress {
 
     /// Tokens computed by a step (recomputation after a preemption counts too, so the
     /// count is capped at the total).
-    fn step(&mut self, tokens: usize) {
+    pub(crate) fn step(&mut self, tokens: usize) {
         self.tokens = (self.tokens + tokens as u64).min(self.total);
         self.emit(false);
     }
 
-    fn finish(&mut self) {
+    pub(crate) fn finish(&mut self) {
         self.emit(true);
     }
 }
@@ -115,6 +115,11 @@ pub struct RunCellArgs {
     /// Directory of fetched weights.
     #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
     pub models_dir: PathBuf,
+
+    /// Evaluation data (accuracy and retention cells); default: the experiment's
+    /// `data_dir`, else ../shared/datasets from the repository root.
+    #[arg(long, env = "KVBENCH_DATASETS_DIR")]
+    pub data_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -195,10 +200,20 @@ fn corpus_tokens(src: &Path, tok: &TextTokenizer) -> Result<Vec<u32>> {
 /// ([`drive`]).
 fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
     let e = &plan.exp;
-    let n = e.warmup + e.workload.num_requests;
-    let lengths = cell.prompt_len.dist().sample(n, e.seed)?;
+    let w = e
+        .workload
+        .as_ref()
+        .context("a performance cell needs the experiment's `workload`")?;
+    let (Some(prompt_len), Some(output_len)) = (&cell.prompt_len, cell.output_len) else {
+        bail!(
+            "cell {}: a performance cell needs a prompt and an output length",
+            cell.index
+        );
+    };
+    let n = e.warmup + w.num_requests;
+    let lengths = prompt_len.dist().sample(n, e.seed)?;
     let vocab = setup.loaded.model.cfg.vocab_size;
-    let prompts = match &e.workload.source {
+    let prompts = match &w.source {
         Some(src) => {
             let tokens = corpus_tokens(src, &setup.loaded.tokenizer)?;
             slice_prompts(&tokens, &lengths, e.seed)?
@@ -220,7 +235,7 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
         Arrivals::AllAtZero
     };
     // Warm-up requests arrive at 0; the measured ones follow their process.
-    let times = arrivals.times(e.workload.num_requests, e.seed)?;
+    let times = arrivals.times(w.num_requests, e.seed)?;
     Ok(prompts
         .into_iter()
         .enumerate()
@@ -230,12 +245,24 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
             } else {
                 times[i - e.warmup]
             },
-            ..Request::greedy(p, cell.output_len)
+            ..Request::greedy(p, output_len)
         })
         .collect())
 }
 
 fn engine(plan: &Plan, cell: &Cell, setup: &Setup, models_dir: &Path) -> Result<Engine> {
+    policy_engine(plan, cell, setup, models_dir, None)
+}
+
+/// The cell's engine; InfiniGen's skewing is calibrated on `calibration` text when
+/// given (else seeded random tokens).
+pub(crate) fn policy_engine(
+    plan: &Plan,
+    cell: &Cell,
+    setup: &Setup,
+    models_dir: &Path,
+    calibration: Option<&Path>,
+) -> Result<Engine> {
     let e = &plan.exp;
     let pairs: Vec<(String, String)> = cell
         .params
@@ -244,7 +271,7 @@ fn engine(plan: &Plan, cell: &Cell, setup: &Setup, models_dir: &Path) -> Result<
         .collect();
     let mut policy = PolicySpec::parse(&cell.engine, cell.budget, &pairs)?;
     if let PolicySpec::Infinigen(p) = &mut policy {
-        p.skewing = Some(skewing(setup, None, models_dir)?);
+        p.skewing = Some(skewing(setup, calibration, models_dir)?);
     }
     let capacity = match (&e.device.memory, setup.device) {
         (Some(m), _) => parse_bytes(m).map_err(anyhow::Error::msg)?,
@@ -353,8 +380,8 @@ fn warm_up_device(_setup: &crate::setup::Setup) -> Result<()> {
     Ok(())
 }
 
-pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResult> {
-    let t0 = Instant::now();
+/// The experiment's model on its device, warmed up.
+pub(crate) fn load_setup(plan: &Plan, models_dir: &Path) -> Result<Setup> {
     let e = &plan.exp;
     let dtype = match e.dtype.as_str() {
         "quantized" => DtypeArg::Quantized,
@@ -371,6 +398,13 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     };
     let setup = load_model(&margs, &e.device.name)?;
     warm_up_device(&setup)?;
+    Ok(setup)
+}
+
+pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResult> {
+    let t0 = Instant::now();
+    let e = &plan.exp;
+    let setup = load_setup(plan, models_dir)?;
     let requests = workload(plan, cell, &setup)?;
     let mut progress = Progress::new(
         requests
@@ -378,10 +412,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
             .map(|r| (r.prompt.len() + r.max_new_tokens - 1) as u64)
             .sum(),
     );
-    let gpu = match setup.device {
-        DeviceKind::Cuda(i) => Some(i as u32),
-        DeviceKind::Cpu => None,
-    };
+    let gpu = setup.gpu_index();
     let mut result = CellResult {
         env: crate::environment::Environment::collect(&setup.device.to_string(), gpu),
         key: cell.key(),
@@ -453,7 +484,17 @@ pub fn run(a: RunCellArgs) -> Result<()> {
             plan.cells.len()
         )
     })?;
-    let r = run_cell(&plan, cell, &a.models_dir)?;
+    let r = match plan.exp.kind {
+        Kind::Performance => serde_json::to_value(run_cell(&plan, cell, &a.models_dir)?)?,
+        Kind::Accuracy => {
+            let data = plan.data_dir(a.data_dir.as_deref());
+            crate::accuracy::run_cell(&plan, cell, &a.models_dir, &data)?
+        }
+        Kind::Retention => bail!(
+            "{}: retention runs are not implemented yet (the experiment parses; kvbench cannot run its cells)",
+            a.experiment.display()
+        ),
+    };
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
 }

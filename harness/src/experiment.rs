@@ -2,9 +2,14 @@
 //! matrix of axes; it expands into cells (one point of the matrix × one repeat). Every
 //! key and value is checked before anything runs, and errors name the file, the line
 //! and the key with what was expected.
+//!
+//! Three kinds: `performance` (the default: `matrix` + `workload`), `accuracy`
+//! (multiple-choice log-likelihood tasks, an `accuracy:` section) and `retention` (a
+//! `retention:` section). An accuracy cell is one engine × budget × scoring mode × task.
 
 use anyhow::{Context, Result};
 use kvbench_datasets::prompts::LengthDist;
+use kvbench_datasets::tasks::Task;
 use kvbench_engines::attention::prefill::AttentionImpl;
 use kvbench_engines::device::parse_bytes;
 use kvbench_engines::policy::spec::PolicySpec;
@@ -13,10 +18,36 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+/// What an experiment measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// Latency, throughput and memory over a matrix of axes.
+    #[default]
+    Performance,
+    /// Multiple-choice log-likelihood accuracy (lm-eval's tasks) per engine and budget.
+    Accuracy,
+    /// Fact retention over long multi-turn contexts per engine and budget.
+    Retention,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Performance => "performance",
+            Kind::Accuracy => "accuracy",
+            Kind::Retention => "retention",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Experiment {
     pub name: String,
+    /// performance (default), accuracy or retention.
+    #[serde(default)]
+    pub kind: Kind,
     /// Model as `kvbench generate --model` takes it.
     pub model: String,
     /// Weights: auto, quantized, f32, f16, bf16.
@@ -27,8 +58,17 @@ pub struct Experiment {
     #[serde(default = "default_device")]
     pub device: Device,
     pub engines: Vec<EngineEntry>,
-    pub matrix: Matrix,
-    pub workload: Workload,
+    /// Axes of a performance experiment (required there, rejected elsewhere).
+    pub matrix: Option<Matrix>,
+    /// Requests of a performance experiment (required there, rejected elsewhere).
+    pub workload: Option<Workload>,
+    /// Tasks, limit, budgets and scoring modes of an accuracy experiment.
+    pub accuracy: Option<AccuracySpec>,
+    /// Buckets, turns, facts and form of a retention experiment.
+    pub retention: Option<RetentionSpec>,
+    /// Evaluation data (accuracy, retention). Default: `$KVBENCH_DATASETS_DIR`, else
+    /// `../shared/datasets` from the repository root; `--data-dir` overrides both.
+    pub data_dir: Option<PathBuf>,
     #[serde(default)]
     pub scheduler: Scheduler,
     /// Runs of every matrix point.
@@ -182,6 +222,101 @@ pub struct Workload {
     pub num_requests: usize,
 }
 
+/// How a continuation's log-likelihood is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScoringMode {
+    /// The context is prefilled with the policy active, then the continuation is fed
+    /// token by token through decode steps (eviction and selection act on what the
+    /// model sees).
+    Decode,
+    /// Context and continuation in one prefill, as lm-eval scores (a policy that only
+    /// compresses after the prefill changes nothing).
+    OnePass,
+}
+
+impl ScoringMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            ScoringMode::Decode => "decode",
+            ScoringMode::OnePass => "one_pass",
+        }
+    }
+}
+
+impl std::str::FromStr for ScoringMode {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "decode" => Ok(ScoringMode::Decode),
+            "one_pass" => Ok(ScoringMode::OnePass),
+            _ => Err(format!("`{s}`: expected decode or one_pass")),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccuracySpec {
+    /// piqa, copa, winogrande, hellaswag, openbookqa, boolq.
+    pub tasks: Vec<String>,
+    /// First items of each task's split (lm-eval's `--limit`); absent: all.
+    pub limit: Option<usize>,
+    /// Fractions of KV pairs kept; `full` runs once at 1.
+    #[serde(default = "budget_one")]
+    pub budgets: Vec<f64>,
+    /// Scoring modes: decode, one_pass.
+    #[serde(default = "decode_mode")]
+    pub modes: Vec<ScoringMode>,
+    /// Most requests (one per choice) scored together.
+    #[serde(default = "acc_batch")]
+    pub batch: usize,
+    /// Prefill attention implementation.
+    #[serde(default = "flash_one")]
+    pub attention: String,
+}
+
+/// Parameters of the retention task (run by `crate::retention`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionSpec {
+    /// Context-length buckets in tokens, such as `1K-2K`.
+    pub buckets: Vec<String>,
+    /// Turns at which recall is asked.
+    #[serde(default = "default_turns")]
+    pub turns: Vec<usize>,
+    /// Facts planted per conversation.
+    pub facts: usize,
+    /// `chat` (the study's multi-turn form) or `passkey`.
+    pub form: String,
+    /// Conversations per bucket; absent: the task's default.
+    pub limit: Option<usize>,
+    #[serde(default = "budget_one")]
+    pub budgets: Vec<f64>,
+    /// Most conversations decoding together.
+    #[serde(default = "acc_batch")]
+    pub batch: usize,
+    #[serde(default = "flash_one")]
+    pub attention: String,
+}
+
+/// A retention bucket `A-B` in tokens (`1K-2K`, `512-1K`; K = 1024): (A, B), A < B.
+pub fn parse_bucket(s: &str) -> std::result::Result<(usize, usize), String> {
+    let num = |x: &str| -> Option<usize> {
+        let x = x.trim();
+        match x.strip_suffix(['K', 'k']) {
+            Some(k) => k.parse::<usize>().ok()?.checked_mul(1024),
+            None => x.parse().ok(),
+        }
+    };
+    match s.split_once('-').map(|(a, b)| (num(a), num(b))) {
+        Some((Some(a), Some(b))) if a < b => Ok((a, b)),
+        _ => Err(format!(
+            "`{s}`: expected a token range such as 1K-2K (lower below upper; K = 1024)"
+        )),
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scheduler {
@@ -244,6 +379,18 @@ fn inf_rate() -> Vec<Rate> {
 fn inf_concurrency() -> Vec<Concurrency> {
     vec![Concurrency::Named(RateName::Inf)]
 }
+fn decode_mode() -> Vec<ScoringMode> {
+    vec![ScoringMode::Decode]
+}
+fn acc_batch() -> usize {
+    16
+}
+fn flash_one() -> String {
+    "flash".into()
+}
+fn default_turns() -> Vec<usize> {
+    vec![2, 4, 6, 8, 10, 12]
+}
 fn burst() -> Vec<f64> {
     vec![1.0]
 }
@@ -264,8 +411,9 @@ pub struct Cell {
     pub engine: String,
     pub params: BTreeMap<String, String>,
     pub batch: usize,
-    pub prompt_len: PromptLen,
-    pub output_len: usize,
+    /// Performance cells only (null elsewhere).
+    pub prompt_len: Option<PromptLen>,
+    pub output_len: Option<usize>,
     pub budget: f64,
     pub attention: String,
     /// `None` unless the attention implementation is `chunked`.
@@ -275,6 +423,16 @@ pub struct Cell {
     /// Most requests in flight; `None`: no cap.
     pub max_concurrency: Option<usize>,
     pub repeat: usize,
+    /// Accuracy cells: the task, the scoring mode and the item limit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<ScoringMode>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<usize>,
+    /// Retention cells: the context bucket.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<String>,
 }
 
 impl Cell {
@@ -285,6 +443,30 @@ impl Cell {
             .iter()
             .map(|(k, v)| format!("{k}={v}"))
             .collect();
+        let limit = self.limit.map_or("all".into(), |l| l.to_string());
+        if let (Some(task), Some(mode)) = (&self.task, self.mode) {
+            return format!(
+                "kind=accuracy;engine={};params={};budget={};task={task};mode={};limit={limit};batch={};attention={};repeat={}",
+                self.engine,
+                params.join(","),
+                self.budget,
+                mode.name(),
+                self.batch,
+                self.attention,
+                self.repeat
+            );
+        }
+        if let Some(bucket) = &self.bucket {
+            return format!(
+                "kind=retention;engine={};params={};budget={};bucket={bucket};limit={limit};batch={};attention={};repeat={}",
+                self.engine,
+                params.join(","),
+                self.budget,
+                self.batch,
+                self.attention,
+                self.repeat
+            );
+        }
         // The cap joins the key only when there is one: keys recorded before the
         // axis existed stay valid.
         let cap = self
@@ -295,8 +477,8 @@ impl Cell {
             self.engine,
             params.join(","),
             self.batch,
-            self.prompt_len.label(),
-            self.output_len,
+            self.prompt_len.as_ref().map_or("-".into(), |p| p.label()),
+            self.output_len.map_or("-".into(), |o| o.to_string()),
             self.budget,
             self.attention,
             self.chunk_size.map_or("-".into(), |c| c.to_string()),
@@ -439,20 +621,6 @@ impl Plan {
         if exp.repeats == 0 {
             return Err(err("repeats", "expected at least 1".into()));
         }
-        if exp.workload.num_requests == 0 {
-            return Err(err("workload.num_requests", "expected at least 1".into()));
-        }
-        if let Some(src) = &exp.workload.source {
-            if !src.exists() {
-                return Err(err(
-                    "workload.source",
-                    format!(
-                        "{} does not exist: expected a UTF-8 text file or a directory of them",
-                        src.display()
-                    ),
-                ));
-            }
-        }
         let s = &exp.scheduler;
         if !["chunked", "sequential"].contains(&s.prefill.as_str()) {
             return Err(err(
@@ -466,7 +634,325 @@ impl Plan {
                 "max_batched_tokens and block_size must be ≥ 1".into(),
             ));
         }
-        let m = &exp.matrix;
+        // The model's context, from its config only (no weights are read).
+        let src = ModelSource::parse(&exp.model).map_err(|e| err("model", e.to_string()))?;
+        let opts = LoadOptions {
+            models_dir: models_dir.to_path_buf(),
+            ..Default::default()
+        };
+        let cfg = src.config(&opts).map_err(|e| err("model", e.to_string()))?;
+        let context = s.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        if context > cfg.max_position_embeddings {
+            return Err(err(
+                "scheduler.max_model_len",
+                format!(
+                    "{context}: longer than the model's context of {}",
+                    cfg.max_position_embeddings
+                ),
+            ));
+        }
+        // Each kind's own section, and no other kind's.
+        let kind = exp.kind;
+        for (key, present, owner) in [
+            ("matrix", exp.matrix.is_some(), Kind::Performance),
+            ("workload", exp.workload.is_some(), Kind::Performance),
+            ("accuracy", exp.accuracy.is_some(), Kind::Accuracy),
+            ("retention", exp.retention.is_some(), Kind::Retention),
+        ] {
+            if present && owner != kind {
+                return Err(err(
+                    key,
+                    format!(
+                        "`{key}` belongs to `kind: {}` experiments; this one is `kind: {}`",
+                        owner.name(),
+                        kind.name()
+                    ),
+                ));
+            }
+            if !present && owner == kind {
+                let at = line_of(text, "kind").map_or(String::new(), |l| format!(":{l}"));
+                return Err(anyhow::anyhow!(
+                    "{file}{at}: a `kind: {}` experiment needs a `{key}:` section",
+                    kind.name()
+                ));
+            }
+        }
+        let cells = match kind {
+            Kind::Performance => Self::performance_cells(&exp, text, path, context)?,
+            Kind::Accuracy => Self::accuracy_cells(&exp, text, path, context)?,
+            Kind::Retention => Self::retention_cells(&exp, text, path)?,
+        };
+        Ok(Plan {
+            exp,
+            cells,
+            context,
+        })
+    }
+
+    /// Engines with their parameters, each checked at every budget it will run with
+    /// (`full` runs once, at 1).
+    #[allow(clippy::type_complexity)]
+    fn engines(
+        exp: &Experiment,
+        text: &str,
+        path: &Path,
+        budgets: &[f64],
+    ) -> Result<Vec<(String, BTreeMap<String, String>, Vec<f64>)>> {
+        let file = path.display();
+        let err = |key: &str, msg: String| -> anyhow::Error {
+            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
+            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
+        };
+        let mut engines = Vec::new();
+        for (i, e) in exp.engines.iter().enumerate() {
+            let key = format!("engines[{i}]");
+            let mut params = BTreeMap::new();
+            for (k, v) in &e.params {
+                let v = scalar(v).ok_or_else(|| {
+                    err(
+                        &format!("{key}.params"),
+                        format!("`{k}`: expected a number, a string or a boolean"),
+                    )
+                })?;
+                params.insert(k.clone(), v);
+            }
+            let pairs: Vec<(String, String)> =
+                params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+            let budgets: Vec<f64> = if e.name == "full" {
+                vec![1.0]
+            } else {
+                budgets.to_vec()
+            };
+            for &b in &budgets {
+                PolicySpec::parse(&e.name, b, &pairs).map_err(|x| {
+                    let at =
+                        item_line(text, "engines", i).map_or(String::new(), |l| format!(":{l}"));
+                    anyhow::anyhow!("{file}{at}: `{key}` (`{}`): {x}", e.name)
+                })?;
+            }
+            engines.push((e.name.clone(), params, budgets));
+        }
+        Ok(engines)
+    }
+
+    /// Budgets in (0, 1], a non-empty list.
+    fn check_budgets(
+        budgets: &[f64],
+        key: &str,
+        err: &dyn Fn(&str, String) -> anyhow::Error,
+    ) -> Result<()> {
+        if budgets.is_empty() {
+            return Err(err(key, "expected a non-empty list".into()));
+        }
+        if let Some(b) = budgets.iter().find(|&&b| !(b > 0.0 && b <= 1.0)) {
+            return Err(err(
+                key,
+                format!("{b}: expected a fraction of KV pairs kept, in (0, 1]"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn accuracy_cells(
+        exp: &Experiment,
+        text: &str,
+        path: &Path,
+        context: usize,
+    ) -> Result<Vec<Cell>> {
+        let file = path.display();
+        let err = |key: &str, msg: String| -> anyhow::Error {
+            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
+            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
+        };
+        let a = exp
+            .accuracy
+            .as_ref()
+            .context("an accuracy experiment needs an `accuracy:` section")?;
+        if a.tasks.is_empty() {
+            return Err(err(
+                "accuracy.tasks",
+                format!("expected a non-empty list of {}", task_names()),
+            ));
+        }
+        let mut tasks: Vec<Task> = Vec::new();
+        for t in &a.tasks {
+            let task: Task = t.parse().map_err(|e: String| err("accuracy.tasks", e))?;
+            if tasks.contains(&task) {
+                return Err(err("accuracy.tasks", format!("`{t}` is listed twice")));
+            }
+            tasks.push(task);
+        }
+        if a.limit == Some(0) {
+            return Err(err(
+                "accuracy.limit",
+                "0: expected at least 1 item per task (or no limit)".into(),
+            ));
+        }
+        Self::check_budgets(&a.budgets, "accuracy.budgets", &err)?;
+        if a.modes.is_empty() {
+            return Err(err(
+                "accuracy.modes",
+                "expected a non-empty list of decode, one_pass".into(),
+            ));
+        }
+        if a.batch == 0 {
+            return Err(err("accuracy.batch", "0: expected at least 1".into()));
+        }
+        a.attention
+            .parse::<AttentionImpl>()
+            .map_err(|e| err("accuracy.attention", e.to_string()))?;
+        if context < 64 {
+            return Err(err(
+                "scheduler.max_model_len",
+                format!("{context}: too short to score the tasks' items (expected ≥ 64)"),
+            ));
+        }
+        let engines = Self::engines(exp, text, path, &a.budgets)?;
+        let mut cells = Vec::new();
+        for (name, params, budgets) in &engines {
+            for &budget in budgets {
+                for &mode in &a.modes {
+                    for &task in &tasks {
+                        for repeat in 0..exp.repeats {
+                            cells.push(Cell {
+                                index: cells.len(),
+                                engine: name.clone(),
+                                params: params.clone(),
+                                batch: a.batch,
+                                prompt_len: None,
+                                output_len: None,
+                                budget,
+                                attention: a.attention.clone(),
+                                chunk_size: None,
+                                request_rate: f64::INFINITY,
+                                burstiness: 1.0,
+                                max_concurrency: None,
+                                repeat,
+                                task: Some(task.name().to_string()),
+                                mode: Some(mode),
+                                limit: a.limit,
+                                bucket: None,
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        Ok(cells)
+    }
+
+    fn retention_cells(exp: &Experiment, text: &str, path: &Path) -> Result<Vec<Cell>> {
+        let file = path.display();
+        let err = |key: &str, msg: String| -> anyhow::Error {
+            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
+            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
+        };
+        let r = exp
+            .retention
+            .as_ref()
+            .context("a retention experiment needs a `retention:` section")?;
+        if r.buckets.is_empty() {
+            return Err(err(
+                "retention.buckets",
+                "expected a non-empty list such as [1K-2K, 2K-4K]".into(),
+            ));
+        }
+        for b in &r.buckets {
+            parse_bucket(b).map_err(|e| err("retention.buckets", e))?;
+        }
+        if r.turns.is_empty() || r.turns.contains(&0) {
+            return Err(err(
+                "retention.turns",
+                "expected a non-empty list of turns ≥ 1".into(),
+            ));
+        }
+        if r.facts == 0 {
+            return Err(err("retention.facts", "0: expected at least 1 fact".into()));
+        }
+        if !["chat", "passkey"].contains(&r.form.as_str()) {
+            return Err(err(
+                "retention.form",
+                format!("`{}`: expected chat or passkey", r.form),
+            ));
+        }
+        if r.limit == Some(0) {
+            return Err(err(
+                "retention.limit",
+                "0: expected at least 1 conversation per bucket".into(),
+            ));
+        }
+        Self::check_budgets(&r.budgets, "retention.budgets", &err)?;
+        if r.batch == 0 {
+            return Err(err("retention.batch", "0: expected at least 1".into()));
+        }
+        r.attention
+            .parse::<AttentionImpl>()
+            .map_err(|e| err("retention.attention", e.to_string()))?;
+        let engines = Self::engines(exp, text, path, &r.budgets)?;
+        let mut cells = Vec::new();
+        for (name, params, budgets) in &engines {
+            for &budget in budgets {
+                for bucket in &r.buckets {
+                    for repeat in 0..exp.repeats {
+                        cells.push(Cell {
+                            index: cells.len(),
+                            engine: name.clone(),
+                            params: params.clone(),
+                            batch: r.batch,
+                            prompt_len: None,
+                            output_len: None,
+                            budget,
+                            attention: r.attention.clone(),
+                            chunk_size: None,
+                            request_rate: f64::INFINITY,
+                            burstiness: 1.0,
+                            max_concurrency: None,
+                            repeat,
+                            task: None,
+                            mode: None,
+                            limit: r.limit,
+                            bucket: Some(bucket.clone()),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(cells)
+    }
+
+    fn performance_cells(
+        exp: &Experiment,
+        text: &str,
+        path: &Path,
+        context: usize,
+    ) -> Result<Vec<Cell>> {
+        let file = path.display();
+        let err = |key: &str, msg: String| -> anyhow::Error {
+            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
+            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
+        };
+        let w = exp
+            .workload
+            .as_ref()
+            .context("a performance experiment needs a `workload:` section")?;
+        if w.num_requests == 0 {
+            return Err(err("workload.num_requests", "expected at least 1".into()));
+        }
+        if let Some(src) = &w.source {
+            if !src.exists() {
+                return Err(err(
+                    "workload.source",
+                    format!(
+                        "{} does not exist: expected a UTF-8 text file or a directory of them",
+                        src.display()
+                    ),
+                ));
+            }
+        }
+        let m = exp
+            .matrix
+            .as_ref()
+            .context("a performance experiment needs a `matrix:` section")?;
         for (key, empty) in [
             ("matrix.batch", m.batch.is_empty()),
             ("matrix.prompt_len", m.prompt_len.is_empty()),
@@ -494,12 +980,7 @@ impl Plan {
                 format!("{o}: expected output lengths ≥ 1"),
             ));
         }
-        if let Some(b) = m.budget.iter().find(|&&b| !(b > 0.0 && b <= 1.0)) {
-            return Err(err(
-                "matrix.budget",
-                format!("{b}: expected a fraction of KV pairs kept, in (0, 1]"),
-            ));
-        }
+        Self::check_budgets(&m.budget, "matrix.budget", &err)?;
         for a in &m.attention {
             a.parse::<AttentionImpl>()
                 .map_err(|e| err("matrix.attention", e.to_string()))?;
@@ -533,23 +1014,6 @@ impl Plan {
                 .validate()
                 .map_err(|e| err("matrix.prompt_len", e.to_string()))?;
         }
-        // The model's context, from its config only (no weights are read).
-        let src = ModelSource::parse(&exp.model).map_err(|e| err("model", e.to_string()))?;
-        let opts = LoadOptions {
-            models_dir: models_dir.to_path_buf(),
-            ..Default::default()
-        };
-        let cfg = src.config(&opts).map_err(|e| err("model", e.to_string()))?;
-        let context = s.max_model_len.unwrap_or(cfg.max_position_embeddings);
-        if context > cfg.max_position_embeddings {
-            return Err(err(
-                "scheduler.max_model_len",
-                format!(
-                    "{context}: longer than the model's context of {}",
-                    cfg.max_position_embeddings
-                ),
-            ));
-        }
         let longest = m
             .prompt_len
             .iter()
@@ -565,37 +1029,7 @@ impl Plan {
                 ),
             ));
         }
-        // Engines and their parameters, at every budget they will run with.
-        let mut engines = Vec::new();
-        for (i, e) in exp.engines.iter().enumerate() {
-            let key = format!("engines[{i}]");
-            let mut params = BTreeMap::new();
-            for (k, v) in &e.params {
-                let v = scalar(v).ok_or_else(|| {
-                    err(
-                        &format!("{key}.params"),
-                        format!("`{k}`: expected a number, a string or a boolean"),
-                    )
-                })?;
-                params.insert(k.clone(), v);
-            }
-            let pairs: Vec<(String, String)> =
-                params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            let budgets: Vec<f64> = if e.name == "full" {
-                vec![1.0]
-            } else {
-                m.budget.clone()
-            };
-            for &b in &budgets {
-                PolicySpec::parse(&e.name, b, &pairs).map_err(|x| {
-                    let at =
-                        item_line(text, "engines", i).map_or(String::new(), |l| format!(":{l}"));
-                    anyhow::anyhow!("{file}{at}: `{key}` (`{}`): {x}", e.name)
-                })?;
-            }
-            engines.push((e.name.clone(), params, budgets));
-        }
-
+        let engines = Self::engines(exp, text, path, &m.budget)?;
         let mut cells = Vec::new();
         for (name, params, budgets) in &engines {
             for &batch in &m.batch {
@@ -618,8 +1052,8 @@ impl Plan {
                                                         engine: name.clone(),
                                                         params: params.clone(),
                                                         batch,
-                                                        prompt_len: prompt_len.clone(),
-                                                        output_len,
+                                                        prompt_len: Some(prompt_len.clone()),
+                                                        output_len: Some(output_len),
                                                         budget,
                                                         attention: attention.clone(),
                                                         chunk_size,
@@ -627,6 +1061,10 @@ impl Plan {
                                                         burstiness,
                                                         max_concurrency,
                                                         repeat,
+                                                        task: None,
+                                                        mode: None,
+                                                        limit: None,
+                                                        bucket: None,
                                                     });
                                                 }
                                             }
@@ -639,12 +1077,23 @@ impl Plan {
                 }
             }
         }
-        Ok(Plan {
-            exp,
-            cells,
-            context,
-        })
+        Ok(cells)
     }
+
+    /// The evaluation data directory: `flag` (`--data-dir`, or `$KVBENCH_DATASETS_DIR`
+    /// through it), else the YAML's `data_dir`, else `../shared/datasets` from the
+    /// repository root (the working directory the recipes run in).
+    pub fn data_dir(&self, flag: Option<&Path>) -> PathBuf {
+        match (flag, &self.exp.data_dir) {
+            (Some(f), _) => f.to_path_buf(),
+            (None, Some(d)) => d.clone(),
+            (None, None) => kvbench_datasets::tasks::default_data_dir(Path::new(".")),
+        }
+    }
+}
+
+fn task_names() -> String {
+    Task::ALL.map(|t| t.name()).join(", ")
 }
 
 /// `i/n`: run every n-th cell starting at i (a sweep split over machines).

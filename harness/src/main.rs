@@ -1,5 +1,6 @@
 //! `kvbench`: benchmark and characterization of KV-cache management strategies.
 
+mod accuracy;
 mod cell;
 mod compare;
 mod environment;

@@ -6,7 +6,9 @@
 //! every row carries its cell's index and key. `runs.parquet` starts with headline
 //! columns under stable names (`engine`, `ttft_mean_s`, `decode_tok_s`,
 //! `mem_kv_device_bytes`, ...); then nested fields follow, flattened with `_`
-//! (`metrics_ttft_s_p99`). A value never measured is null.
+//! (`metrics_ttft_s_p99`). A value never measured is null. Accuracy and retention
+//! cells carry `accuracy_rows`, which become `accuracy.parquet` (written only when
+//! there are any).
 
 use anyhow::{Context, Result};
 use polars::prelude::{Column, DataFrame, DataType, NamedFrom, ParquetWriter, Series};
@@ -196,7 +198,7 @@ fn rows_of(
     tag(&mut run);
     if let Value::Object(m) = cell {
         for (k, v) in m {
-            if ["requests", "steps", "samples", "key"].contains(&k.as_str()) {
+            if ["requests", "steps", "samples", "key", "accuracy_rows"].contains(&k.as_str()) {
                 continue;
             }
             flatten(k, v, &mut run);
@@ -207,6 +209,7 @@ fn rows_of(
         ("requests", "requests"),
         ("steps", "steps"),
         ("samples", "samples"),
+        ("accuracy", "accuracy_rows"),
     ] {
         for r in cell[field].as_array().into_iter().flatten() {
             let mut m = Map::new();
@@ -281,8 +284,18 @@ pub fn write_tables(exp_dir: &Path) -> Result<BTreeMap<&'static str, usize>> {
         rows_of(&v, &experiment, &id, &mut tables);
     }
     let mut counts = BTreeMap::new();
-    for name in ["runs", "requests", "steps", "samples"] {
+    for name in ["runs", "requests", "steps", "samples", "accuracy"] {
         let rows = tables.remove(name).unwrap_or_default();
+        // accuracy.parquet exists only where accuracy was measured (its absence is
+        // what the figures and the report go by).
+        if name == "accuracy" && rows.is_empty() {
+            let stale = exp_dir.join("accuracy.parquet");
+            if stale.is_file() {
+                std::fs::remove_file(&stale)
+                    .with_context(|| format!("removing {}", stale.display()))?;
+            }
+            continue;
+        }
         counts.insert(name, rows.len());
         let mut df = frame(&rows)?;
         if name == "runs" && !rows.is_empty() {

@@ -11,10 +11,11 @@
 //! printed above the bars and its end kept for the error of a cell whose process dies.
 
 use crate::cell::{parse_progress, PROGRESS_ENV};
-use crate::experiment::{parse_shard, shard, Cell, Plan};
+use crate::experiment::{parse_shard, shard, Cell, Kind, Plan};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressState, ProgressStyle};
+use kvbench_datasets::tasks::Task;
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -54,6 +55,11 @@ pub struct RunArgs {
     /// Where results go: `<results>/<experiment name>/`.
     #[arg(long, env = "KVBENCH_RESULTS", default_value = "results")]
     pub results: PathBuf,
+
+    /// Evaluation data (accuracy and retention experiments); default: the
+    /// experiment's `data_dir`, else ../shared/datasets from the repository root.
+    #[arg(long, env = "KVBENCH_DATASETS_DIR")]
+    pub data_dir: Option<PathBuf>,
 }
 
 /// File of a cell's result: its index and a hash of its key.
@@ -163,7 +169,13 @@ impl Bars {
 
 /// Run one cell in a child process; a child that dies without a result is recorded
 /// as an `error` with the end of its stderr.
-fn run_child(exp: &Path, c: &Cell, models_dir: &Path, bars: &Bars) -> Result<serde_json::Value> {
+fn run_child(
+    exp: &Path,
+    c: &Cell,
+    models_dir: &Path,
+    data_dir: &Path,
+    bars: &Bars,
+) -> Result<serde_json::Value> {
     let exe = std::env::current_exe().context("locating the kvbench binary")?;
     let mut child = Command::new(exe)
         .arg("run-cell")
@@ -172,6 +184,8 @@ fn run_child(exp: &Path, c: &Cell, models_dir: &Path, bars: &Bars) -> Result<ser
         .arg(c.index.to_string())
         .arg("--models-dir")
         .arg(models_dir)
+        .arg("--data-dir")
+        .arg(data_dir)
         .env(PROGRESS_ENV, "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -251,7 +265,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         e.model,
         e.device.name,
         plan.context,
-        e.workload.num_requests,
+        e.workload.as_ref().map_or(0, |w| w.num_requests),
         e.warmup,
         e.repeats,
         e.seed
@@ -274,7 +288,12 @@ pub fn run(a: RunArgs) -> Result<()> {
     );
     for c in &cells {
         let params: Vec<String> = c.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
-        let prompt = serde_json::to_string(&c.prompt_len)?;
+        let prompt = match (&c.prompt_len, &c.task, &c.bucket) {
+            (Some(p), _, _) => serde_json::to_string(p)?,
+            (None, Some(t), _) => format!("{t} {}", c.mode.map_or("", |m| m.name())),
+            (None, None, Some(b)) => format!("retention {b}"),
+            _ => "-".into(),
+        };
         println!(
             "{:>5}  {:<10} {:<22} {:>5} {:>18} {:>6} {:>6} {:<8} {:>5} {:>6} {:>5} {:>5} {:>3}",
             c.index,
@@ -282,7 +301,7 @@ pub fn run(a: RunArgs) -> Result<()> {
             params.join(","),
             c.batch,
             prompt,
-            c.output_len,
+            c.output_len.map_or("-".into(), |o| o.to_string()),
             c.budget,
             c.attention,
             c.chunk_size.map_or("-".into(), |x| x.to_string()),
@@ -302,6 +321,33 @@ pub fn run(a: RunArgs) -> Result<()> {
 }
 
 fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
+    let data_dir = plan.data_dir(a.data_dir.as_deref());
+    match plan.exp.kind {
+        Kind::Performance => {}
+        Kind::Accuracy => {
+            // Every task's files before the first cell: a missing directory is one
+            // clear error, not one per cell.
+            let a = plan.exp.accuracy.as_ref().context("the accuracy section")?;
+            for t in &a.tasks {
+                let task: Task = t.parse().map_err(anyhow::Error::msg)?;
+                for f in task.files() {
+                    let p = data_dir.join(f);
+                    if !p.is_file() {
+                        bail!(
+                            "{task}: {} not found: expected the evaluation data under {} \
+                             (--data-dir, KVBENCH_DATASETS_DIR or the experiment's data_dir)",
+                            p.display(),
+                            data_dir.display()
+                        );
+                    }
+                }
+            }
+        }
+        Kind::Retention => bail!(
+            "{}: retention runs are not implemented yet (the experiment parses and --dry-run lists its cells)",
+            a.experiment.display()
+        ),
+    }
     let dir = a.results.join(&plan.exp.name).join("cells");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     // The experiment as run, next to its results.
@@ -330,7 +376,7 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             "cell {} {} b{} budget {}",
             c.index, c.engine, c.batch, c.budget
         ));
-        let v = run_child(&a.experiment, c, &a.models_dir, &bars)?;
+        let v = run_child(&a.experiment, c, &a.models_dir, &data_dir, &bars)?;
         write_atomic(&path, serde_json::to_string(&v)?.as_bytes())?;
         ran += 1;
         rows.push(v);
@@ -347,6 +393,17 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     );
     let exp_dir = a.results.join(&plan.exp.name);
     print_tables(&exp_dir)?;
+    if plan.exp.kind == Kind::Accuracy {
+        print_accuracy(&rows);
+        println!(
+            "results: {} (cells/, runs.parquet and accuracy.parquet)\n\
+             figures: kvbench plot {0}   (just figures {1})\n\
+             report:  kvbench report {0}   (just report {1})",
+            exp_dir.display(),
+            plan.exp.name
+        );
+        return Ok(());
+    }
     println!(
         "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
         "cell",
@@ -392,6 +449,47 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         plan.exp.name
     );
     Ok(())
+}
+
+/// One line per accuracy cell: its task, mode and scores.
+fn print_accuracy(rows: &[serde_json::Value]) {
+    println!(
+        "{:>5}  {:<10} {:>6} {:<11} {:<9} {:<6} {:>5} {:>15} {:>15} {:>8}",
+        "cell",
+        "engine",
+        "budget",
+        "task",
+        "mode",
+        "result",
+        "items",
+        "acc ± se",
+        "acc_norm ± se",
+        "wall s"
+    );
+    let pm = |v: &serde_json::Value, se: &serde_json::Value| match (v.as_f64(), se.as_f64()) {
+        (Some(x), Some(e)) => format!("{x:.3} ± {e:.3}"),
+        (Some(x), None) => format!("{x:.3}"),
+        _ => "-".into(),
+    };
+    for v in rows {
+        let c = &v["cell"];
+        let s = &v["accuracy"];
+        println!(
+            "{:>5}  {:<10} {:>6} {:<11} {:<9} {:<6} {:>5} {:>15} {:>15} {:>8}",
+            c["index"].to_string(),
+            c["engine"].as_str().unwrap_or("?"),
+            c["budget"].to_string(),
+            c["task"].as_str().unwrap_or("?"),
+            c["mode"].as_str().unwrap_or("?"),
+            v["outcome"].as_str().unwrap_or("?"),
+            s["items"].as_u64().map_or("-".into(), |n| n.to_string()),
+            pm(&s["acc"], &s["acc_stderr"]),
+            pm(&s["acc_norm"], &s["acc_norm_stderr"]),
+            v["wall_s"]
+                .as_f64()
+                .map_or("-".into(), |w| format!("{w:.1}")),
+        );
+    }
 }
 
 /// Rebuild the experiment's Parquet tables from its cell files and say what they hold.

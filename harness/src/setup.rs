@@ -285,6 +285,16 @@ pub struct Setup {
     pub spec: String,
 }
 
+impl Setup {
+    /// NVML index of the device, for the samplers (`None` on the CPU).
+    pub fn gpu_index(&self) -> Option<u32> {
+        match self.device {
+            DeviceKind::Cuda(i) => Some(i as u32),
+            DeviceKind::Cpu => None,
+        }
+    }
+}
+
 pub fn load_model(m: &ModelArgs, device: &str) -> Result<Setup> {
     let device: DeviceKind = device.parse()?;
     let cd = device.candle()?;
