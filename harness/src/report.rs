@@ -6,6 +6,7 @@
 use anyhow::{bail, Context, Result};
 use base64::Engine as _;
 use clap::Args;
+use kvbench_plots::AccRow;
 use polars::prelude::{DataFrame, ParquetReader, SerReader};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -244,6 +245,132 @@ pub fn judge(runs: &[Run]) -> Vec<Claim> {
         });
     }
     out
+}
+
+/// The claims, judged on `runs` and, where the experiment has them, the rows of
+/// accuracy.parquet (C11 from the `retention` task).
+pub fn judge_all(runs: &[Run], acc: Option<&[AccRow]>) -> Vec<Claim> {
+    let mut claims = judge(runs);
+    let retention: Vec<&AccRow> = acc
+        .into_iter()
+        .flatten()
+        .filter(|r| r.task == "retention")
+        .collect();
+    if !retention.is_empty() {
+        if let Some(c) = claims.iter_mut().find(|c| c.id == "C11") {
+            (c.verdict, c.evidence) = c11(&retention);
+        }
+    }
+    claims
+}
+
+/// The rows of accuracy.parquet beside runs.parquet, if any.
+fn read_accuracy(dir: &Path) -> Option<Vec<AccRow>> {
+    kvbench_plots::Tables::load(dir, None)
+        .ok()?
+        .accuracy_rows()
+        .ok()
+}
+
+/// The study ran H2O and InfiniGen at budget 0.3 for retention.
+const C11_BUDGET: f64 = 0.3;
+/// InfiniGen tracks full: at most this far below it (the study: 1–4 pp).
+const C11_INFINIGEN_PP: f64 = 5.0;
+/// H2O falls clearly below full: at least this far (the study: 17–27 pp).
+const C11_H2O_PP: f64 = 10.0;
+/// Below this, full itself does not retain the fact: the model cannot do the task.
+const C11_FULL_MIN: f64 = 50.0;
+
+/// C11 from retention rows: full, InfiniGen and H2O (at budget 0.3, else the budget
+/// nearest it) overall and, with two buckets or more, H2O's gap to full by bucket.
+fn c11(rows: &[&AccRow]) -> (Verdict, String) {
+    let pct = |v: &[f64]| 100.0 * v.iter().sum::<f64>() / v.len() as f64;
+    // An engine's rows at the budget nearest the study's.
+    let of = |engine: &str| -> Option<(f64, Vec<&AccRow>)> {
+        let mine: Vec<&AccRow> = rows
+            .iter()
+            .copied()
+            .filter(|r| r.engine == engine)
+            .collect();
+        let b = mine
+            .iter()
+            .filter_map(|r| r.budget)
+            .min_by(|a, b| (a - C11_BUDGET).abs().total_cmp(&(b - C11_BUDGET).abs()))?;
+        let at: Vec<&AccRow> = mine.into_iter().filter(|r| r.budget == Some(b)).collect();
+        Some((b, at))
+    };
+    let (Some(full), Some(inf), Some(h2o)) = (of("full"), of("infinigen"), of("h2o")) else {
+        return (
+            Verdict::CannotTell,
+            "needs retention rows of full, infinigen and h2o".into(),
+        );
+    };
+    let acc = |rs: &[&AccRow]| pct(&rs.iter().map(|r| r.value).collect::<Vec<_>>());
+    let (f, i, h) = (acc(&full.1), acc(&inf.1), acc(&h2o.1));
+    let mut ev = format!(
+        "retention full {f:.0}% ({} prompts), InfiniGen {i:.0}% and H2O {h:.0}% at budget {}/{}",
+        full.1.len(),
+        inf.0,
+        h2o.0
+    );
+    if f < C11_FULL_MIN {
+        ev.push_str(&format!(
+            "; full itself recalls under {C11_FULL_MIN:.0}%: the model cannot do this form of the task, so the strategies cannot be compared"
+        ));
+        return (Verdict::CannotTell, ev);
+    }
+    // H2O's gap to full by bucket, buckets in order of their lower bound.
+    let mut buckets: Vec<(usize, String)> = rows
+        .iter()
+        .filter_map(|r| r.bucket.clone())
+        .map(|b| {
+            let lo = kvbench_datasets::retention::Bucket::parse(&b).map_or(usize::MAX, |x| x.lo);
+            (lo, b)
+        })
+        .collect();
+    buckets.sort();
+    buckets.dedup();
+    let gaps: Vec<(String, f64)> = buckets
+        .iter()
+        .filter_map(|(_, b)| {
+            let sel = |rs: &[&AccRow]| -> Option<f64> {
+                let v: Vec<f64> = rs
+                    .iter()
+                    .filter(|r| r.bucket.as_deref() == Some(b))
+                    .map(|r| r.value)
+                    .collect();
+                (!v.is_empty()).then(|| pct(&v))
+            };
+            Some((b.clone(), sel(&full.1)? - sel(&h2o.1)?))
+        })
+        .collect();
+    let tracks = f - i <= C11_INFINIGEN_PP;
+    let h2o_low = f - h >= C11_H2O_PP && i > h;
+    let widening = match (gaps.first(), gaps.last()) {
+        (Some(a), Some(b)) if gaps.len() >= 2 => {
+            ev.push_str(&format!(
+                "; H2O below full by {}",
+                gaps.iter()
+                    .map(|(b, g)| format!("{g:.0} pp at {b}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+            Some(b.1 > a.1)
+        }
+        _ => {
+            ev.push_str("; one bucket: H2O's trend with context length is not checked");
+            None
+        }
+    };
+    ev.push_str(&format!(
+        " (agrees: InfiniGen within {C11_INFINIGEN_PP:.0} pp of full, H2O ≥ {C11_H2O_PP:.0} pp below it and below InfiniGen, its gap wider in the longest bucket)"
+    ));
+    let verdict = if tracks && h2o_low && widening != Some(false) {
+        Verdict::Agrees
+    } else {
+        Verdict::Disagrees
+    };
+    (verdict, ev)
 }
 
 fn c1(runs: &[&Run], prompts: &[f64]) -> (Verdict, String) {
@@ -726,7 +853,7 @@ fn render(
         md,
         "Judged on this experiment's cells only; thresholds are in src/report.rs.\n"
     )?;
-    for c in judge(runs) {
+    for c in judge_all(runs, read_accuracy(dir).as_deref()) {
         writeln!(
             md,
             "- **{}** {}  \n  *{}*: {}",
@@ -865,7 +992,7 @@ pub fn run(a: ReportArgs) -> Result<()> {
     let html_path = dir.join("report.html");
     std::fs::write(&md_path, &md).with_context(|| format!("writing {}", md_path.display()))?;
     std::fs::write(&html_path, html).with_context(|| format!("writing {}", html_path.display()))?;
-    let claims = judge(&runs);
+    let claims = judge_all(&runs, read_accuracy(dir).as_deref());
     println!(
         "wrote {} and {} ({} cells, {} figures; claims: {})",
         md_path.display(),
@@ -935,6 +1062,78 @@ mod tests {
         );
     }
 
+    fn ret(engine: &str, budget: f64, bucket: &str, correct: usize, of: usize) -> Vec<AccRow> {
+        (0..of)
+            .map(|i| AccRow {
+                task: "retention".into(),
+                engine: engine.into(),
+                budget: Some(budget),
+                repeat: 0,
+                value: if i < correct { 1.0 } else { 0.0 },
+                bucket: Some(bucket.into()),
+                turn: Some(2.0),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn retention_claim_follows_the_retention_rows() {
+        let c11 = |acc: &[AccRow]| {
+            let c = judge_all(&[], Some(acc));
+            let c = c.into_iter().find(|c| c.id == "C11").unwrap();
+            (c.verdict, c.evidence)
+        };
+        // The study's picture: full 95, InfiniGen 93, H2O 78 then 68.
+        let mut study = Vec::new();
+        for (b, h) in [("1K-2K", 78), ("2K-4K", 68)] {
+            study.extend(ret("full", 1.0, b, 95, 100));
+            study.extend(ret("infinigen", 0.3, b, 93, 100));
+            study.extend(ret("h2o", 0.3, b, h, 100));
+            // Other budgets are not the study's and do not count.
+            study.extend(ret("h2o", 0.02, b, 100, 100));
+        }
+        let (v, ev) = c11(&study);
+        assert_eq!(v, Verdict::Agrees, "{ev}");
+        assert!(ev.contains("full 95%") && ev.contains("H2O 73%"), "{ev}");
+        assert!(ev.contains("17 pp at 1K-2K, 27 pp at 2K-4K"), "{ev}");
+        // H2O's gap narrowing with length contradicts the claim.
+        let mut narrowing = study.clone();
+        for r in narrowing
+            .iter_mut()
+            .filter(|r| r.engine == "h2o" && r.budget == Some(0.3))
+        {
+            if r.bucket.as_deref() == Some("2K-4K") {
+                r.value = 1.0;
+            }
+        }
+        assert_eq!(c11(&narrowing).0, Verdict::Disagrees);
+        // H2O as good as full.
+        let same: Vec<AccRow> = ["full", "infinigen", "h2o"]
+            .iter()
+            .flat_map(|e| ret(e, if *e == "full" { 1.0 } else { 0.3 }, "1K-2K", 90, 100))
+            .collect();
+        let (v, ev) = c11(&same);
+        assert_eq!(v, Verdict::Disagrees, "{ev}");
+        assert!(ev.contains("one bucket"), "{ev}");
+        // The model fails with the full cache: nothing to compare.
+        let weak: Vec<AccRow> = ["full", "infinigen", "h2o"]
+            .iter()
+            .flat_map(|e| ret(e, 0.3, "1K-2K", 20, 100))
+            .collect();
+        assert_eq!(c11(&weak).0, Verdict::CannotTell);
+        // A strategy missing; no retention rows at all.
+        assert_eq!(
+            c11(&ret("full", 1.0, "1K-2K", 9, 10)).0,
+            Verdict::CannotTell
+        );
+        let c = judge_all(&[], None);
+        assert_eq!(
+            c.iter().find(|c| c.id == "C11").unwrap().verdict,
+            Verdict::CannotTell
+        );
+    }
+
+    /// `of` items of a task for one engine and budget, `correct` of them right.
     #[test]
     fn html_keeps_tables_lists_and_images() {
         let md = "# T\n\n- a **b**  \n  *agrees*: x\n\n| h | i |\n|---|---|\n| 1 | 2 |\n\n<img src=\"data:image/png;base64,AA\">\n";

@@ -34,7 +34,7 @@ mod lines;
 mod select;
 mod style;
 
-pub use data::{f64s, strs, Tables};
+pub use data::{f64s, strs, AccRow, Tables};
 
 use plotters::coord::Shift;
 use plotters::prelude::*;
