@@ -490,10 +490,10 @@ pub fn run(a: RunCellArgs) -> Result<()> {
             let data = plan.data_dir(a.data_dir.as_deref());
             crate::accuracy::run_cell(&plan, cell, &a.models_dir, &data)?
         }
-        Kind::Retention => bail!(
-            "{}: retention runs are not implemented yet (the experiment parses; kvbench cannot run its cells)",
-            a.experiment.display()
-        ),
+        Kind::Retention => {
+            let data = plan.data_dir(a.data_dir.as_deref());
+            crate::retention::run_cell(&plan, cell, &a.models_dir, &data)?
+        }
     };
     println!("{}", serde_json::to_string(&r)?);
     Ok(())

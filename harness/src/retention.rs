@@ -3,18 +3,22 @@
 //! engine, scored by whether the answer is in the response. One row per prompt, in the
 //! shape `accuracy.parquet` takes (task `retention`, with bucket and turn).
 
+use crate::cell::{load_setup, policy_engine, Progress};
+use crate::experiment::{Cell, Plan};
+use crate::setup::Setup;
 use anyhow::{bail, ensure, Context, Result};
 use kvbench_datasets::corpus::Corpus;
 use kvbench_datasets::retention::{
     build_chat, build_passkey, is_correct, load_conversations, Bucket, BuildSpec, Form, Message,
     RetentionPrompt,
 };
-use kvbench_engines::engine::{Engine, EngineConfig, Request};
-use kvbench_engines::model::Llama;
+use kvbench_engines::engine::{Engine, Request};
 use kvbench_engines::tokenizer::{ChatTemplate, TextTokenizer};
 use serde::Serialize;
+use serde_json::{json, Value};
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// The chat conversations, under the datasets directory.
 pub const CHAT_FILE: &str = "chat/hh-rlhf_harmless-base_test_messages.jsonl";
@@ -133,16 +137,17 @@ pub fn build_prompts(
         .collect()
 }
 
-/// Answer every prompt greedily with one engine (`cfg.policy` is the strategy and its
-/// budget), `batch` requests at a time, generation stopping at the template's end of
-/// turn or the model's end of sequence.
+/// Answer every prompt greedily with `engine` (its policy is the strategy and budget
+/// of the rows), `batch` requests at a time, generation stopping at the template's end
+/// of turn or the model's end of sequence. `on_tokens` gets each step's token count
+/// (progress).
 pub fn run_retention(
-    model: &Llama,
+    engine: &mut Engine,
     tok: &TextTokenizer,
-    cfg: EngineConfig,
     prompts: &[Prepared],
     max_new_tokens: usize,
     batch: usize,
+    on_tokens: &mut dyn FnMut(usize),
 ) -> Result<Vec<RetentionRow>> {
     ensure!(
         batch >= 1 && max_new_tokens >= 1,
@@ -150,10 +155,9 @@ pub fn run_retention(
     );
     let t = template(tok)?;
     let mut stop = tok.end_of_turn_ids();
-    stop.extend(&model.cfg.eos_token_ids);
-    let engine_name = cfg.policy.name().to_string();
-    let budget = cfg.policy.budget();
-    let mut engine = Engine::new(model.clone(), cfg).context("starting the engine")?;
+    stop.extend(&engine.model().cfg.eos_token_ids);
+    let engine_name = engine.config().policy.name().to_string();
+    let budget = engine.config().policy.budget();
     let mut rows = Vec::with_capacity(prompts.len());
     for chunk in prompts.chunks(batch) {
         let mut ids = HashMap::new();
@@ -173,7 +177,7 @@ pub fn run_retention(
                 })?;
             ids.insert(id, i);
         }
-        engine.run()?;
+        engine.run_with(|step| on_tokens(step.num_tokens))?;
         let mut answers: Vec<Option<String>> = vec![None; chunk.len()];
         for out in engine.take_finished() {
             if let Some(&i) = ids.get(&out.id) {
@@ -205,12 +209,146 @@ pub fn run_retention(
     Ok(rows)
 }
 
+/// The form's data file is there (before the first cell: one clear error, not one per
+/// cell).
+pub fn check_data(form: &str, data_dir: &Path) -> Result<()> {
+    let file = match Form::parse(form)? {
+        Form::Chat => CHAT_FILE,
+        Form::Passkey => PASSKEY_PROSE,
+    };
+    let p = data_dir.join(file);
+    ensure!(
+        p.is_file(),
+        "retention ({form}): {} not found: expected the evaluation data under {} \
+         (--data-dir, KVBENCH_DATASETS_DIR or the experiment's data_dir)",
+        p.display(),
+        data_dir.display()
+    );
+    Ok(())
+}
+
+/// Conversations (chat) or keys (passkey) per bucket without a `limit`: the study's.
+pub const DEFAULT_ITEMS: usize = 50;
+/// Most tokens generated per answer.
+pub const MAX_NEW_TOKENS: usize = 24;
+/// Text InfiniGen's skewing is calibrated on (as the accuracy cells).
+const CALIBRATION: &str = "prose/wikitext-2-raw_wiki.test.raw";
+
+/// The options of one retention cell: its bucket, the experiment's `retention:` section.
+pub fn cell_options(plan: &Plan, cell: &Cell, data_dir: &Path) -> Result<RetentionOptions> {
+    let r = plan
+        .exp
+        .retention
+        .as_ref()
+        .context("a retention cell needs the experiment's `retention:` section")?;
+    let bucket = cell
+        .bucket
+        .as_deref()
+        .with_context(|| format!("cell {} is not a retention cell", cell.index))?;
+    Ok(RetentionOptions {
+        form: Form::parse(&r.form)?,
+        buckets: vec![Bucket::parse(bucket)?],
+        turns: r.turns.clone(),
+        facts: r.facts,
+        items: cell.limit.unwrap_or(DEFAULT_ITEMS),
+        seed: plan.exp.seed,
+        max_new_tokens: MAX_NEW_TOKENS,
+        data_dir: data_dir.to_path_buf(),
+    })
+}
+
+fn answer_cell(
+    plan: &Plan,
+    cell: &Cell,
+    setup: &Setup,
+    models_dir: &Path,
+    data_dir: &Path,
+) -> Result<(Engine, Vec<RetentionRow>, Value)> {
+    let o = cell_options(plan, cell, data_dir)?;
+    let tok = &setup.loaded.tokenizer;
+    let prompts = build_prompts(&o, tok, plan.context)?;
+    let total: usize = prompts.iter().map(|p| p.ids.len() + o.max_new_tokens).sum();
+    let mut progress = Progress::new(total as u64);
+    let calibration = data_dir.join(CALIBRATION);
+    let mut engine = policy_engine(
+        plan,
+        cell,
+        setup,
+        models_dir,
+        calibration.is_file().then_some(calibration.as_path()),
+    )?;
+    engine.reset_clock();
+    let t0 = Instant::now();
+    let rows = run_retention(
+        &mut engine,
+        tok,
+        &prompts,
+        o.max_new_tokens,
+        cell.batch,
+        &mut |n| progress.step(n),
+    )?;
+    progress.finish();
+    let correct = rows.iter().filter(|r| r.correct).count();
+    let summary = json!({
+        "task": "retention",
+        "form": o.form.name(),
+        "bucket": cell.bucket,
+        "prompts": rows.len(),
+        "correct": correct,
+        "accuracy": (!rows.is_empty()).then(|| correct as f64 / rows.len() as f64),
+        "prompt_tokens": prompts.iter().map(|p| p.ids.len()).sum::<usize>(),
+        "answer_s": t0.elapsed().as_secs_f64(),
+    });
+    Ok((engine, rows, summary))
+}
+
+/// Run one retention cell (one engine, budget and bucket); errors of the run itself
+/// become the `oom` or `error` outcome. Its rows go to `accuracy.parquet`.
+pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) -> Result<Value> {
+    let t0 = Instant::now();
+    let setup = load_setup(plan, models_dir)?;
+    let gpu = setup.gpu_index();
+    let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
+    let outcome = answer_cell(plan, cell, &setup, models_dir, data_dir);
+    let samples = sampler.finish();
+    let mut v = json!({
+        "key": cell.key(),
+        "cell": cell,
+        "outcome": "ok",
+        "error": null,
+        "metrics": null,
+        "memory": null,
+        "accuracy": null,
+        "env": crate::environment::Environment::collect(&setup.device.to_string(), gpu),
+        "process_rss_peak_bytes": samples.iter().filter_map(|x| x.process_rss_bytes).max(),
+        "gpu_used_peak_bytes": samples.iter().filter_map(|x| x.gpu_used_bytes).max(),
+        "accuracy_rows": [],
+    });
+    match outcome {
+        Ok((engine, rows, summary)) => {
+            v["memory"] = serde_json::to_value(engine.memory())?;
+            v["accuracy"] = summary;
+            v["accuracy_rows"] = serde_json::to_value(&rows)?;
+        }
+        Err(err) => {
+            let oom = err
+                .downcast_ref::<kvbench_engines::Error>()
+                .is_some_and(|x| x.is_oom());
+            v["outcome"] = if oom { "oom" } else { "error" }.into();
+            v["error"] = format!("{err:#}").into();
+        }
+    }
+    v["wall_s"] = t0.elapsed().as_secs_f64().into();
+    Ok(v)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
     use kvbench_datasets::retention::{Role, ACKNOWLEDGMENT, PASSKEY_INTRO, STUDY_TURNS};
     use kvbench_engines::config::preset;
+    use kvbench_engines::engine::EngineConfig;
     use kvbench_engines::model::load::{load_gguf, load_preset, GgufFile};
     use kvbench_engines::model::WeightDtype;
     use kvbench_engines::policy::spec::PolicySpec;
@@ -344,7 +482,8 @@ mod tests {
         let prompts = build_prompts(&o, &tok, 1024).unwrap();
         assert_eq!(prompts.len(), 4);
         let run = |spec: PolicySpec| {
-            run_retention(&model, &tok, engine_cfg(spec, 1024), &prompts, 12, 3).unwrap()
+            let mut e = Engine::new(model.clone(), engine_cfg(spec, 1024)).unwrap();
+            run_retention(&mut e, &tok, &prompts, 12, 3, &mut |_| {}).unwrap()
         };
         let full = run(PolicySpec::Full);
         assert_eq!(full.len(), 4);
@@ -403,15 +542,11 @@ mod tests {
         let model = load_gguf(&file, WeightDtype::F32, &Device::Cpu).unwrap();
         let o = opts(Form::Passkey, &["256-768"], &[1], 2);
         let prompts = build_prompts(&o, &tok, 8192).unwrap();
-        let rows = run_retention(
-            &model,
-            &tok,
-            engine_cfg(PolicySpec::Full, 1024),
-            &prompts,
-            24,
-            2,
-        )
-        .unwrap();
+        let mut e = Engine::new(model, engine_cfg(PolicySpec::Full, 1024)).unwrap();
+        let mut tokens = 0;
+        let rows = run_retention(&mut e, &tok, &prompts, 24, 2, &mut |n| tokens += n).unwrap();
+        let prompt_tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();
+        assert!(tokens > prompt_tokens, "{tokens} tokens stepped");
         assert_eq!(rows.len(), 2);
         let keys: Vec<&str> = prompts
             .iter()

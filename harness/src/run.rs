@@ -343,10 +343,14 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
                 }
             }
         }
-        Kind::Retention => bail!(
-            "{}: retention runs are not implemented yet (the experiment parses and --dry-run lists its cells)",
-            a.experiment.display()
-        ),
+        Kind::Retention => {
+            let r = plan
+                .exp
+                .retention
+                .as_ref()
+                .context("the retention section")?;
+            crate::retention::check_data(&r.form, &data_dir)?;
+        }
     }
     let dir = a.results.join(&plan.exp.name).join("cells");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
