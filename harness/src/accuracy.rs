@@ -423,6 +423,95 @@ mod tests {
             .sum()
     }
 
+    /// The evaluation data; a test that needs it fails (never skips) without it.
+    fn data_dir() -> PathBuf {
+        let dir = kvbench_datasets::tasks::default_data_dir(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join(".."),
+        );
+        assert!(
+            dir.join("piqa/valid.jsonl").is_file(),
+            "evaluation data not found under {}: set KVBENCH_DATASETS_DIR (expected \
+             ../shared/datasets next to the repository)",
+            dir.display()
+        );
+        dir
+    }
+
+    /// SmolLM2-135M-Instruct (f32) on the first items of three tasks: the engine's
+    /// decode-path and one-pass sums against log-probabilities from a plain dense
+    /// forward of context + continuation (no engine, no cache), with the tokens split
+    /// as lm-eval does and the log-softmax taken here in f32.
+    #[test]
+    fn smollm2_scores_match_a_dense_forward() {
+        use kvbench_engines::source::{LoadOptions, ModelSource};
+        let models = std::env::var_os("KVBENCH_MODELS_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../models"));
+        let opts = LoadOptions {
+            dtype: Some(WeightDtype::F32),
+            models_dir: models.clone(),
+            ..Default::default()
+        };
+        let loaded = ModelSource::parse("smollm2-135m-instruct")
+            .unwrap()
+            .load(&candle_core::Device::Cpu, &opts)
+            .unwrap_or_else(|e| {
+                panic!(
+                    "SmolLM2 under {}: {e} (run `just fetch-model smollm2`)",
+                    models.display()
+                )
+            });
+        let (model, tok) = (&loaded.model, &loaded.tokenizer);
+        let mut items = Vec::new();
+        for task in [Task::Piqa, Task::Copa, Task::Hellaswag] {
+            items.extend(load_items(&data_dir(), task, Some(2)).unwrap());
+        }
+        let mut reqs = Vec::new();
+        let mut want = Vec::new();
+        for item in &items {
+            for c in &item.choices {
+                // lm-eval's split: the whole string's tokens after the context's.
+                let whole = tok
+                    .encode(&format!("{}{}", c.context, c.continuation))
+                    .unwrap();
+                let ctx = tok.encode(&c.context).unwrap();
+                let rows = model
+                    .forward_dense(&whole)
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
+                let mut ll = 0f64;
+                for p in ctx.len()..whole.len() {
+                    let row = &rows[p - 1];
+                    let m = row.iter().copied().fold(f32::MIN, f32::max);
+                    let z: f32 = row.iter().map(|x| (x - m).exp()).sum();
+                    ll += (row[whole[p] as usize] - m - z.ln()) as f64;
+                }
+                want.push(ll);
+                let (a, b) = encode_pair(tok, &c.context, &c.continuation).unwrap();
+                assert_eq!((a.as_slice(), b.as_slice()), whole.split_at(ctx.len()));
+                reqs.push(Pair { ctx: a, cont: b });
+            }
+        }
+        for mode in [ScoringMode::Decode, ScoringMode::OnePass] {
+            let cfg = EngineConfig {
+                num_blocks: Some(512),
+                max_model_len: Some(1024),
+                ..Default::default()
+            };
+            let mut eng = Engine::new(model.clone(), cfg).unwrap();
+            let got = score(&mut eng, &reqs, mode, 4, |_| {}).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() < 2e-3 * w.abs().max(1.0),
+                    "{mode:?} request {i}: engine {g} vs dense {w}"
+                );
+            }
+            // Log-likelihoods of real text are finite and negative.
+            assert!(got.iter().all(|x| x.is_finite() && *x < 0.0));
+        }
+    }
+
     #[test]
     fn both_modes_match_a_dense_forward_and_every_policy_at_budget_one_matches_full() {
         let model = tiny();
