@@ -261,7 +261,154 @@ pub fn judge_all(runs: &[Run], acc: Option<&[AccRow]>) -> Vec<Claim> {
             (c.verdict, c.evidence) = c11(&retention);
         }
     }
+    let mc: Vec<&AccRow> = acc
+        .into_iter()
+        .flatten()
+        .filter(|r| r.task != "retention")
+        .collect();
+    if !mc.is_empty() {
+        if let Some(c) = claims.iter_mut().find(|c| c.id == "C10") {
+            (c.verdict, c.evidence) = c10(&mc);
+        }
+    }
     claims
+}
+
+/// Chance accuracy of a multiple-choice task (one over its number of choices).
+fn chance(task: &str) -> Option<f64> {
+    match task {
+        "hellaswag" | "openbookqa" => Some(0.25),
+        "piqa" | "copa" | "winogrande" | "boolq" => Some(0.5),
+        _ => None,
+    }
+}
+
+/// Budget 0.5 counts as the baseline when the average drop is at most this.
+const C10_NEAR_BASELINE_PP: f64 = 5.0;
+/// The smallest budgets count as near random within this of chance on average.
+const C10_NEAR_RANDOM_PP: f64 = 10.0;
+/// A task shows degradation only where full is this far above chance.
+const C10_ABOVE_CHANCE_PP: f64 = 5.0;
+
+/// C10 from the per-item rows of the multiple-choice tasks: for H2O and InfiniGen, the
+/// average change against full (in pp over the tasks where full is above chance) at
+/// the budget nearest 0.5, at 0.1, and at the smallest budget, and how far the smallest
+/// budget is from chance.
+fn c10(rows: &[&AccRow]) -> (Verdict, String) {
+    let mean = |v: &[f64]| (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64);
+    let acc = |engine: &str, task: &str, budget: Option<f64>| -> Option<f64> {
+        let v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.engine == engine && r.task == task)
+            .filter(|r| budget.is_none() || r.budget == budget)
+            .map(|r| r.value)
+            .collect();
+        mean(&v)
+    };
+    let tasks: BTreeSet<&str> = rows.iter().map(|r| r.task.as_str()).collect();
+    let n_full = rows.iter().filter(|r| r.engine == "full").count();
+    let full: BTreeMap<&str, f64> = tasks
+        .iter()
+        .filter_map(|&t| Some((t, acc("full", t, None)?)))
+        .collect();
+    if full.is_empty() {
+        return (
+            Verdict::CannotTell,
+            "needs the full cache's accuracy on the same tasks as the baseline".into(),
+        );
+    }
+    let usable: Vec<&str> = full
+        .iter()
+        .filter(|(t, &a)| chance(t).is_some_and(|c| a - c >= C10_ABOVE_CHANCE_PP / 100.0))
+        .map(|(t, _)| *t)
+        .collect();
+    let mut ev = format!(
+        "full: {} ({n_full} items)",
+        full.iter()
+            .map(|(t, a)| format!("{t} {:.0}%", 100.0 * a))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    if usable.is_empty() {
+        ev.push_str("; full is at chance on every task: no task can show a loss");
+        return (Verdict::CannotTell, ev);
+    }
+    if usable.len() < full.len() {
+        ev.push_str(&format!(
+            "; tasks where full is above chance: {}",
+            usable.join(", ")
+        ));
+    }
+    // Average change against full over the usable tasks, in pp.
+    let delta = |engine: &str, b: f64| -> Option<f64> {
+        let v: Vec<f64> = usable
+            .iter()
+            .filter_map(|&t| Some(100.0 * (acc(engine, t, Some(b))? - full[t])))
+            .collect();
+        (v.len() == usable.len()).then(|| mean(&v)).flatten()
+    };
+    // Distance of an engine's average accuracy from chance, in pp.
+    let above_chance = |engine: &str, b: f64| -> Option<f64> {
+        let v: Vec<f64> = usable
+            .iter()
+            .filter_map(|&t| Some(100.0 * (acc(engine, t, Some(b))? - chance(t)?)))
+            .collect();
+        (v.len() == usable.len()).then(|| mean(&v)).flatten()
+    };
+    let mut judged = 0;
+    let mut agrees = true;
+    for engine in ["h2o", "infinigen"] {
+        let mut budgets: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.engine == engine)
+            .filter_map(|r| r.budget)
+            .collect();
+        budgets.sort_by(f64::total_cmp);
+        budgets.dedup();
+        let (Some(&lo), Some(&hi)) = (budgets.first(), budgets.last()) else {
+            continue;
+        };
+        if hi < 0.5 || lo > 0.04 {
+            ev.push_str(&format!(
+                "; {engine}: budgets {lo}–{hi} do not reach both ≥ 0.5 and ≤ 0.04"
+            ));
+            continue;
+        }
+        // The budget nearest 0.5 from above.
+        let half = budgets.iter().copied().find(|&b| b >= 0.5).unwrap_or(hi);
+        let (Some(d_half), Some(d_lo), Some(c_lo)) = (
+            delta(engine, half),
+            delta(engine, lo),
+            above_chance(engine, lo),
+        ) else {
+            continue;
+        };
+        judged += 1;
+        let at_01 = budgets
+            .iter()
+            .find(|&&b| (b - 0.1).abs() < 1e-9)
+            .and_then(|&b| delta(engine, b))
+            .map_or(String::new(), |d| format!(", {d:+.1} pp at 0.1"));
+        ev.push_str(&format!(
+            "; {engine}: {d_half:+.1} pp at {half}{at_01}, {d_lo:+.1} pp at {lo} ({c_lo:+.1} pp from chance)"
+        ));
+        agrees &= d_half.abs() <= C10_NEAR_BASELINE_PP && c_lo <= C10_NEAR_RANDOM_PP;
+    }
+    if judged == 0 {
+        ev.push_str("; needs h2o or infinigen at budgets ≥ 0.5 and ≤ 0.04 on the same tasks");
+        return (Verdict::CannotTell, ev);
+    }
+    ev.push_str(&format!(
+        " (agrees: within {C10_NEAR_BASELINE_PP:.0} pp of full at 0.5 and within {C10_NEAR_RANDOM_PP:.0} pp of chance at the smallest budget, averaged over tasks)"
+    ));
+    (
+        if agrees {
+            Verdict::Agrees
+        } else {
+            Verdict::Disagrees
+        },
+        ev,
+    )
 }
 
 /// The rows of accuracy.parquet beside runs.parquet, if any.
@@ -1134,6 +1281,76 @@ mod tests {
     }
 
     /// `of` items of a task for one engine and budget, `correct` of them right.
+    fn mc(task: &str, engine: &str, budget: f64, correct: usize, of: usize) -> Vec<AccRow> {
+        (0..of)
+            .map(|i| AccRow {
+                task: task.into(),
+                engine: engine.into(),
+                budget: Some(budget),
+                repeat: 0,
+                value: if i < correct { 1.0 } else { 0.0 },
+                bucket: None,
+                turn: None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn c10_is_judged_from_the_accuracy_rows() {
+        // full: piqa 80%, hellaswag 60%, boolq at chance (50%: left out of the average).
+        let grid = |half_piqa: usize, low_piqa: usize| -> Vec<AccRow> {
+            let mut rows = Vec::new();
+            rows.extend(mc("piqa", "full", 1.0, 80, 100));
+            rows.extend(mc("hellaswag", "full", 1.0, 60, 100));
+            rows.extend(mc("boolq", "full", 1.0, 50, 100));
+            for e in ["h2o", "infinigen"] {
+                rows.extend(mc("piqa", e, 0.5, half_piqa, 100));
+                rows.extend(mc("hellaswag", e, 0.5, 58, 100));
+                rows.extend(mc("boolq", e, 0.5, 40, 100));
+                rows.extend(mc("piqa", e, 0.02, low_piqa, 100));
+                rows.extend(mc("hellaswag", e, 0.02, 27, 100));
+                rows.extend(mc("boolq", e, 0.02, 50, 100));
+            }
+            rows
+        };
+        let c10 = |rows: &[AccRow]| {
+            judge_all(&[], Some(rows))
+                .into_iter()
+                .find(|c| c.id == "C10")
+                .unwrap()
+        };
+        let c = c10(&grid(78, 52));
+        assert_eq!(c.verdict, Verdict::Agrees, "{}", c.evidence);
+        assert!(c.evidence.contains("h2o: -2.0 pp at 0.5"), "{}", c.evidence);
+        assert!(
+            c.evidence.contains("above chance: hellaswag, piqa"),
+            "{}",
+            c.evidence
+        );
+        // A 20 pp loss at 0.5 disagrees, and so does staying far above chance at 0.02.
+        assert_eq!(c10(&grid(40, 52)).verdict, Verdict::Disagrees);
+        assert_eq!(c10(&grid(78, 80)).verdict, Verdict::Disagrees);
+        // Without small budgets, or without full, it cannot tell.
+        let no_small: Vec<AccRow> = grid(78, 52)
+            .into_iter()
+            .filter(|r| r.budget != Some(0.02))
+            .collect();
+        assert_eq!(c10(&no_small).verdict, Verdict::CannotTell);
+        let no_full: Vec<AccRow> = grid(78, 52)
+            .into_iter()
+            .filter(|r| r.engine != "full")
+            .collect();
+        assert_eq!(c10(&no_full).verdict, Verdict::CannotTell);
+        assert_eq!(
+            judge_all(&[], None)
+                .into_iter()
+                .find(|c| c.id == "C10")
+                .unwrap()
+                .verdict,
+            Verdict::CannotTell
+        );
+    }
+
     #[test]
     fn html_keeps_tables_lists_and_images() {
         let md = "# T\n\n- a **b**  \n  *agrees*: x\n\n| h | i |\n|---|---|\n| 1 | 2 |\n\n<img src=\"data:image/png;base64,AA\">\n";
