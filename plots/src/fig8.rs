@@ -35,6 +35,46 @@ fn bucket_start(b: &str) -> f64 {
     num.parse::<f64>().map_or(f64::INFINITY, |v| v * mult)
 }
 
+/// The study measured retention at one budget (0.3): per engine, only the rows at its
+/// budget nearest 0.3, with a note naming them when an engine has several.
+fn at_study_budget(rows: Vec<&AccRow>) -> (Vec<&AccRow>, Option<String>) {
+    let mut budgets: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for r in &rows {
+        if let Some(b) = r.budget {
+            budgets.entry(r.engine.as_str()).or_default().push(b);
+        }
+    }
+    let several = budgets.values().any(|v| v.iter().any(|&b| b != v[0]));
+    let chosen: BTreeMap<&str, f64> = budgets
+        .iter()
+        .filter_map(|(e, v)| {
+            let b = v
+                .iter()
+                .copied()
+                .min_by(|a, b| (a - 0.3).abs().total_cmp(&(b - 0.3).abs()))?;
+            Some((*e, b))
+        })
+        .collect();
+    let note = several.then(|| {
+        format!(
+            "Budget 0.3 (the study's) or the nearest per engine: {}.",
+            chosen
+                .iter()
+                .map(|(e, b)| format!("{e} {b}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    });
+    let kept = rows
+        .into_iter()
+        .filter(|r| match (r.budget, chosen.get(r.engine.as_str())) {
+            (Some(b), Some(&c)) => b == c,
+            _ => true,
+        })
+        .collect();
+    (kept, note)
+}
+
 pub fn prepare(t: &Tables) -> Prepared<Fig8> {
     let rows = t.accuracy_rows().map_err(|e| {
         format!("{e}. Fig. 8 reads the retention task of accuracy.parquet: engine, correct, bucket, turn")
@@ -44,6 +84,8 @@ pub fn prepare(t: &Tables) -> Prepared<Fig8> {
         return Err("accuracy.parquet has no `retention` task rows".into());
     }
     let mut notes = Vec::new();
+    let (rows, note) = at_study_budget(rows);
+    notes.extend(note);
     let mut buckets: Vec<String> = rows.iter().filter_map(|r| r.bucket.clone()).collect();
     buckets.sort_by(|a, b| bucket_start(a).total_cmp(&bucket_start(b)).then(a.cmp(b)));
     buckets.dedup();
@@ -170,6 +212,46 @@ impl Draw for Fig8 {
 
 #[cfg(test)]
 mod tests {
+    use crate::data::AccRow;
+
+    #[test]
+    fn only_the_budget_nearest_the_studys_is_drawn() {
+        let row = |engine: &str, budget: f64| AccRow {
+            task: "retention".into(),
+            engine: engine.into(),
+            budget: Some(budget),
+            repeat: 0,
+            value: 1.0,
+            bucket: Some("1K-2K".into()),
+            turn: Some(1.0),
+        };
+        let rows = [
+            row("full", 1.0),
+            row("h2o", 0.5),
+            row("h2o", 0.3),
+            row("h2o", 0.1),
+            row("streaming", 0.1),
+            row("streaming", 0.04),
+        ];
+        let (kept, note) = super::at_study_budget(rows.iter().collect());
+        let got: Vec<(&str, Option<f64>)> =
+            kept.iter().map(|r| (r.engine.as_str(), r.budget)).collect();
+        assert_eq!(
+            got,
+            [
+                ("full", Some(1.0)),
+                ("h2o", Some(0.3)),
+                ("streaming", Some(0.1))
+            ]
+        );
+        assert_eq!(
+            note.as_deref(),
+            Some("Budget 0.3 (the study's) or the nearest per engine: full 1, h2o 0.3, streaming 0.1.")
+        );
+        let one = [row("full", 1.0), row("h2o", 0.3)];
+        assert_eq!(super::at_study_budget(one.iter().collect()).1, None);
+    }
+
     #[test]
     fn buckets_sort_by_their_start() {
         assert_eq!(super::bucket_start("1K-2K"), 1000.0);
