@@ -545,15 +545,22 @@ fn scalar(v: &serde_yaml::Value) -> Option<String> {
 }
 
 impl Plan {
+    /// `path`, or the file it names under experiments/ without `.yaml`
+    /// (`cpu/quickstart`).
+    pub fn resolve(path: &Path) -> PathBuf {
+        let named = Path::new("experiments").join(path).with_extension("yaml");
+        if !path.exists() && named.is_file() {
+            named
+        } else {
+            path.to_path_buf()
+        }
+    }
+
     /// Read, parse, check and expand an experiment file.
     /// `path` may also be a name under experiments/ without `.yaml` (`cpu/quickstart`).
     pub fn load(path: &Path, models_dir: &Path) -> Result<Self> {
-        let named = Path::new("experiments").join(path).with_extension("yaml");
-        let path = if !path.exists() && named.is_file() {
-            named.as_path()
-        } else {
-            path
-        };
+        let resolved = Self::resolve(path);
+        let path = resolved.as_path();
         let text = std::fs::read_to_string(path).with_context(|| {
             format!(
                 "reading experiment {}: expected a YAML file or a name under experiments/ \

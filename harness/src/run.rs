@@ -355,8 +355,8 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let dir = a.results.join(&plan.exp.name).join("cells");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     // The experiment as run, next to its results.
-    let spec = std::fs::read(&a.experiment)
-        .with_context(|| format!("reading {}", a.experiment.display()))?;
+    let file = Plan::resolve(&a.experiment);
+    let spec = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
     write_atomic(
         &a.results.join(&plan.exp.name).join("experiment.yaml"),
         &spec,
