@@ -213,9 +213,9 @@ pub fn rows(
     } else {
         (None, None)
     };
+    // Scores only: `kvbench compare` checks every `accuracy*` column of runs.parquet
+    // exactly (the task and mode are the cell's).
     let summary = json!({
-        "task": task.name(),
-        "mode": mode.name(),
         "items": items.len(),
         "acc": a,
         "acc_stderr": a_se,
@@ -249,7 +249,7 @@ fn score_cell(
     models_dir: &Path,
     data_dir: &Path,
     progress: &mut Option<Progress>,
-) -> Result<(Engine, Vec<Value>, Value)> {
+) -> Result<(Engine, Vec<Value>, Value, Value)> {
     let (Some(task), Some(mode)) = (&cell.task, cell.mode) else {
         bail!("cell {} is not an accuracy cell", cell.index);
     };
@@ -283,13 +283,15 @@ fn score_cell(
     let loglik = score(&mut eng, &pairs, mode, 2 * cell.batch, |n| p.step(n))?;
     let scoring_s = t0.elapsed().as_secs_f64();
     p.finish();
-    let (rows, mut summary) = rows(cell, task, mode, &items, &pairs, &loglik)?;
-    summary["requests"] = pairs.len().into();
-    summary["tokens"] = total.into();
-    summary["truncated_requests"] = truncated.into();
-    summary["scoring_s"] = scoring_s.into();
-    summary["tokens_per_s"] = json!((scoring_s > 0.0).then(|| total as f64 / scoring_s));
-    Ok((eng, rows, summary))
+    let (rows, summary) = rows(cell, task, mode, &items, &pairs, &loglik)?;
+    let scoring = json!({
+        "requests": pairs.len(),
+        "tokens": total,
+        "truncated_requests": truncated,
+        "seconds": scoring_s,
+        "tokens_per_s": (scoring_s > 0.0).then(|| total as f64 / scoring_s),
+    });
+    Ok((eng, rows, summary, scoring))
 }
 
 /// Run one accuracy cell; errors of the run itself become the `oom` or `error` outcome.
@@ -309,15 +311,17 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
         "metrics": null,
         "memory": null,
         "accuracy": null,
+        "scoring": null,
         "env": crate::environment::Environment::collect(&setup.device.to_string(), gpu),
         "process_rss_peak_bytes": samples.iter().filter_map(|x| x.process_rss_bytes).max(),
         "gpu_used_peak_bytes": samples.iter().filter_map(|x| x.gpu_used_bytes).max(),
         "accuracy_rows": [],
     });
     match outcome {
-        Ok((eng, rows, summary)) => {
+        Ok((eng, rows, summary, scoring)) => {
             v["memory"] = serde_json::to_value(eng.memory())?;
             v["accuracy"] = summary;
+            v["scoring"] = scoring;
             v["accuracy_rows"] = Value::Array(rows);
         }
         Err(err) => {

@@ -1266,4 +1266,102 @@ repeats: 2
         let keys: std::collections::HashSet<String> = p.cells.iter().map(|c| c.key()).collect();
         assert_eq!(keys.len(), p.cells.len());
     }
+
+    const ACC: &str = "\
+name: a
+kind: accuracy
+model: preset:tiny
+engines:
+  - name: full
+  - name: h2o
+accuracy:
+  tasks: [piqa, boolq]
+  limit: 5
+  budgets: [0.5, 0.1]
+  modes: [decode, one_pass]
+";
+
+    #[test]
+    fn accuracy_experiments_expand_per_engine_budget_mode_and_task() {
+        let p = parse(ACC).unwrap();
+        // full: 1 budget × 2 modes × 2 tasks = 4; h2o: 2 budgets × 4 = 8.
+        assert_eq!(p.cells.len(), 12);
+        let c = &p.cells[1];
+        assert_eq!(
+            (c.engine.as_str(), c.task.as_deref(), c.mode, c.limit),
+            ("full", Some("boolq"), Some(ScoringMode::Decode), Some(5))
+        );
+        assert!(p
+            .cells
+            .iter()
+            .all(|c| c.prompt_len.is_none() && c.output_len.is_none()));
+        assert_eq!(
+            c.key(),
+            "kind=accuracy;engine=full;params=;budget=1;task=boolq;mode=decode;limit=5;batch=16;attention=flash;repeat=0"
+        );
+        let keys: std::collections::HashSet<String> = p.cells.iter().map(|c| c.key()).collect();
+        assert_eq!(keys.len(), p.cells.len());
+        // Flag beats the YAML key, which beats the default.
+        let with = parse(&format!("{ACC}data_dir: /d\n")).unwrap();
+        assert_eq!(with.data_dir(None), PathBuf::from("/d"));
+        assert_eq!(with.data_dir(Some(Path::new("/f"))), PathBuf::from("/f"));
+    }
+
+    #[test]
+    fn accuracy_and_retention_sections_are_checked() {
+        let e = err(&ACC.replace("[piqa, boolq]", "[piqa, mmlu]"));
+        assert!(
+            e.starts_with("exp.yaml:8: `accuracy.tasks`: unknown task `mmlu`"),
+            "{e}"
+        );
+        let e = err(&ACC.replace("limit: 5", "limit: 0"));
+        assert!(e.starts_with("exp.yaml:9: `accuracy.limit`"), "{e}");
+        let e = err(&ACC.replace("[0.5, 0.1]", "[0.5, 2]"));
+        assert!(e.starts_with("exp.yaml:10: `accuracy.budgets`: 2"), "{e}");
+        let e = err(&ACC.replace("[decode, one_pass]", "[decode, greedy]"));
+        assert!(e.contains("exp.yaml:11") && e.contains("greedy"), "{e}");
+        let e = err(&ACC.replace("  limit: 5", "  limt: 5"));
+        assert!(e.contains("unknown field `limt`"), "{e}");
+        // Sections of another kind, and a missing one.
+        let e = err(&format!("{ACC}workload:\n  num_requests: 1\n"));
+        assert!(
+            e.contains("`workload` belongs to `kind: performance`"),
+            "{e}"
+        );
+        let e = err(&ACC.replace("kind: accuracy", "kind: retention"));
+        assert!(e.contains("`accuracy` belongs to `kind: accuracy`"), "{e}");
+        let e = err(&GOOD.replace("name: t", "name: t\nkind: accuracy"));
+        assert!(e.contains("`matrix` belongs to `kind: performance`"), "{e}");
+        let ret = "\
+name: r
+kind: retention
+model: preset:tiny
+engines:
+  - name: full
+  - name: h2o
+retention:
+  buckets: [1K-2K, 512-1K]
+  facts: 4
+  form: passkey
+  budgets: [0.3]
+";
+        let p = parse(ret).unwrap();
+        assert_eq!(p.cells.len(), 4);
+        assert_eq!(p.cells[0].bucket.as_deref(), Some("1K-2K"));
+        assert_eq!(
+            p.exp.retention.as_ref().unwrap().turns,
+            vec![2, 4, 6, 8, 10, 12]
+        );
+        let e = err(&ret.replace("1K-2K", "2K-1K"));
+        assert!(
+            e.starts_with("exp.yaml:8: `retention.buckets`: `2K-1K`"),
+            "{e}"
+        );
+        let e = err(&ret.replace("passkey", "essay"));
+        assert!(e.starts_with("exp.yaml:10: `retention.form`"), "{e}");
+        let e = err(&ret.replace("facts: 4", "facts: 0"));
+        assert!(e.starts_with("exp.yaml:9: `retention.facts`"), "{e}");
+        assert_eq!(parse_bucket("1K-2K"), Ok((1024, 2048)));
+        assert!(parse_bucket("2K").is_err());
+    }
 }

@@ -1,0 +1,134 @@
+//! An accuracy experiment end to end on preset:tiny with the real task files: the
+//! sweep writes accuracy.parquet (per item and per task) and runs.parquet, fig7 is
+//! drawn from it, the report judges C10 from it; a missing data directory is an error
+//! that says where the data was expected.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const EXPERIMENT: &str = "\
+name: acc-e2e
+kind: accuracy
+model: preset:tiny
+dtype: f32
+device: {name: cpu, memory: 1GiB}
+engines:
+  - name: full
+  - name: h2o
+  - name: infinigen
+  - name: streaming
+accuracy:
+  tasks: [copa, hellaswag]
+  limit: 3
+  budgets: [0.5, 0.02]
+  modes: [decode]
+  batch: 4
+";
+
+fn data_dir() -> PathBuf {
+    let dir = std::env::var_os("KVBENCH_DATASETS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/datasets"));
+    assert!(
+        dir.join("copa/val.jsonl").is_file(),
+        "evaluation data not found under {}: set KVBENCH_DATASETS_DIR (expected \
+         ../shared/datasets next to the repository)",
+        dir.display()
+    );
+    dir
+}
+
+fn kvbench(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args(args)
+        .current_dir(cwd)
+        .env("KVBENCH_THREADS", "1")
+        .env("KVBENCH_MODELS_DIR", cwd.join("models"))
+        .env_remove("KVBENCH_DATASETS_DIR")
+        .output()
+        .expect("running kvbench")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn an_accuracy_sweep_writes_its_tables_figure_and_verdict() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("acc.yaml");
+    std::fs::write(&yaml, EXPERIMENT).unwrap();
+    let data = data_dir();
+    let data = data.to_str().unwrap();
+    let run = kvbench(
+        &["run", yaml.to_str().unwrap(), "--data-dir", data],
+        dir.path(),
+    );
+    assert!(run.status.success(), "{}", text(&run));
+    let out = text(&run);
+    // full once, three strategies at two budgets, two tasks: 14 cells.
+    assert!(out.contains("14 cells run"), "{out}");
+    assert!(!out.contains(" error "), "{out}");
+    let exp = dir.path().join("results/acc-e2e");
+    let acc = exp.join("accuracy.parquet");
+    assert!(acc.is_file() && exp.join("runs.parquet").is_file());
+
+    // A re-run skips what is recorded.
+    let again = kvbench(
+        &["run", yaml.to_str().unwrap(), "--data-dir", data],
+        dir.path(),
+    );
+    assert!(
+        text(&again).contains("0 cells run, 14 already recorded"),
+        "{}",
+        text(&again)
+    );
+
+    let plot = kvbench(&["plot", "acc-e2e", "--figures", "fig7"], dir.path());
+    let out = text(&plot);
+    assert!(plot.status.success(), "{out}");
+    assert!(out.contains("fig7: wrote"), "{out}");
+    assert!(exp.join("figures/fig7.png").is_file());
+
+    let report = kvbench(&["report", "acc-e2e"], dir.path());
+    assert!(report.status.success(), "{}", text(&report));
+    let md = std::fs::read_to_string(exp.join("report.md")).unwrap();
+    let c10 = md
+        .lines()
+        .skip_while(|l| !l.contains("C10"))
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ");
+    assert!(!c10.is_empty(), "{md}");
+    assert!(
+        !c10.contains("needs accuracy") && c10.contains("full: "),
+        "C10 is judged from accuracy.parquet: {c10}"
+    );
+}
+
+#[test]
+fn a_missing_data_directory_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let yaml = dir.path().join("acc.yaml");
+    std::fs::write(&yaml, EXPERIMENT).unwrap();
+    let missing = dir.path().join("no-data");
+    let run = kvbench(
+        &[
+            "run",
+            yaml.to_str().unwrap(),
+            "--data-dir",
+            missing.to_str().unwrap(),
+        ],
+        dir.path(),
+    );
+    assert!(!run.status.success());
+    let out = text(&run);
+    assert!(
+        out.contains("copa/val.jsonl not found") && out.contains(&missing.display().to_string()),
+        "{out}"
+    );
+}
