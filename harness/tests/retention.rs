@@ -103,7 +103,11 @@ fn a_retention_sweep_records_a_row_per_prompt_and_feeds_fig8_and_c11() {
     assert!(exp.join("accuracy.parquet").is_file());
     assert!(exp.join("figures/fig8.png").is_file());
     let md = std::fs::read_to_string(exp.join("report.md")).unwrap();
-    let c11 = md.lines().skip_while(|l| !l.contains("**C11**")).nth(1).unwrap();
+    let c11 = md
+        .lines()
+        .skip_while(|l| !l.contains("**C11**"))
+        .nth(1)
+        .unwrap();
     // Random weights recall nothing: the report says why it cannot judge.
     assert!(
         c11.contains("retention full") && c11.contains("cannot do this form"),
