@@ -204,6 +204,11 @@ impl Engine {
             shuffle_seed: cfg.shuffle_blocks_seed,
         };
         let policy = cfg.policy.build(&model, env)?;
+        if !matches!(cfg.policy, PolicySpec::Full) {
+            // A device-resident policy allocates its pool when built: the first step's
+            // scratch limit must already see it.
+            ledger.set(Component::KvDevice, policy.memory().device_reserved);
+        }
         Self::assemble(model, cfg, policy, ledger, max_model_len)
     }
 

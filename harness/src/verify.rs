@@ -427,7 +427,10 @@ fn print_table(r: &Report) {
     }
     print_kernels(&r.kernels);
     if r.device != "cpu" {
-        println!("h2o, streaming, infinigen: no CUDA implementation yet, not checked here");
+        println!(
+            "infinigen and streaming with rolling positions: no CUDA implementation yet, not \
+             checked here"
+        );
     }
     println!("{}", if r.pass { "all passed" } else { "FAILED" });
 }
