@@ -142,6 +142,14 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         .iter()
         .map(|k| mem[*k].as_u64())
         .sum::<Option<u64>>();
+    // KV bytes the sequences held at the busiest step (a pool reserved up front, as
+    // on CUDA, holds more than the strategy needs).
+    let kv_used_peak = cell["steps"].as_array().and_then(|steps| {
+        steps
+            .iter()
+            .filter_map(|s| s["kv_device_used_bytes"].as_u64())
+            .max()
+    });
     let per_gb = match (m["decode_throughput"].as_f64(), device) {
         (Some(t), Some(d)) if d > 0 => Value::from(t / (d as f64 / 1e9)),
         _ => Value::Null,
@@ -171,6 +179,10 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         ("wall_cache_ops_s", num(&b["cache_ops_s"])),
         ("mem_weights_bytes", int(&mem["weights"])),
         ("mem_kv_device_bytes", int(&mem["kv_device"])),
+        (
+            "mem_kv_device_used_peak_bytes",
+            kv_used_peak.map_or(Value::Null, Value::from),
+        ),
         ("mem_kv_host_bytes", int(&mem["kv_host"])),
         ("mem_activations_peak_bytes", int(&mem["activations_peak"])),
         ("mem_device_peak_bytes", int(&cell["gpu_used_peak_bytes"])),
