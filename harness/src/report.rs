@@ -352,6 +352,21 @@ fn c10(rows: &[&AccRow]) -> (Verdict, String) {
             usable.join(", ")
         ));
     }
+    // The sampling error of full's accuracy per task (binomial, n − 1), averaged over
+    // the usable tasks: differences below it are noise.
+    let se: Vec<f64> = usable
+        .iter()
+        .filter_map(|&t| {
+            let n = rows
+                .iter()
+                .filter(|r| r.engine == "full" && r.task == t)
+                .count();
+            (n > 1).then(|| 100.0 * (full[t] * (1.0 - full[t]) / (n - 1) as f64).sqrt())
+        })
+        .collect();
+    if let Some(se) = mean(&se) {
+        ev.push_str(&format!("; standard error per task ≈ {se:.1} pp"));
+    }
     // Average change against full over the usable tasks, in pp.
     let delta = |engine: &str, b: f64| -> Option<f64> {
         let v: Vec<f64> = usable
