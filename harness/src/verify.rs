@@ -493,7 +493,7 @@ fn kernel_checks(d: &candle_core::Device) -> Result<Vec<KernelCheck>> {
     if !d.is_cuda() {
         return Ok(Vec::new());
     }
-    Ok(kvbench_engines::cuda::check::run(d, 0x6b76_6265_6e63_68)?)
+    Ok(kvbench_engines::cuda::check::run(d, 0x006b_7662_656e_6368)?)
 }
 
 #[cfg(not(feature = "cuda"))]
