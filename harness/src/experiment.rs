@@ -882,6 +882,26 @@ impl Plan {
                 format!("`{}`: expected chat or passkey", r.form),
             ));
         }
+        // The builder's rules, checked before anything runs.
+        if r.form == "chat" && r.turns.iter().any(|&t| t < 2) {
+            return Err(err(
+                "retention.turns",
+                format!(
+                    "{:?}: expected turns ≥ 2 for the chat form (turn 1 states the fact)",
+                    r.turns
+                ),
+            ));
+        }
+        if r.form == "passkey" && r.turns != [1] {
+            return Err(err(
+                "retention.turns",
+                format!(
+                    "{:?}: expected [1] for the passkey form (the key and the question share \
+                     one message)",
+                    r.turns
+                ),
+            ));
+        }
         if r.limit == Some(0) {
             return Err(err(
                 "retention.limit",
@@ -1342,7 +1362,7 @@ engines:
 retention:
   buckets: [1K-2K, 512-1K]
   facts: 4
-  form: passkey
+  form: chat
   budgets: [0.3]
 ";
         let p = parse(ret).unwrap();
@@ -1357,8 +1377,16 @@ retention:
             e.starts_with("exp.yaml:8: `retention.buckets`: `2K-1K`"),
             "{e}"
         );
-        let e = err(&ret.replace("passkey", "essay"));
+        let e = err(&ret.replace("form: chat", "form: essay"));
         assert!(e.starts_with("exp.yaml:10: `retention.form`"), "{e}");
+        // Each form's turns, checked before anything runs.
+        let e = err(&ret.replace("form: chat", "form: passkey"));
+        assert!(e.contains("`retention.turns`"), "{e}");
+        assert!(e.contains("expected [1] for the passkey form"), "{e}");
+        let passkey = ret.replace("form: chat", "form: passkey\n  turns: [1]");
+        assert_eq!(parse(&passkey).unwrap().cells.len(), 4);
+        let e = err(&ret.replace("form: chat", "form: chat\n  turns: [1, 2]"));
+        assert!(e.contains("expected turns ≥ 2 for the chat form"), "{e}");
         let e = err(&ret.replace("facts: 4", "facts: 0"));
         assert!(e.starts_with("exp.yaml:9: `retention.facts`"), "{e}");
         assert_eq!(parse_bucket("1K-2K"), Ok((1024, 2048)));

@@ -10,6 +10,7 @@ use crate::style::{self, engine_color, Axis, DrawResult, Fmt, LegendItem, LineSt
 use crate::{Draw, Error, Prepared, Tables};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::collections::BTreeMap;
 
 pub struct Fig8 {
@@ -166,11 +167,24 @@ impl Draw for Fig8 {
                 for (g, v) in vals.iter().enumerate() {
                     let Some(v) = v else { continue };
                     let x0 = g as f64 - 0.4 + bw * slot as f64 + 0.05 * bw;
+                    // A measured zero gets a sliver and a label, so it does not read
+                    // as a missing bar.
+                    let top = if *v == 0.0 { 0.6 } else { *v };
                     c.draw_series(std::iter::once(Rectangle::new(
-                        [(x0, 0.0), (x0 + 0.9 * bw, *v)],
+                        [(x0, 0.0), (x0 + 0.9 * bw, top)],
                         engine_color(engine).filled(),
                     )))
                     .drawn()?;
+                    if *v == 0.0 {
+                        c.draw_series(std::iter::once(Text::new(
+                            "0".to_string(),
+                            (x0 + 0.45 * bw, top),
+                            style::font(15)
+                                .color(&engine_color(engine))
+                                .pos(Pos::new(HPos::Center, VPos::Bottom)),
+                        )))
+                        .drawn()?;
+                    }
                 }
             }
         }
