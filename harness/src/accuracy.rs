@@ -324,13 +324,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
             v["scoring"] = scoring;
             v["accuracy_rows"] = Value::Array(rows);
         }
-        Err(err) => {
-            let oom = err
-                .downcast_ref::<kvbench_engines::Error>()
-                .is_some_and(|x| x.is_oom());
-            v["outcome"] = if oom { "oom" } else { "error" }.into();
-            v["error"] = format!("{err:#}").into();
-        }
+        Err(err) => crate::cell::record_failure(&mut v, &err),
     }
     v["wall_s"] = t0.elapsed().as_secs_f64().into();
     Ok(v)

@@ -463,10 +463,11 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
             result.steps = steps.to_vec();
         }
         Err(err) => {
-            let oom = err
-                .downcast_ref::<kvbench_engines::Error>()
-                .is_some_and(|x| x.is_oom());
-            result.outcome = if oom { Outcome::Oom } else { Outcome::Error };
+            result.outcome = if is_oom(&err) {
+                Outcome::Oom
+            } else {
+                Outcome::Error
+            };
             result.error = Some(format!("{err:#}"));
         }
     }
@@ -497,4 +498,17 @@ pub fn run(a: RunCellArgs) -> Result<()> {
     };
     println!("{}", serde_json::to_string(&r)?);
     Ok(())
+}
+
+/// Whether a cell failed by running out of (device or host) memory: recorded as `oom`,
+/// a result, rather than `error`.
+pub fn is_oom(err: &anyhow::Error) -> bool {
+    err.downcast_ref::<kvbench_engines::Error>()
+        .is_some_and(|x| x.is_oom())
+}
+
+/// A failed accuracy or retention cell's outcome and error in its JSON record.
+pub fn record_failure(v: &mut serde_json::Value, err: &anyhow::Error) {
+    v["outcome"] = if is_oom(err) { "oom" } else { "error" }.into();
+    v["error"] = format!("{err:#}").into();
 }

@@ -498,6 +498,13 @@ pub struct Plan {
     pub context: usize,
 }
 
+/// An error naming the file, the line of `key` in it and the key (`exp.yaml:12:
+/// `matrix.batch`: ...`).
+fn key_error(path: &Path, text: &str, key: &str, msg: String) -> anyhow::Error {
+    let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
+    anyhow::anyhow!("{}{at}: `{key}`: {msg}", path.display())
+}
+
 /// Line (1-based) of the key at `path` (`matrix.budget`) in the YAML text: each segment
 /// is searched as `name:` below the previous one, more indented.
 fn line_of(text: &str, path: &str) -> Option<usize> {
@@ -579,10 +586,7 @@ impl Plan {
                 .map_or(String::new(), |l| format!(":{}", l.line()));
             anyhow::anyhow!("{file}{at}: {e}")
         })?;
-        let err = |key: &str, msg: String| -> anyhow::Error {
-            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
-            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
-        };
+        let err = |key: &str, msg: String| key_error(path, text, key, msg);
         if exp.name.trim().is_empty()
             || !exp
                 .name
@@ -706,10 +710,7 @@ impl Plan {
         budgets: &[f64],
     ) -> Result<Vec<(String, BTreeMap<String, String>, Vec<f64>)>> {
         let file = path.display();
-        let err = |key: &str, msg: String| -> anyhow::Error {
-            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
-            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
-        };
+        let err = |key: &str, msg: String| key_error(path, text, key, msg);
         let mut engines = Vec::new();
         for (i, e) in exp.engines.iter().enumerate() {
             let key = format!("engines[{i}]");
@@ -766,11 +767,7 @@ impl Plan {
         path: &Path,
         context: usize,
     ) -> Result<Vec<Cell>> {
-        let file = path.display();
-        let err = |key: &str, msg: String| -> anyhow::Error {
-            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
-            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
-        };
+        let err = |key: &str, msg: String| key_error(path, text, key, msg);
         let a = exp
             .accuracy
             .as_ref()
@@ -849,11 +846,7 @@ impl Plan {
     }
 
     fn retention_cells(exp: &Experiment, text: &str, path: &Path) -> Result<Vec<Cell>> {
-        let file = path.display();
-        let err = |key: &str, msg: String| -> anyhow::Error {
-            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
-            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
-        };
+        let err = |key: &str, msg: String| key_error(path, text, key, msg);
         let r = exp
             .retention
             .as_ref()
@@ -953,11 +946,7 @@ impl Plan {
         path: &Path,
         context: usize,
     ) -> Result<Vec<Cell>> {
-        let file = path.display();
-        let err = |key: &str, msg: String| -> anyhow::Error {
-            let at = line_of(text, key).map_or(String::new(), |l| format!(":{l}"));
-            anyhow::anyhow!("{file}{at}: `{key}`: {msg}")
-        };
+        let err = |key: &str, msg: String| key_error(path, text, key, msg);
         let w = exp
             .workload
             .as_ref()

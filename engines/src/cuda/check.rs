@@ -60,27 +60,14 @@ fn rel_err(out: &[f32], reference: &[f64]) -> f64 {
 fn reference_row(q: &[f32], k: &[f32], v: &[f32], n: usize, kvh: usize, d: usize) -> Vec<f64> {
     let h = q.len() / d;
     let g = h / kvh;
+    let p = reference_probs(q, k, n, kvh, d);
     let mut out = vec![0f64; h * d];
     for head in 0..h {
         let kh = head / g;
-        let qh = &q[head * d..(head + 1) * d];
-        let scores: Vec<f64> = (0..n)
-            .map(|j| {
-                let kr = &k[(j * kvh + kh) * d..(j * kvh + kh + 1) * d];
-                qh.iter()
-                    .zip(kr)
-                    .map(|(&a, &b)| a as f64 * b as f64)
-                    .sum::<f64>()
-                    / (d as f64).sqrt()
-            })
-            .collect();
-        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-        let l: f64 = w.iter().sum();
-        for (j, wj) in w.iter().enumerate() {
+        for j in 0..n {
             let vr = &v[(j * kvh + kh) * d..(j * kvh + kh + 1) * d];
             for (o, &x) in out[head * d..(head + 1) * d].iter_mut().zip(vr) {
-                *o += wj / l * x as f64;
+                *o += p[head * n + j] * x as f64;
             }
         }
     }

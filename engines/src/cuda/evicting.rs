@@ -501,14 +501,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) {
-        self.seqs.insert(
-            seq,
-            SeqState {
-                info,
-                counts: self.rule.counts(&info),
-                computed: 0,
-            },
-        );
+        self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
     }
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {
@@ -516,21 +509,12 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        let st = *self.seqs.entry(seq).or_insert_with(|| SeqState {
-            info: SeqInfo {
-                prompt_len: total_tokens,
-                max_new_tokens: 0,
-                prefill_len: total_tokens,
-            },
-            counts: None,
-            computed: 0,
-        });
+        let st = *self
+            .seqs
+            .entry(seq)
+            .or_insert_with(|| SeqState::unannounced(total_tokens));
         let e = self.store.entry(seq).or_default();
-        let slots = if st.prefilled() {
-            e.len + (total_tokens - st.computed)
-        } else {
-            total_tokens
-        };
+        let slots = st.slots_for(e.len, total_tokens);
         self.pool
             .grow(&mut e.table, slots.div_ceil(self.block_size))
     }

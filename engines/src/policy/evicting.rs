@@ -73,6 +73,39 @@ pub(crate) struct SeqState {
 }
 
 impl SeqState {
+    /// A sequence admitted under `rule`.
+    pub(crate) fn admitted<E: Eviction>(rule: &E, info: SeqInfo) -> Self {
+        Self {
+            info,
+            counts: rule.counts(&info),
+            computed: 0,
+        }
+    }
+
+    /// A sequence reserved without an admission (tests driving a policy directly):
+    /// its whole length is its prompt and nothing is evicted.
+    pub(crate) fn unannounced(total_tokens: usize) -> Self {
+        Self {
+            info: SeqInfo {
+                prompt_len: total_tokens,
+                max_new_tokens: 0,
+                prefill_len: total_tokens,
+            },
+            counts: None,
+            computed: 0,
+        }
+    }
+
+    /// Slots the sequence needs to hold `total_tokens` after this step when it holds
+    /// `len` now: the prefill's positions, then one new slot per new token.
+    pub(crate) fn slots_for(&self, len: usize, total_tokens: usize) -> usize {
+        if self.prefilled() {
+            len + (total_tokens - self.computed)
+        } else {
+            total_tokens
+        }
+    }
+
     pub(crate) fn prefilled(&self) -> bool {
         self.computed >= self.info.prefill_len
     }
@@ -206,14 +239,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) {
-        self.seqs.insert(
-            seq,
-            SeqState {
-                info,
-                counts: self.rule.counts(&info),
-                computed: 0,
-            },
-        );
+        self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
     }
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {
@@ -221,22 +247,12 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        let st = *self.seqs.entry(seq).or_insert_with(|| SeqState {
-            info: SeqInfo {
-                prompt_len: total_tokens,
-                max_new_tokens: 0,
-                prefill_len: total_tokens,
-            },
-            counts: None,
-            computed: 0,
-        });
-        let slots = if st.prefilled() {
-            let len = self.store.seqs.get(&seq).map_or(0, |s| s.len);
-            len + (total_tokens - st.computed)
-        } else {
-            total_tokens
-        };
-        self.store.reserve(seq, slots)
+        let st = *self
+            .seqs
+            .entry(seq)
+            .or_insert_with(|| SeqState::unannounced(total_tokens));
+        let len = self.store.seqs.get(&seq).map_or(0, |s| s.len);
+        self.store.reserve(seq, st.slots_for(len, total_tokens))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
