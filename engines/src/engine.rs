@@ -484,30 +484,55 @@ impl Engine {
         let (attended, context) = self.audit(&batch)?;
 
         let t2 = Instant::now();
-        let mut rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let kept = rows.split_off(n_sampled);
-        for (row, (_, id)) in kept.into_iter().zip(&prompt_rows) {
-            let s = self
-                .sched
-                .seqs
-                .get_mut(id)
-                .expect("scheduled ids are known");
-            s.logits.push(row);
-        }
-        let mut next = argmax(&rows);
-        for (i, id) in sample_ids.iter().enumerate() {
-            let s = self
-                .sched
-                .seqs
-                .get_mut(id)
-                .expect("scheduled ids are known");
-            if let Some(&t) = s.forced.get(s.output.len()) {
-                next[i] = t;
+        let wants_rows = !prompt_rows.is_empty()
+            || sample_ids
+                .iter()
+                .any(|id| self.sched.seqs.get(id).is_some_and(|s| s.record_logits));
+        let next = if self.model.device().is_cuda() && !wants_rows && !sample_ids.is_empty() {
+            // The argmax on the device: copying [rows, vocab] f32 logits to the host and
+            // scanning them there costs tens of milliseconds a step at large batches.
+            let mut next = logits
+                .argmax(candle_core::D::Minus1)?
+                .to_dtype(DType::U32)?
+                .to_vec1::<u32>()?;
+            for (i, id) in sample_ids.iter().enumerate() {
+                let forced = self
+                    .sched
+                    .seqs
+                    .get(id)
+                    .and_then(|s| s.forced.get(s.output.len()));
+                if let Some(&t) = forced {
+                    next[i] = t;
+                }
             }
-            if s.record_logits {
-                s.logits.push(rows[i].clone());
+            next
+        } else {
+            let mut rows = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+            let kept = rows.split_off(n_sampled);
+            for (row, (_, id)) in kept.into_iter().zip(&prompt_rows) {
+                let s = self
+                    .sched
+                    .seqs
+                    .get_mut(id)
+                    .expect("scheduled ids are known");
+                s.logits.push(row);
             }
-        }
+            let mut next = argmax(&rows);
+            for (i, id) in sample_ids.iter().enumerate() {
+                let s = self
+                    .sched
+                    .seqs
+                    .get_mut(id)
+                    .expect("scheduled ids are known");
+                if let Some(&t) = s.forced.get(s.output.len()) {
+                    next[i] = t;
+                }
+                if s.record_logits {
+                    s.logits.push(rows[i].clone());
+                }
+            }
+            next
+        };
         let now = self.now();
         for &(id, n) in &plan.entries {
             let s = self
