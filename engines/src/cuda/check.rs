@@ -368,7 +368,11 @@ fn evicting_checks(
     let reset = |sl: &mut SlotLayer| -> Result<()> {
         for (si, &l) in lens.iter().enumerate() {
             let pos: Vec<i32> = (0..l as i32).collect();
-            slot_meta_init(&cuda, sl, &keys[si].2, &pos)?;
+            let (slots_d, pos_d) = (
+                super::upload_i32(&cuda, &keys[si].2)?,
+                super::upload_i32(&cuda, &pos)?,
+            );
+            slot_meta_init(&cuda, sl, &slots_d, &pos_d, l)?;
         }
         Ok(())
     };

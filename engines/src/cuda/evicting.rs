@@ -18,7 +18,7 @@
 //! reports it as reserved and the blocks sequences hold as used.
 
 use super::{
-    as_i32, device_of, flash_prefill_with, flash_smem_bytes, kv_gather, kv_write,
+    as_i32, device_of, flash_prefill_with, flash_smem_bytes, kv_gather, kv_write_at,
     paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores, DecodeShape,
     DecodeTables, LayerCache, MODULE, PTX,
 };
@@ -78,8 +78,11 @@ struct DevSeq {
     len: usize,
 }
 
-/// What the decode rows of one step need on the device, built at its first layer.
+/// What the layers of one step share on the device, built at its first layer.
 struct StepDecode {
+    /// Slots and positions of the step's new K/V, one per row.
+    write_slots: CudaSlice<i32>,
+    write_pos: CudaSlice<i32>,
     /// Indices into the batch's sequences.
     rows: Vec<usize>,
     tables: DecodeTables,
@@ -196,10 +199,24 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         Ok(())
     }
 
-    /// The step's decode rows on the device (block tables, eviction parameters and
-    /// probability buffers), shared by every layer of the step.
-    fn step_decode(&self, batch: &StepBatch) -> Result<StepDecode> {
+    /// What every layer of the step shares, uploaded once: the slots and positions of
+    /// the new K/V, and the decode rows' block tables, eviction parameters and
+    /// probability buffers.
+    fn step_plan(&self, batch: &StepBatch) -> Result<StepDecode> {
         let h = self.heads.0;
+        let mut slots = Vec::with_capacity(batch.num_tokens);
+        let mut positions = Vec::with_capacity(batch.num_tokens);
+        for s in &batch.seqs {
+            let first = if self.seqs[&s.id].prefilled() {
+                self.store[&s.id].len
+            } else {
+                s.ctx_before
+            };
+            for i in 0..s.q_len {
+                slots.push(self.phys(s.id, first + i));
+                positions.push(as_i32(s.ctx_before + i, "position")?);
+            }
+        }
         let rows: Vec<usize> = (0..batch.seqs.len())
             .filter(|&i| self.seqs[&batch.seqs[i].id].prefilled())
             .collect();
@@ -231,6 +248,8 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let stride = ctx.iter().copied().max().unwrap_or(1).max(1);
         let n = rows.len().max(1);
         Ok(StepDecode {
+            write_slots: upload_i32(&self.dev, &slots)?,
+            write_pos: upload_i32(&self.dev, &positions)?,
             tables: DecodeTables::new(&self.dev, &tables, &ctx)?,
             params: upload_i32(&self.dev, &params)?,
             evicts,
@@ -536,29 +555,23 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         let k = input.k.to_dtype(DType::BF16)?;
         let v = input.v.to_dtype(DType::BF16)?;
 
+        if layer == 0 || self.step.is_none() {
+            self.step = Some(self.step_plan(batch)?);
+        }
         // New K/V into the next slots (positions until a prompt is complete).
         let start = self.begin()?;
-        let mut slots = Vec::with_capacity(batch.num_tokens);
-        let mut positions = Vec::with_capacity(batch.num_tokens);
-        for s in &batch.seqs {
-            let first = if self.seqs[&s.id].prefilled() {
-                self.store[&s.id].len
-            } else {
-                s.ctx_before
-            };
-            for i in 0..s.q_len {
-                slots.push(self.phys(s.id, first + i));
-                positions.push(as_i32(s.ctx_before + i, "position")?);
-            }
-        }
+        let step = self.step.as_ref().expect("planned above");
         let sl = &mut self.layers[layer];
-        kv_write(&mut sl.kv, &k, &v, &slots)?;
-        slot_meta_init(&self.dev, sl, &slots, &positions)?;
+        kv_write_at(&mut sl.kv, &k, &v, &step.write_slots)?;
+        slot_meta_init(
+            &self.dev,
+            sl,
+            &step.write_slots,
+            &step.write_pos,
+            batch.num_tokens,
+        )?;
         self.end(start)?;
 
-        if layer == 0 || self.step.is_none() {
-            self.step = Some(self.step_decode(batch)?);
-        }
         let dec_out = self.decode(layer, &q, batch)?;
         let n_dec = self.step.as_ref().map_or(0, |s| s.rows.len());
         let out = if n_dec == batch.num_tokens {
@@ -948,30 +961,29 @@ pub fn compact_slots(
     Ok(())
 }
 
-/// Positions `positions` and zero scores for the (already written) `slots`, every KV
-/// head.
+/// Positions and zero scores for the first `n` of the (already written) `slots`, every
+/// KV head; both lists on the device.
 pub fn slot_meta_init(
     dev: &CudaDevice,
     sl: &mut SlotLayer,
-    slots: &[i32],
-    positions: &[i32],
+    slots: &CudaSlice<i32>,
+    positions: &CudaSlice<i32>,
+    n: usize,
 ) -> Result<()> {
-    if slots.is_empty() {
+    if n == 0 {
         return Ok(());
     }
     let kvh = sl.num_kv_heads;
-    let slots_d = upload_i32(dev, slots)?;
-    let pos_d = upload_i32(dev, positions)?;
     let kvh_i = as_i32(kvh, "KV heads")?;
     let f = dev.get_or_load_custom_func("slot_meta_init", MODULE, PTX)?;
     let mut b = f.builder();
-    b.arg(&slots_d)
-        .arg(&pos_d)
+    b.arg(slots)
+        .arg(positions)
         .arg(&mut sl.score)
         .arg(&mut sl.pos)
         .arg(&kvh_i);
     let cfg = LaunchConfig {
-        grid_dim: (slots.len() as u32, 1, 1),
+        grid_dim: (n as u32, 1, 1),
         block_dim: (kvh.min(1024) as u32, 1, 1),
         shared_mem_bytes: 0,
     };

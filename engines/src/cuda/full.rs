@@ -6,8 +6,8 @@
 //! ([`super::prefill_attention`]).
 
 use super::{
-    device_of, flash_prefill, kv_gather, kv_write, paged_decode, DecodeShape, DecodeTables,
-    LayerCache,
+    device_of, flash_prefill, kv_gather, kv_write_at, paged_decode, upload_i32, DecodeShape,
+    DecodeTables, LayerCache,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
@@ -18,7 +18,7 @@ use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch,
 };
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
-use candle_core::cuda_backend::cudarc::driver::CudaEvent;
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Tensor};
@@ -42,6 +42,8 @@ pub struct CudaFullPolicy {
     event_errors: u64,
     /// The step's decode tables, uploaded at layer 0 and used by every layer.
     decode_tables: Option<DecodeTables>,
+    /// The step's K/V write slots, likewise.
+    write_slots: Option<CudaSlice<i32>>,
 }
 
 impl CudaFullPolicy {
@@ -70,6 +72,7 @@ impl CudaFullPolicy {
             cache_events: Vec::new(),
             event_errors: 0,
             decode_tables: None,
+            write_slots: None,
         })
     }
 
@@ -112,13 +115,18 @@ impl KvPolicy for CudaFullPolicy {
         // events are read once the step's logits have synchronized the stream).
         let stream = self.dev.cuda_stream();
         let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
-        let mut slots = Vec::with_capacity(batch.num_tokens);
-        for s in &batch.seqs {
-            for pos in s.ctx_before..s.ctx_before + s.q_len {
-                slots.push(self.tables.slot(s.id, pos) as i32);
+        if layer == 0 || self.write_slots.is_none() {
+            // The same slots in every layer: uploaded once per step.
+            let mut slots = Vec::with_capacity(batch.num_tokens);
+            for s in &batch.seqs {
+                for pos in s.ctx_before..s.ctx_before + s.q_len {
+                    slots.push(self.tables.slot(s.id, pos) as i32);
+                }
             }
+            self.write_slots = Some(upload_i32(&self.dev, &slots)?);
         }
-        kv_write(&mut self.layers[layer], &k, &v, &slots)?;
+        let slots = self.write_slots.as_ref().expect("uploaded above");
+        kv_write_at(&mut self.layers[layer], &k, &v, slots)?;
         let end = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
         self.cache_events.push((start, end));
         if layer + 1 == self.layers.len() {
@@ -234,6 +242,7 @@ impl KvPolicy for CudaFullPolicy {
 
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
         self.decode_tables = None;
+        self.write_slots = None;
         Ok(())
     }
 

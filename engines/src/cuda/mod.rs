@@ -108,11 +108,32 @@ impl LayerCache {
 
 /// Write rows `k`, `v` (`[T, KVH, D]` bf16) to `slots` (one per row) of `cache`.
 pub fn kv_write(cache: &mut LayerCache, k: &Tensor, v: &Tensor, slots: &[i32]) -> Result<()> {
+    if k.dim(0)? == 0 {
+        return Ok(());
+    }
+    let dev = device_of(k.device())?;
+    kv_write_at(cache, k, v, &upload_i32(&dev, slots)?)
+}
+
+/// [`kv_write`] with the slots already on the device (a step uploads them once for
+/// all its layers).
+pub fn kv_write_at(
+    cache: &mut LayerCache,
+    k: &Tensor,
+    v: &Tensor,
+    slots: &CudaSlice<i32>,
+) -> Result<()> {
     check_bf16(k, "kv_write k")?;
     let dev = device_of(k.device())?;
     let t = k.dim(0)?;
     if t == 0 {
         return Ok(());
+    }
+    if slots.len() < t {
+        return Err(Error::Config(format!(
+            "kv_write: {} slots for {t} rows",
+            slots.len()
+        )));
     }
     let row_elems = k.elem_count() / t;
     let (k, v) = (k.contiguous()?, v.contiguous()?);
@@ -120,7 +141,6 @@ pub fn kv_write(cache: &mut LayerCache, k: &Tensor, v: &Tensor, slots: &[i32]) -
     let (vs, vl) = v.storage_and_layout();
     let kv = view(&ks, kl, "kv_write k")?;
     let vv = view(&vs, vl, "kv_write v")?;
-    let slots_d = upload_i32(&dev, slots)?;
     let re = as_i32(row_elems, "KV row elements")?;
     let f = dev.get_or_load_custom_func("kv_write_bf16", MODULE, PTX)?;
     let mut b = f.builder();
@@ -128,7 +148,7 @@ pub fn kv_write(cache: &mut LayerCache, k: &Tensor, v: &Tensor, slots: &[i32]) -
         .arg(&vv)
         .arg(&mut cache.k)
         .arg(&mut cache.v)
-        .arg(&slots_d)
+        .arg(slots)
         .arg(&re);
     let cfg = LaunchConfig {
         grid_dim: (t as u32, 1, 1),
