@@ -39,7 +39,9 @@ enum Command {
     Models(models::ModelsArgs),
     /// Draw the study's figures (PNG + SVG) from an experiment's results.
     Plot(plot::PlotArgs),
-    /// Check an experiment file and list its cells (`--dry-run`).
+    /// Run an experiment (performance, accuracy or retention): each cell in its own
+    /// process, resumable, results as Parquet in results/<name>/ (`--dry-run` lists
+    /// the cells).
     Run(run::RunArgs),
     /// Run one cell of an experiment and print its outcome and metrics as one JSON
     /// object (what the orchestrator runs in a child process per cell).
