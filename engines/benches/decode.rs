@@ -8,6 +8,8 @@
 //! criterion's elements/s is tokens/s. The context grows by one token per iteration
 //! from 512 during measurement. Run: `just bench` (set RAYON_NUM_THREADS to pin threads).
 
+mod common;
+
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
@@ -34,16 +36,7 @@ fn gguf() -> PathBuf {
 }
 
 fn prompt(seed: u64) -> Vec<u32> {
-    let mut s = seed;
-    (0..PROMPT)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            // Skip the 17 special tokens at the start of the vocabulary.
-            17 + ((s >> 33) % (49_152 - 17)) as u32
-        })
-        .collect()
+    common::seeded_tokens(PROMPT, seed)
 }
 
 /// Our engine with `batch` sequences prefilled, ready to decode.

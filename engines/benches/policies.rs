@@ -12,6 +12,8 @@
 //! `KVBENCH_BENCH_PROMPT` and `KVBENCH_BENCH_BATCH` shrink the setup (the prefill of
 //! 16 × 2K tokens takes minutes on a laptop CPU). Run: `just bench policies`.
 
+mod common;
+
 use candle_core::Device;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvbench_engines::attention::prefill::AttentionImpl;
@@ -30,18 +32,6 @@ fn env(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(default)
-}
-
-fn tokens(n: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            17 + ((s >> 33) % (49_152 - 17)) as u32
-        })
-        .collect()
 }
 
 /// An engine running `spec` with `batch` prompts prefilled (one at a time, as the
@@ -63,8 +53,11 @@ fn engine(model: &Llama, spec: PolicySpec, batch: usize, prompt: usize) -> Engin
     };
     let mut e = Engine::new(model.clone(), cfg).unwrap();
     for b in 0..batch {
-        e.add_request(Request::greedy(tokens(prompt, b as u64), max_len - prompt))
-            .unwrap();
+        e.add_request(Request::greedy(
+            common::seeded_tokens(prompt, b as u64),
+            max_len - prompt,
+        ))
+        .unwrap();
     }
     loop {
         match e.step().unwrap() {
@@ -86,7 +79,7 @@ fn bench(c: &mut Criterion) {
         &Device::Cpu,
     )
     .unwrap();
-    let skew = Arc::new(calibrate(&model, &tokens(256, 99)).unwrap());
+    let skew = Arc::new(calibrate(&model, &common::seeded_tokens(256, 99)).unwrap());
     let mut g = c.benchmark_group(format!("decode_step_b{batch}_p{prompt}_budget0.3"));
     g.throughput(Throughput::Elements(batch as u64))
         .sample_size(10)
