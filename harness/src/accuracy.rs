@@ -303,20 +303,8 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
     let mut progress = None;
     let outcome = score_cell(plan, cell, &setup, models_dir, data_dir, &mut progress);
     let samples = sampler.finish();
-    let mut v = json!({
-        "key": cell.key(),
-        "cell": cell,
-        "outcome": "ok",
-        "error": null,
-        "metrics": null,
-        "memory": null,
-        "accuracy": null,
-        "scoring": null,
-        "env": crate::environment::Environment::collect(&setup.device.to_string(), gpu),
-        "process_rss_peak_bytes": samples.iter().filter_map(|x| x.process_rss_bytes).max(),
-        "gpu_used_peak_bytes": samples.iter().filter_map(|x| x.gpu_used_bytes).max(),
-        "accuracy_rows": [],
-    });
+    let mut v = crate::cell::scored_cell_record(cell, &setup, gpu, &samples);
+    v["scoring"] = Value::Null;
     match outcome {
         Ok((eng, rows, summary, scoring)) => {
             v["memory"] = serde_json::to_value(eng.memory())?;

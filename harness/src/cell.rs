@@ -512,3 +512,26 @@ pub fn record_failure(v: &mut serde_json::Value, err: &anyhow::Error) {
     v["outcome"] = if is_oom(err) { "oom" } else { "error" }.into();
     v["error"] = format!("{err:#}").into();
 }
+
+/// The JSON record an accuracy or retention cell starts from: key, cell, environment
+/// and sampled memory peaks, outcome `ok` until the caller records a failure.
+pub fn scored_cell_record(
+    cell: &crate::experiment::Cell,
+    setup: &crate::setup::Setup,
+    gpu: Option<u32>,
+    samples: &[crate::sampler::Sample],
+) -> serde_json::Value {
+    serde_json::json!({
+        "key": cell.key(),
+        "cell": cell,
+        "outcome": "ok",
+        "error": null,
+        "metrics": null,
+        "memory": null,
+        "accuracy": null,
+        "env": crate::environment::Environment::collect(&setup.device.to_string(), gpu),
+        "process_rss_peak_bytes": samples.iter().filter_map(|x| x.process_rss_bytes).max(),
+        "gpu_used_peak_bytes": samples.iter().filter_map(|x| x.gpu_used_bytes).max(),
+        "accuracy_rows": [],
+    })
+}

@@ -311,19 +311,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
     let outcome = answer_cell(plan, cell, &setup, models_dir, data_dir);
     let samples = sampler.finish();
-    let mut v = json!({
-        "key": cell.key(),
-        "cell": cell,
-        "outcome": "ok",
-        "error": null,
-        "metrics": null,
-        "memory": null,
-        "accuracy": null,
-        "env": crate::environment::Environment::collect(&setup.device.to_string(), gpu),
-        "process_rss_peak_bytes": samples.iter().filter_map(|x| x.process_rss_bytes).max(),
-        "gpu_used_peak_bytes": samples.iter().filter_map(|x| x.gpu_used_bytes).max(),
-        "accuracy_rows": [],
-    });
+    let mut v = crate::cell::scored_cell_record(cell, &setup, gpu, &samples);
     match outcome {
         Ok((engine, rows, summary)) => {
             v["memory"] = serde_json::to_value(engine.memory())?;
