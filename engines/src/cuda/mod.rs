@@ -298,9 +298,18 @@ pub fn paged_decode_with(
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
     let qv = view(&qs, ql, "paged_decode q")?;
-    let mut pm = dev.alloc_zeros::<f32>(rows * h * parts)?;
-    let mut pl = dev.alloc_zeros::<f32>(rows * h * parts)?;
-    let mut pacc = dev.alloc_zeros::<f32>(rows * h * parts * d)?;
+    // Scratch and output are left uninitialized: the partition kernel writes every
+    // (row, head, partition), empty partitions included, and the reduction every
+    // output element, so zeroing them would only add launches to each decode step.
+    // SAFETY: every element is written by the kernels below before it is read.
+    let (mut pm, mut pl, mut pacc, mut out) = unsafe {
+        (
+            dev.alloc::<f32>(rows * h * parts)?,
+            dev.alloc::<f32>(rows * h * parts)?,
+            dev.alloc::<f32>(rows * h * parts * d)?,
+            dev.alloc::<bf16>(rows * h * d)?,
+        )
+    };
     let scale = 1.0f32 / (d as f32).sqrt();
     let (kvh_i, g_i, d_i) = (
         as_i32(kvh, "KV heads")?,
@@ -366,7 +375,6 @@ pub fn paged_decode_with(
     }
     unsafe { b.launch(cfg) }.w()?;
 
-    let mut out = dev.alloc_zeros::<bf16>(rows * h * d)?;
     let h_i = as_i32(h, "heads")?;
     let parts_i = as_i32(parts, "partitions")?;
     let f = dev.get_or_load_custom_func("paged_decode_reduce_bf16", MODULE, PTX)?;
