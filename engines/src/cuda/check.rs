@@ -169,13 +169,11 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             ));
         }
         let e = rel_err(&got, &reference);
-        out.push(KernelCheck {
-            kernel: "paged_decode",
-            case: format!("H={h} KVH={kvh} D={d} block={bs} partition={part}, contexts {lens:?}"),
-            rel_err: e,
-            tolerance: BF16_TOL,
-            pass: e <= BF16_TOL,
-        });
+        out.push(bf16_check(
+            "paged_decode",
+            format!("H={h} KVH={kvh} D={d} block={bs} partition={part}, contexts {lens:?}"),
+            e,
+        ));
 
         // Flash prefill through the block tables: a whole prompt (sequence 4) and the
         // last 200 rows of sequence 6 after its cached prefix.
@@ -198,13 +196,11 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 bs,
             )?;
             let e = rel_err(&download(&o)?, &reference);
-            out.push(KernelCheck {
-                kernel: "flash_prefill",
-                case: format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
-                rel_err: e,
-                tolerance: BF16_TOL,
-                pass: e <= BF16_TOL,
-            });
+            out.push(bf16_check(
+                "flash_prefill",
+                format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
+                e,
+            ));
         }
 
         // Prefill: the last sequence's final rows after a cached prefix, in one chunk
@@ -235,13 +231,11 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 None,
             )?;
             let e = rel_err(&download(&o)?, &reference);
-            out.push(KernelCheck {
-                kernel: "prefill_attention",
-                case: format!("H={h} KVH={kvh} D={d}, {t} rows after {before}, chunk {chunk}"),
-                rel_err: e,
-                tolerance: BF16_TOL,
-                pass: e <= BF16_TOL,
-            });
+            out.push(bf16_check(
+                "prefill_attention",
+                format!("H={h} KVH={kvh} D={d}, {t} rows after {before}, chunk {chunk}"),
+                e,
+            ));
         }
         out.extend(evicting_checks(dev, &mut rng, h, kvh, d, bs)?);
     }
@@ -307,6 +301,17 @@ fn reference_columns(
         }
     }
     col
+}
+
+/// A check of a bf16 result against its f64 reference.
+fn bf16_check(kernel: &'static str, case: String, rel_err: f64) -> KernelCheck {
+    KernelCheck {
+        kernel,
+        case,
+        rel_err,
+        tolerance: BF16_TOL,
+        pass: rel_err <= BF16_TOL,
+    }
 }
 
 fn exact_check(kernel: &'static str, case: String, ok: bool) -> KernelCheck {
@@ -401,13 +406,11 @@ fn evicting_checks(
         let got = scores_of(&sl, si, l)?;
         let reference = reference_columns(&qp, &keys[si].0, before, 0, l, h, kvh, d);
         let e = rel_err(&got, &reference);
-        out.push(KernelCheck {
-            kernel: "h2o exact statistics",
-            case: format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
-            rel_err: e,
-            tolerance: BF16_TOL,
-            pass: e <= BF16_TOL,
-        });
+        out.push(bf16_check(
+            "h2o exact statistics",
+            format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
+            e,
+        ));
     }
 
     // Statistics from the materialized probabilities (cuBLAS): eager and chunked.
@@ -454,13 +457,11 @@ fn evicting_checks(
                 r
             };
             let e = rel_err(&col, &reference);
-            out.push(KernelCheck {
-                kernel: "h2o materialized statistics",
-                case: format!("H={h} KVH={kvh} D={d}, {mode}, {t} rows after {before}"),
-                rel_err: e,
-                tolerance: BF16_TOL,
-                pass: e <= BF16_TOL,
-            });
+            out.push(bf16_check(
+                "h2o materialized statistics",
+                format!("H={h} KVH={kvh} D={d}, {mode}, {t} rows after {before}"),
+                e,
+            ));
         }
     }
 
@@ -513,13 +514,11 @@ fn evicting_checks(
             ));
         }
         let e = rel_err(&got, &reference);
-        out.push(KernelCheck {
-            kernel: "h2o decode probabilities",
-            case: format!("H={h} KVH={kvh} D={d}, contexts {lens:?}"),
-            rel_err: e,
-            tolerance: BF16_TOL,
-            pass: e <= BF16_TOL,
-        });
+        out.push(bf16_check(
+            "h2o decode probabilities",
+            format!("H={h} KVH={kvh} D={d}, contexts {lens:?}"),
+            e,
+        ));
     }
 
     // Random positions and scores (with ties) on every slot, for the eviction and
