@@ -49,7 +49,19 @@ impl DeviceKind {
                 let made = std::panic::catch_unwind(|| candle_core::Device::new_cuda(i));
                 std::panic::set_hook(hook);
                 match made {
-                    Ok(d) => Ok(d?),
+                    Ok(d) => {
+                        let d = d?;
+                        #[cfg(feature = "cuda")]
+                        if let candle_core::Device::Cuda(c) = &d {
+                            // Work on kvbench's second stream (InfiniGen's gathers) is
+                            // ordered with explicit events; cudarc's per-buffer event
+                            // tracking would add a wait and a record to every kernel
+                            // argument of every launch once that stream exists.
+                            // SAFETY: called before any kvbench buffer is allocated.
+                            unsafe { c.disable_event_tracking() };
+                        }
+                        Ok(d)
+                    }
                     Err(_) => Err(Error::Config(format!(
                         "cuda:{i}: the CUDA driver library (libcuda.so.1) could not be \
                          loaded; is there an NVIDIA driver on this machine?"

@@ -669,3 +669,344 @@ extern "C" __global__ void compact_slots(__nv_bfloat16* __restrict__ k_cache,
         __syncthreads();
     }
 }
+
+// ---------------------------------------------------------------------------------
+// InfiniGen (algorithms.md §4). The host tier is pinned host memory mapped into the
+// device's address space, allocated in chunks of `bpc` blocks; block b holds
+// [offloaded layers][K, V][block_size][KVH][D] bf16. Kernels read and write it in
+// place over PCIe (zero-copy): the selected rows travel host→device without a host
+// gather, on the copy stream, while the compute stream runs the previous layer.
+//
+// Partial keys K̂ live on the device, [slots, KVH, r] bf16 per offloaded layer, with
+// the same block tables as the dense layers' K/V. Per sequence and (offloaded layer,
+// KV head) the r chosen columns of the skewing matrix A (f32 [KVH, D, D] per layer):
+// cols [seq slots][offloaded layers][KVH][r] int32.
+
+__device__ __forceinline__ __nv_bfloat16* host_row(const uint64_t* __restrict__ chunks,
+                                                   int64_t slot, int li, int kv,
+                                                   int off_layers, int block_size,
+                                                   int row_elems, int bpc) {
+    const int64_t b = slot / block_size, o = slot % block_size;
+    __nv_bfloat16* base = (__nv_bfloat16*)chunks[b / bpc];
+    return base + ((((b % bpc) * off_layers + li) * 2 + kv) * block_size + o) * row_elems;
+}
+
+// n bf16 from src to dst by threads tid, tid + step, ...; 16-byte moves when both are
+// aligned (PCIe transactions of a warp then cover 512 contiguous bytes).
+__device__ __forceinline__ void copy_bf16(__nv_bfloat16* __restrict__ dst,
+                                          const __nv_bfloat16* __restrict__ src, int n,
+                                          int tid, int step) {
+    if ((n % 8) == 0 && (((uintptr_t)dst | (uintptr_t)src) & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        for (int i = tid; i < n / 8; i += step) d[i] = s[i];
+    } else {
+        for (int i = tid; i < n; i += step) dst[i] = src[i];
+    }
+}
+
+// K/V rows [T, KVH, D] (device) to host-tier slots[T] of offloaded layer li. grid T.
+extern "C" __global__ void ig_host_write(const __nv_bfloat16* __restrict__ k,
+                                        const __nv_bfloat16* __restrict__ v,
+                                        const uint64_t* __restrict__ chunks,
+                                        const int32_t* __restrict__ slots, int li,
+                                        int off_layers, int block_size, int row_elems,
+                                        int bpc) {
+    const int t = blockIdx.x;
+    const int64_t slot = slots[t];
+    const int64_t src = (int64_t)t * row_elems;
+    copy_bf16(host_row(chunks, slot, li, 0, off_layers, block_size, row_elems, bpc), k + src,
+              row_elems, threadIdx.x, blockDim.x);
+    copy_bf16(host_row(chunks, slot, li, 1, off_layers, block_size, row_elems, bpc), v + src,
+              row_elems, threadIdx.x, blockDim.x);
+}
+
+// Positions 0..n of one sequence (host block `table`) of offloaded layer li into
+// contiguous [n, KVH, D] K and V on the device. grid n.
+extern "C" __global__ void ig_host_read(const uint64_t* __restrict__ chunks,
+                                       const int32_t* __restrict__ table, int li,
+                                       int off_layers, int block_size, int row_elems, int bpc,
+                                       __nv_bfloat16* __restrict__ k_out,
+                                       __nv_bfloat16* __restrict__ v_out) {
+    const int t = blockIdx.x;
+    const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+    const int64_t dst = (int64_t)t * row_elems;
+    copy_bf16(k_out + dst, host_row(chunks, slot, li, 0, off_layers, block_size, row_elems, bpc),
+              row_elems, threadIdx.x, blockDim.x);
+    copy_bf16(v_out + dst, host_row(chunks, slot, li, 1, off_layers, block_size, row_elems, bpc),
+              row_elems, threadIdx.x, blockDim.x);
+}
+
+// Partial keys: khat[dst_slots[t], g, c] = sum_d k[src_rows[t], g, d] * A[g, d, cols_c]
+// with the columns of sequence row_seq[t]. grid (T, KVH), shared D floats.
+extern "C" __global__ void ig_khat_write(const __nv_bfloat16* __restrict__ k,
+                                        const int32_t* __restrict__ src_rows,
+                                        const int32_t* __restrict__ dst_slots,
+                                        const int32_t* __restrict__ row_seq,
+                                        const float* __restrict__ A,
+                                        const int32_t* __restrict__ cols, int li,
+                                        int off_layers, int num_kv_heads, int head_dim, int r,
+                                        __nv_bfloat16* __restrict__ khat) {
+    extern __shared__ float kshm[];
+    const int t = blockIdx.x, g = blockIdx.y, D = head_dim;
+    const __nv_bfloat16* kr = k + ((int64_t)src_rows[t] * num_kv_heads + g) * D;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) kshm[d] = __bfloat162float(kr[d]);
+    __syncthreads();
+    const int32_t* cg = cols + (((int64_t)row_seq[t] * off_layers + li) * num_kv_heads + g) * r;
+    const float* Ag = A + (int64_t)g * D * D;
+    __nv_bfloat16* dst = khat + ((int64_t)dst_slots[t] * num_kv_heads + g) * r;
+    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+        const int col = cg[c];
+        float acc = 0.f;
+        for (int d = 0; d < D; ++d) acc += kshm[d] * Ag[d * D + col];
+        dst[c] = __float2bfloat16(acc);
+    }
+}
+
+// Speculated scaled scores of decode row `row`, query head h, over positions
+// 0..nctx[row]: q̂ = q_h · A_g[:, cols], s_j = scale * q̂ · K̂_j. q [R, H, D] rotated.
+// s [R, H, stride] f32. grid (R, H, ceil(max n / blockDim)), shared (D + r) floats.
+extern "C" __global__ void ig_spec_scores(
+    const __nv_bfloat16* __restrict__ q, const float* __restrict__ A,
+    const int32_t* __restrict__ cols, const int32_t* __restrict__ row_seq, int li,
+    int off_layers, const __nv_bfloat16* __restrict__ khat, const int32_t* __restrict__ tables,
+    int max_blocks, const int32_t* __restrict__ nctx, float* __restrict__ s, int stride,
+    int num_heads, int num_kv_heads, int head_dim, int r, int block_size, float scale) {
+    extern __shared__ float sp[];
+    float* sq = sp;             // [D]
+    float* qh = sp + head_dim;  // [r]
+    const int row = blockIdx.x, h = blockIdx.y, D = head_dim;
+    const int g = h / (num_heads / num_kv_heads);
+    const int n = nctx[row];
+    const int j0 = blockIdx.z * blockDim.x;
+    if (j0 >= n) return;  // uniform over the block
+    for (int d = threadIdx.x; d < D; d += blockDim.x)
+        sq[d] = __bfloat162float(q[((int64_t)row * num_heads + h) * D + d]);
+    __syncthreads();
+    const int32_t* cg = cols + (((int64_t)row_seq[row] * off_layers + li) * num_kv_heads + g) * r;
+    const float* Ag = A + (int64_t)g * D * D;
+    for (int c = threadIdx.x; c < r; c += blockDim.x) {
+        const int col = cg[c];
+        float acc = 0.f;
+        for (int d = 0; d < D; ++d) acc += sq[d] * Ag[d * D + col];
+        qh[c] = acc;
+    }
+    __syncthreads();
+    const int j = j0 + threadIdx.x;
+    if (j >= n) return;
+    const int32_t* table = tables + (int64_t)row * max_blocks;
+    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+    const __nv_bfloat16* kr = khat + (slot * num_kv_heads + g) * r;
+    float acc = 0.f;
+    for (int c = 0; c < r; ++c) acc += qh[c] * __bfloat162float(kr[c]);
+    s[((int64_t)row * num_heads + h) * stride + j] = acc * scale;
+}
+
+#define IG_THREADS 256
+
+// Block-wide sum and max of one value per thread (blockDim a multiple of 32, ≤ 1024).
+__device__ float block_max(float x, float* red) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    x = warp_max(x);
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    float m = -INFINITY;
+    for (int w = 0; w < (int)blockDim.x / WARP; ++w) m = fmaxf(m, red[w]);
+    __syncthreads();
+    return m;
+}
+
+__device__ int block_sum_int(int x, int* red) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    int s = 0;
+    for (int w = 0; w < (int)blockDim.x / WARP; ++w) s += red[w];
+    __syncthreads();
+    return s;
+}
+
+// Exclusive prefix sum over the block of one int per thread (thread order); *total
+// receives the block's sum. blockDim a multiple of 32, ≤ 1024; red holds 32 ints.
+__device__ int block_exclusive_scan(int x, int* red, int* total) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    int inc = x;
+#pragma unroll
+    for (int o = 1; o < WARP; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, inc, o);
+        if (lane >= o) inc += y;
+    }
+    if (lane == WARP - 1) red[warp] = inc;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < warps ? red[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < WARP; o <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += y;
+        }
+        red[lane] = w;
+    }
+    __syncthreads();
+    const int base = warp > 0 ? red[warp - 1] : 0;
+    *total = red[warps - 1];
+    __syncthreads();
+    return base + inc - x;
+}
+
+// Per (decode row, query head): how many positions have a speculated score above
+// the head's maximum minus alpha (alpha = inf counts every position). grid (R, H).
+extern "C" __global__ void __launch_bounds__(IG_THREADS) ig_count(
+    const float* __restrict__ s, const int32_t* __restrict__ nctx, int stride, float alpha,
+    int32_t* __restrict__ counts) {
+    __shared__ float fred[IG_THREADS / WARP];
+    __shared__ int ired[IG_THREADS / WARP];
+    const int row = blockIdx.x, h = blockIdx.y, H = gridDim.y;
+    const int n = nctx[row];
+    const float* sr = s + ((int64_t)row * H + h) * stride;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, sr[j]);
+    m = block_max(m, fred);
+    const float thr = m - alpha;
+    int c = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) c += sr[j] > thr;
+    c = block_sum_int(c, ired);
+    if (threadIdx.x == 0) counts[row * H + h] = c;
+}
+
+// f32 → u32 with the same order (larger float, larger key).
+__device__ __forceinline__ uint32_t order_key(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// A KV head's estimate of position j: the max over its query heads' scores.
+__device__ __forceinline__ float group_est(const float* __restrict__ base, int group,
+                                           int stride, int j) {
+    float e = -INFINITY;
+    for (int i = 0; i < group; ++i) e = fmaxf(e, base[(int64_t)i * stride + j]);
+    return e;
+}
+
+// The selection of one (decode row, KV head): k = min(max(floor(mean_h counts), 1),
+// kmax) (every position when n ≤ kmax), then the k positions with the largest group
+// estimate, ties to the older position, written ascending to sel[row, g, 0..k).
+// Radix select of the k-th largest key (four 8-bit passes), then one ordered pass.
+// Writes ks[row] = k and stage_ctx[row] = k + 1 (the attention's keys with the new
+// token) and klog[row] = k. grid (R, KVH), block IG_THREADS.
+extern "C" __global__ void __launch_bounds__(IG_THREADS) ig_select(
+    const float* __restrict__ s, const int32_t* __restrict__ counts,
+    const int32_t* __restrict__ nctx, const int32_t* __restrict__ kmax, int stride,
+    int num_heads, int num_kv_heads, int32_t* __restrict__ sel, int kcap,
+    int32_t* __restrict__ ks, int32_t* __restrict__ stage_ctx, int32_t* __restrict__ klog) {
+    __shared__ unsigned int hist[256];
+    __shared__ int red[WARP];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_need;
+    const int row = blockIdx.x, g = blockIdx.y, tid = threadIdx.x, bd = blockDim.x;
+    const int H = num_heads, G = num_heads / num_kv_heads;
+    const int n = nctx[row], km = max(kmax[row], 1);
+    int32_t* out = sel + ((int64_t)row * num_kv_heads + g) * kcap;
+    int k;
+    if (n <= km) {
+        k = n;
+        for (int j = tid; j < n; j += bd) out[j] = j;
+    } else {
+        long long total = 0;
+        for (int i = 0; i < H; ++i) total += counts[row * H + i];
+        k = (int)min((long long)km, max(1LL, total / H));
+        const float* base = s + ((int64_t)row * H + g * G) * stride;
+        uint32_t prefix = 0, mask = 0;
+        int need = k;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            for (int i = tid; i < 256; i += bd) hist[i] = 0;
+            __syncthreads();
+            for (int j = tid; j < n; j += bd) {
+                const uint32_t key = order_key(group_est(base, G, stride, j));
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+            }
+            __syncthreads();
+            if (tid == 0) {
+                int acc = 0, b = 255;
+                for (; b > 0; --b) {
+                    if (acc + (int)hist[b] >= need) break;
+                    acc += hist[b];
+                }
+                s_prefix = prefix | ((uint32_t)b << shift);
+                s_need = need - acc;
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            need = s_need;
+            mask |= 255u << shift;
+        }
+        // prefix is the k-th largest key; take every larger key and the `need` oldest
+        // positions holding it, in position order.
+        int eq_before = 0, written = 0;
+        for (int j0 = 0; j0 < n; j0 += bd) {
+            const int j = j0 + tid;
+            const bool in = j < n;
+            const uint32_t key = in ? order_key(group_est(base, G, stride, j)) : 0u;
+            const int eq = in && key == prefix;
+            int eq_total, take_total;
+            const int eq_rank = block_exclusive_scan(eq, red, &eq_total);
+            const int take = in && (key > prefix || (eq && eq_before + eq_rank < need));
+            const int at = block_exclusive_scan(take, red, &take_total);
+            if (take) out[written + at] = j;
+            eq_before += eq_total;
+            written += take_total;
+        }
+    }
+    if (g == 0 && tid == 0) {
+        ks[row] = k;
+        stage_ctx[row] = k + 1;
+        if (klog != nullptr) klog[row] = k;
+    }
+}
+
+// The selected rows of offloaded layer li from the host tier into the staging slots
+// of each decode row: K/V of position sel[row, g, j] → staging slot row * B + j, head
+// g. One warp per (row, g, j). grid (R, KVH, ceil(kcap / warps per block)).
+extern "C" __global__ void ig_gather(const uint64_t* __restrict__ chunks,
+                                     const int32_t* __restrict__ host_tables, int max_hblocks,
+                                     const int32_t* __restrict__ sel, int kcap,
+                                     const int32_t* __restrict__ ks, int li, int off_layers,
+                                     int block_size, int num_kv_heads, int head_dim, int bpc,
+                                     __nv_bfloat16* __restrict__ k_stage,
+                                     __nv_bfloat16* __restrict__ v_stage, int B) {
+    const int row = blockIdx.x, g = blockIdx.y;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int j = blockIdx.z * (blockDim.x / WARP) + warp;
+    if (j >= ks[row]) return;
+    const int p = sel[((int64_t)row * num_kv_heads + g) * kcap + j];
+    const int32_t* table = host_tables + (int64_t)row * max_hblocks;
+    const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+    const int row_elems = num_kv_heads * head_dim;
+    const int64_t dst = (((int64_t)row * B + j) * num_kv_heads + g) * head_dim;
+    copy_bf16(k_stage + dst,
+              host_row(chunks, slot, li, 0, off_layers, block_size, row_elems, bpc) +
+                  g * head_dim,
+              head_dim, lane, WARP);
+    copy_bf16(v_stage + dst,
+              host_row(chunks, slot, li, 1, off_layers, block_size, row_elems, bpc) +
+                  g * head_dim,
+              head_dim, lane, WARP);
+}
+
+// Each decode row's own new K/V (rows src_rows of k/v [T, KVH, D]) into staging slot
+// row * B + ks[row], after its selection. grid R.
+extern "C" __global__ void ig_stage_own(const __nv_bfloat16* __restrict__ k,
+                                       const __nv_bfloat16* __restrict__ v,
+                                       const int32_t* __restrict__ src_rows,
+                                       const int32_t* __restrict__ ks, int B, int row_elems,
+                                       __nv_bfloat16* __restrict__ k_stage,
+                                       __nv_bfloat16* __restrict__ v_stage) {
+    const int row = blockIdx.x;
+    const int64_t src = (int64_t)src_rows[row] * row_elems;
+    const int64_t dst = ((int64_t)row * B + ks[row]) * row_elems;
+    copy_bf16(k_stage + dst, k + src, row_elems, threadIdx.x, blockDim.x);
+    copy_bf16(v_stage + dst, v + src, row_elems, threadIdx.x, blockDim.x);
+}

@@ -6,6 +6,7 @@
 pub mod check;
 pub mod evicting;
 pub mod full;
+pub mod infinigen;
 
 use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
@@ -224,6 +225,17 @@ pub struct DecodeTables {
 impl DecodeTables {
     /// Row `r` attends the first `ctx[r]` tokens of the sequence with block `tables[r]`.
     pub fn new(dev: &CudaDevice, tables: &[Vec<i32>], ctx: &[usize]) -> Result<Self> {
+        let max_ctx = ctx.iter().copied().max().unwrap_or(0);
+        Self::with_max_ctx(dev, tables, ctx, max_ctx)
+    }
+
+    /// [`Self::new`] for context lengths a kernel writes later, at most `max_ctx`.
+    pub fn with_max_ctx(
+        dev: &CudaDevice,
+        tables: &[Vec<i32>],
+        ctx: &[usize],
+        max_ctx: usize,
+    ) -> Result<Self> {
         let rows = tables.len();
         let max_blocks = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let mut flat = vec![0i32; rows.max(1) * max_blocks];
@@ -240,7 +252,7 @@ impl DecodeTables {
             ctx: upload_i32(dev, &ctx_i)?,
             rows,
             max_blocks,
-            max_ctx: ctx.iter().copied().max().unwrap_or(0),
+            max_ctx,
         })
     }
 }

@@ -128,7 +128,7 @@ pub struct InfinigenPolicy {
 
 /// Indices of the `k` largest `score`s, ties to the smaller index (algorithms.md §1
 /// rule 2; positions are indices here).
-fn top_k(score: &[f32], k: usize) -> Vec<u32> {
+pub(crate) fn top_k(score: &[f32], k: usize) -> Vec<u32> {
     let mut idx: Vec<u32> = (0..score.len() as u32).collect();
     let cmp = |a: &u32, b: &u32| {
         score[*b as usize]

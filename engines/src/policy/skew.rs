@@ -85,6 +85,11 @@ impl Skewing {
         &self.mats[i..i + sz]
     }
 
+    /// Every matrix, `[layer][kv_head][row][col]` (uploads to a device).
+    pub fn all(&self) -> &[f32] {
+        &self.mats
+    }
+
     /// Max over (layer, head) of `max |AᵀA − I|` element-wise.
     pub fn orthogonality_error(&self) -> f32 {
         let dh = self.head_dim;

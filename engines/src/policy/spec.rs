@@ -281,10 +281,9 @@ impl PolicySpec {
 }
 
 impl PolicySpec {
-    /// The device-resident implementations: `full`, `h2o` and `streaming` (without
-    /// rolling positions) have CUDA kernels. InfiniGen would run its CPU code over host
-    /// copies, which is not the paradigm it stands for, so it is refused rather than
-    /// measured.
+    /// The CUDA implementations: `full`, `h2o` and `streaming` (without rolling
+    /// positions) with their pools in device memory, `infinigen` with its host tier in
+    /// pinned host memory.
     #[cfg(feature = "cuda")]
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
         use crate::cuda::evicting::CudaEvictingPolicy;
@@ -319,11 +318,9 @@ impl PolicySpec {
                     num_blocks,
                 )?))
             }
-            other => Err(Error::Config(format!(
-                "`{}` has no CUDA implementation yet (full, h2o and streaming run on CUDA); \
-                 run it with --device cpu",
-                other.name()
-            ))),
+            PolicySpec::Infinigen(p) => Ok(Box::new(
+                crate::cuda::infinigen::CudaInfinigenPolicy::new(p.clone(), model, env)?,
+            )),
         }
     }
 

@@ -1,0 +1,1449 @@
+//! `infinigen` on CUDA (algorithms.md §4): the offloading paradigm with the full K/V of
+//! the offloaded layers in pinned host memory and only the speculated tokens brought
+//! to the device each step.
+//!
+//! - Dense layers (`0..dense_layers`) keep K/V in a device pool and attend like `full`.
+//!   The same pool (same block tables) holds the partial keys K̂ = K_rot·A[:, S] of the
+//!   offloaded layers, `[slots, KVH, r]` bf16.
+//! - The host tier is pinned host memory mapped into the device's address space,
+//!   allocated in chunks as sequences reserve blocks. Kernels write each step's new K/V
+//!   to it and read the selected rows from it in place (zero-copy over PCIe), so no
+//!   host thread gathers rows and no host synchronization sits in the decode loop.
+//! - Per decode step, inside layer ℓ−1 (its input `x`): q' = RoPE(W_q^(ℓ) x), the
+//!   speculated scores over K̂, the α count and the per-KV-head top-k all run on the
+//!   compute stream; then a gather kernel on a second (copy) stream reads the selected
+//!   rows of layer ℓ from the host tier into a device staging buffer (two, ping-pong by
+//!   layer parity) while the compute stream goes on with layer ℓ−1. Layer ℓ waits on
+//!   the gather's event, appends its own new token and attends with the paged decode
+//!   kernel over the staging slots.
+//! - Prefill: full attention (flash or cuBLAS) over the chunk's K/V (earlier chunks
+//!   read back from the host tier), the column importance Σ|Q̃| + Σ|K̃| on the device,
+//!   the column choice on the host (KVH × D numbers), K̂ of every prompt token on the
+//!   device.
+//!
+//! Accounting: `h2d_bytes` are the selected rows (from the per-layer counts copied back
+//! once per step), `d2h_bytes` the new K/V written to the host tier; `transfer_s` is
+//! the time the compute stream waited for gathers (the part of the transfer not hidden
+//! behind compute), inside `cache_ops_s` with the cache writes, speculation and
+//! selection (device events).
+
+use super::{
+    as_i32, device_of, flash_prefill, kv_gather, kv_write_at, paged_decode, prefill_attention,
+    tensor_from, upload_i32, view, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
+};
+use crate::attention::prefill::AttentionImpl;
+use crate::error::{Error, Result};
+use crate::kv::SeqTables;
+use crate::model::{Linear, Llama};
+use crate::policy::budget::infinigen_k_max;
+use crate::policy::infinigen::{top_k, InfinigenParams, Speculation};
+use crate::policy::spec::PolicyEnv;
+use crate::policy::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+    StepSeq,
+};
+use candle_core::cuda_backend::cudarc::driver::sys::{self, CUevent_flags::CU_EVENT_DEFAULT};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Tensor};
+use half::bf16;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Keys per partition of the decode kernel.
+const PART_SIZE: usize = 512;
+/// Slots per block of the staging buffers' block tables.
+const STAGE_BLOCK: usize = 16;
+/// Threads per block of the count and select kernels (`IG_THREADS` in kernels.cu).
+const IG_THREADS: u32 = 256;
+/// Warps per block of the gather kernel (one warp per row).
+const GATHER_WARPS: usize = 8;
+/// Bytes of one pinned host-tier allocation.
+const CHUNK_BYTES: u64 = 256 << 20;
+/// Query rows per piece of the column-importance products (bounds their scratch).
+const COLABS_ROWS: usize = 8192;
+
+/// The host tier: blocks of `[offloaded layers][K, V][block_size][KVH][D]` bf16 in
+/// pinned, device-mapped host memory, allocated a chunk at a time.
+struct PinnedTier {
+    ctx: Arc<CudaContext>,
+    tables: SeqTables,
+    block_elems: usize,
+    /// Blocks per chunk.
+    bpc: usize,
+    chunks: Vec<Option<PinnedHostSlice<bf16>>>,
+    /// Device addresses of the chunks (0 until allocated), mirrored in `ptrs_dev`.
+    ptrs: Vec<u64>,
+    ptrs_dev: CudaSlice<u64>,
+    dirty: bool,
+}
+
+impl PinnedTier {
+    fn new(
+        dev: &CudaDevice,
+        num_blocks: usize,
+        block_size: usize,
+        block_elems: usize,
+    ) -> Result<Self> {
+        let block_bytes = (block_elems * 2).max(1) as u64;
+        let bpc = (CHUNK_BYTES / block_bytes).max(1) as usize;
+        let n_chunks = num_blocks.div_ceil(bpc);
+        Ok(Self {
+            ctx: dev.cuda_stream().context().clone(),
+            tables: SeqTables::new(num_blocks, block_size, None),
+            block_elems,
+            bpc,
+            chunks: (0..n_chunks).map(|_| None).collect(),
+            ptrs: vec![0; n_chunks],
+            ptrs_dev: dev.alloc_zeros::<u64>(n_chunks.max(1))?,
+            dirty: false,
+        })
+    }
+
+    fn block_bytes(&self) -> u64 {
+        (self.block_elems * 2) as u64
+    }
+
+    /// Room for `tokens` of `seq`; allocates the chunks its blocks fall in.
+    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<bool> {
+        if !self.tables.reserve(seq, tokens) {
+            return Ok(false);
+        }
+        let need: Vec<usize> = self
+            .tables
+            .table(seq)
+            .iter()
+            .map(|&b| b as usize / self.bpc)
+            .filter(|&c| self.chunks[c].is_none())
+            .collect();
+        for c in need {
+            self.allocate(c)?;
+        }
+        Ok(true)
+    }
+
+    fn allocate(&mut self, c: usize) -> Result<()> {
+        if self.chunks[c].is_some() {
+            return Ok(());
+        }
+        let blocks = self.bpc.min(self.tables.num_blocks() - c * self.bpc);
+        let len = blocks * self.block_elems;
+        // SAFETY: the memory is only read where a kernel wrote it first (positions
+        // below a sequence's length).
+        let host = unsafe {
+            self.ctx.alloc_pinned_with_flags::<bf16>(
+                len,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        }
+        .map_err(|e| {
+            Error::Config(format!(
+                "infinigen: pinning {} MiB of host memory for the host tier failed ({e}); \
+                 lower --host-memory",
+                (len * 2) >> 20
+            ))
+        })?;
+        let hp = host.as_ptr().w()? as *mut std::ffi::c_void;
+        let mut dptr: sys::CUdeviceptr = 0;
+        // SAFETY: `hp` is a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, hp, 0) }
+            .result()
+            .w()?;
+        self.ptrs[c] = dptr;
+        self.chunks[c] = Some(host);
+        self.dirty = true;
+        Ok(())
+    }
+
+    /// Upload the chunk addresses if a chunk was added since the last upload.
+    fn sync_ptrs(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+        if self.dirty && !self.ptrs.is_empty() {
+            stream.memcpy_htod(&self.ptrs, &mut self.ptrs_dev).w()?;
+            self.dirty = false;
+        }
+        Ok(())
+    }
+
+    fn allocated_bytes(&self) -> u64 {
+        self.chunks
+            .iter()
+            .flatten()
+            .map(|c| c.num_bytes() as u64)
+            .sum()
+    }
+
+    fn table_i32(&self, seq: SeqId) -> Vec<i32> {
+        self.tables.table(seq).iter().map(|&b| b as i32).collect()
+    }
+}
+
+#[derive(Debug)]
+struct Seq {
+    info: SeqInfo,
+    computed: usize,
+    /// Row of the column table `cols`.
+    slot: usize,
+    /// Largest selection of a step (`k_max` at the full length, as the CPU policy).
+    cap: usize,
+    /// Σ_t |Q̃[t, c]| of the prefill so far per offloaded layer, `[KVH, D]` f32.
+    uq: Vec<Option<Tensor>>,
+    /// The chosen columns `[offloaded layers][KVH][r]` (zeros until prefilled).
+    cols: Vec<i32>,
+}
+
+impl Seq {
+    fn prefilled(&self) -> bool {
+        self.computed >= self.info.prefill_len
+    }
+}
+
+/// What the decode rows of one step share across layers, uploaded at its first layer.
+struct DecodePlan {
+    /// Indices into the batch's sequences.
+    rows: Vec<usize>,
+    /// Rows of the step's packed tensors (`None`: every row decodes).
+    idx: Option<Tensor>,
+    positions: Vec<u32>,
+    src_rows: CudaSlice<i32>,
+    /// Device-pool slot of each row's new token (its K̂ row).
+    khat_slots: CudaSlice<i32>,
+    row_seq: CudaSlice<i32>,
+    /// Positions before the new token (what the selection ranges over).
+    nctx: CudaSlice<i32>,
+    kmax: CudaSlice<i32>,
+    dense_tables: DecodeTables,
+    host_tables: CudaSlice<i32>,
+    max_hblocks: usize,
+    /// Per layer parity: row r reads staging slots r·B.. with the selection's count.
+    stage_tables: [DecodeTables; 2],
+    kcap: usize,
+    b: usize,
+    stride: usize,
+}
+
+struct Plan {
+    /// Device-pool and host-tier slots of every new token of the step.
+    dense_slots: CudaSlice<i32>,
+    host_slots: CudaSlice<i32>,
+    dec: Option<DecodePlan>,
+    /// Offloaded layers whose decode rows attended a selection this step.
+    staged: Vec<usize>,
+}
+
+/// Device buffers sized for the largest step so far.
+struct StepBuffers {
+    stage: [LayerCache; 2],
+    stage_slots: usize,
+    sel: [CudaSlice<i32>; 2],
+    ks: [CudaSlice<i32>; 2],
+    scores: CudaSlice<f32>,
+    counts: CudaSlice<i32>,
+    /// Selected count per (offloaded layer, decode row) of the step.
+    klog: CudaSlice<i32>,
+}
+
+impl StepBuffers {
+    fn new(dev: &CudaDevice, row_elems: usize) -> Result<Self> {
+        Ok(Self {
+            stage: [
+                LayerCache::new(dev, 1, row_elems)?,
+                LayerCache::new(dev, 1, row_elems)?,
+            ],
+            stage_slots: 1,
+            sel: [dev.alloc_zeros(1)?, dev.alloc_zeros(1)?],
+            ks: [dev.alloc_zeros(1)?, dev.alloc_zeros(1)?],
+            scores: dev.alloc_zeros(1)?,
+            counts: dev.alloc_zeros(1)?,
+            klog: dev.alloc_zeros(1)?,
+        })
+    }
+
+    fn bytes(&self, row_elems: usize) -> u64 {
+        (2 * 2 * self.stage_slots * row_elems * 2
+            + 4 * (self.sel[0].len() * 2
+                + self.ks[0].len() * 2
+                + self.scores.len()
+                + self.counts.len()
+                + self.klog.len())) as u64
+    }
+}
+
+/// Grow `buf` to at least `len` elements (contents not kept).
+fn grow<
+    T: candle_core::cuda_backend::cudarc::driver::DeviceRepr
+        + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+>(
+    dev: &CudaDevice,
+    buf: &mut CudaSlice<T>,
+    len: usize,
+) -> Result<()> {
+    if buf.len() < len {
+        *buf = dev.alloc_zeros::<T>(len)?;
+    }
+    Ok(())
+}
+
+pub struct CudaInfinigenPolicy {
+    params: InfinigenParams,
+    dev: CudaDevice,
+    /// The stream the gathers run on, beside candle's compute stream.
+    copy: Arc<CudaStream>,
+    /// H, KVH, D.
+    heads: (usize, usize, usize),
+    num_layers: usize,
+    dense: usize,
+    r: usize,
+    attention: AttentionImpl,
+    chunk_size: usize,
+    block_size: usize,
+    device_name: String,
+    wq: Vec<Linear>,
+    /// Skewing matrices `[L, KVH, D, D]` f32 on the device.
+    a: Tensor,
+    dense_kv: Vec<LayerCache>,
+    khat: Vec<CudaSlice<bf16>>,
+    tables: SeqTables,
+    /// Device bytes of one pool block (dense K/V and K̂ of every layer).
+    block_bytes: u64,
+    host: PinnedTier,
+    seqs: HashMap<SeqId, Seq>,
+    /// Column table `[slots][offloaded layers][KVH][r]`, one row per admitted sequence.
+    cols: CudaSlice<i32>,
+    col_slots: usize,
+    free_slots: Vec<usize>,
+    bufs: StepBuffers,
+    plan: Option<Plan>,
+    stats: PolicyStats,
+    attended: Vec<AttendRecord>,
+    scratch_limit: Option<u64>,
+    /// Cache operations on the compute stream (start, end).
+    cache_events: Vec<(CudaEvent, CudaEvent)>,
+    /// Compute-stream waits for a gather (start, end).
+    stall_events: Vec<(CudaEvent, CudaEvent)>,
+    event_errors: u64,
+    /// Per layer parity: the gather that filled the staging buffer.
+    gathered: [Option<CudaEvent>; 2],
+    /// A failure inside `reserve` (which can only answer yes or no), reported by the
+    /// next `attend`.
+    failed: Option<Error>,
+}
+
+impl CudaInfinigenPolicy {
+    pub fn new(params: InfinigenParams, model: &Llama, env: PolicyEnv) -> Result<Self> {
+        let cfg = &model.cfg;
+        let dev = device_of(model.device())?;
+        let skew = params.skewing.clone().ok_or_else(|| {
+            Error::Config("infinigen needs skewing matrices from a calibration run".into())
+        })?;
+        if (skew.num_layers, skew.num_kv_heads, skew.head_dim)
+            != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        {
+            return Err(Error::Config(format!(
+                "skewing matrices are for {} layers × {} KV heads × dh {}, the model has {} × {} × {}",
+                skew.num_layers, skew.num_kv_heads, skew.head_dim,
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+            )));
+        }
+        let dense = params.dense_layers.min(cfg.num_layers);
+        if dense == 0 && params.speculation == Speculation::Previous {
+            return Err(Error::Config(
+                "infinigen: dense_layers must be ≥ 1 (layer ℓ is speculated in layer ℓ−1)".into(),
+            ));
+        }
+        let (h, kvh, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let r = ((params.partial_ratio * d as f64).floor() as usize).clamp(1, d);
+        let off = cfg.num_layers - dense;
+        let row = kvh * d;
+        let bs = env.block_size;
+        let a = Tensor::from_slice(skew.all(), (cfg.num_layers, kvh, d, d), model.device())?;
+        let a_bytes = (a.elem_count() * 4) as u64;
+        // One pool block: dense layers' K/V and every offloaded layer's K̂, bf16.
+        let block_bytes = ((dense * 2 * row + off * kvh * r) * 2 * bs) as u64;
+        let num_blocks =
+            (env.kv_device_bytes.saturating_sub(a_bytes) / block_bytes.max(1)) as usize;
+        let slots = num_blocks * bs;
+        let dense_kv = (0..dense)
+            .map(|_| LayerCache::new(&dev, slots, row))
+            .collect::<Result<Vec<_>>>()?;
+        let khat = (0..off)
+            .map(|_| Ok(dev.alloc_zeros::<bf16>((slots * kvh * r).max(1))?))
+            .collect::<Result<Vec<_>>>()?;
+        let host_block_elems = off * 2 * bs * row;
+        let host_blocks = if off == 0 {
+            0
+        } else {
+            (env.kv_host_bytes / (host_block_elems * 2) as u64) as usize
+        };
+        let host = PinnedTier::new(&dev, host_blocks, bs, host_block_elems)?;
+        let copy = dev.cuda_stream().context().new_stream().w()?;
+        Ok(Self {
+            copy,
+            heads: (h, kvh, d),
+            num_layers: cfg.num_layers,
+            dense,
+            r,
+            attention: env.attention,
+            chunk_size: env.chunk_size,
+            block_size: bs,
+            device_name: env.device_name.clone(),
+            wq: model.layers().iter().map(|l| l.wq.clone()).collect(),
+            a,
+            dense_kv,
+            khat,
+            tables: SeqTables::new(num_blocks, bs, env.shuffle_seed),
+            block_bytes,
+            host,
+            seqs: HashMap::new(),
+            cols: dev.alloc_zeros::<i32>(1)?,
+            col_slots: 0,
+            free_slots: Vec::new(),
+            bufs: StepBuffers::new(&dev, row)?,
+            plan: None,
+            stats: PolicyStats::default(),
+            attended: Vec::new(),
+            scratch_limit: None,
+            cache_events: Vec::new(),
+            stall_events: Vec::new(),
+            event_errors: 0,
+            gathered: [None, None],
+            failed: None,
+            dev,
+            params,
+        })
+    }
+
+    fn off(&self) -> usize {
+        self.num_layers - self.dense
+    }
+
+    fn cols_per_seq(&self) -> usize {
+        self.off() * self.heads.1 * self.r
+    }
+
+    fn event(&self) -> Result<CudaEvent> {
+        Ok(self
+            .dev
+            .cuda_stream()
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .w()?)
+    }
+
+    fn table_i32(&self, seq: SeqId) -> Vec<i32> {
+        self.tables.table(seq).iter().map(|&b| b as i32).collect()
+    }
+
+    /// A column-table row for a new sequence, growing the table (and re-uploading
+    /// every live sequence's columns) when full.
+    fn take_slot(&mut self) -> Result<usize> {
+        if let Some(s) = self.free_slots.pop() {
+            return Ok(s);
+        }
+        let slot = self.col_slots;
+        let per = self.cols_per_seq().max(1);
+        if (slot + 1) * per > self.cols.len() {
+            let cap = ((slot + 1) * 2).max(8);
+            let mut host = vec![0i32; cap * per];
+            for s in self.seqs.values() {
+                host[s.slot * per..s.slot * per + s.cols.len()].copy_from_slice(&s.cols);
+            }
+            self.cols = upload_i32(&self.dev, &host)?;
+        }
+        self.col_slots += 1;
+        Ok(slot)
+    }
+
+    fn admit_seq(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
+        let n_max = info.prefill_len + info.max_new_tokens;
+        let cap = infinigen_k_max(
+            self.params.budget,
+            info.prompt_len,
+            info.max_new_tokens,
+            n_max,
+            false,
+        )
+        .max(if self.params.relative_to_current {
+            infinigen_k_max(self.params.budget, 0, 0, n_max, true)
+        } else {
+            0
+        })
+        .min(n_max);
+        let slot = match self.seqs.get(&seq) {
+            Some(s) => s.slot,
+            None => self.take_slot()?,
+        };
+        let off = self.off();
+        self.seqs.insert(
+            seq,
+            Seq {
+                info,
+                computed: 0,
+                slot,
+                cap,
+                uq: vec![None; off],
+                cols: vec![0; self.cols_per_seq()],
+            },
+        );
+        Ok(())
+    }
+
+    /// `k_max` of a decode row with `n` tokens before the new one.
+    fn k_max(&self, s: &Seq, n: usize) -> usize {
+        infinigen_k_max(
+            self.params.budget,
+            s.info.prompt_len,
+            s.info.max_new_tokens,
+            n + 1,
+            self.params.relative_to_current,
+        )
+        .min(s.cap)
+    }
+
+    /// Everything the step's layers share, uploaded once.
+    fn plan(&mut self, batch: &StepBatch) -> Result<Plan> {
+        let (h, kvh, d) = self.heads;
+        let stream = self.dev.cuda_stream();
+        self.host.sync_ptrs(&stream)?;
+        let mut dense_slots = Vec::with_capacity(batch.num_tokens);
+        let mut host_slots = Vec::with_capacity(batch.num_tokens);
+        for s in &batch.seqs {
+            for pos in s.ctx_before..s.ctx_before + s.q_len {
+                dense_slots.push(as_i32(self.tables.slot(s.id, pos), "pool slot")?);
+                if self.off() > 0 {
+                    host_slots.push(as_i32(self.host.tables.slot(s.id, pos), "host slot")?);
+                }
+            }
+        }
+        let rows: Vec<usize> = (0..batch.seqs.len())
+            .filter(|&i| self.seqs[&batch.seqs[i].id].prefilled())
+            .collect();
+        let dec = if rows.is_empty() {
+            None
+        } else {
+            let nrows = rows.len();
+            let mut src = Vec::with_capacity(nrows);
+            let mut khat_slots = Vec::with_capacity(nrows);
+            let mut row_seq = Vec::with_capacity(nrows);
+            let mut nctx = Vec::with_capacity(nrows);
+            let mut kmax = Vec::with_capacity(nrows);
+            let mut tables = Vec::with_capacity(nrows);
+            let mut ctx = Vec::with_capacity(nrows);
+            let mut htables = Vec::with_capacity(nrows);
+            let mut positions = Vec::with_capacity(nrows);
+            let mut kcap = 1;
+            for &i in &rows {
+                let s = batch.seqs[i];
+                let st = &self.seqs[&s.id];
+                let n = s.ctx_before;
+                let km = self.k_max(st, n);
+                kcap = kcap.max(km.min(n).max(1));
+                src.push(as_i32(s.q_start, "row")?);
+                khat_slots.push(as_i32(self.tables.slot(s.id, n), "pool slot")?);
+                row_seq.push(as_i32(st.slot, "sequence slot")?);
+                nctx.push(as_i32(n, "context")?);
+                kmax.push(as_i32(km, "k_max")?);
+                tables.push(self.table_i32(s.id));
+                ctx.push(n + 1);
+                htables.push(self.host.table_i32(s.id));
+                positions.push(n as u32);
+            }
+            let max_hblocks = htables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+            let mut hflat = vec![0i32; nrows * max_hblocks];
+            for (r, t) in htables.iter().enumerate() {
+                hflat[r * max_hblocks..r * max_hblocks + t.len()].copy_from_slice(t);
+            }
+            let b = (kcap + 1).div_ceil(STAGE_BLOCK) * STAGE_BLOCK;
+            let per_row = b / STAGE_BLOCK;
+            let stage_tables: Vec<Vec<i32>> = (0..nrows)
+                .map(|r| (0..per_row).map(|i| (r * per_row + i) as i32).collect())
+                .collect();
+            let stride = nctx.iter().map(|&n| n as usize).max().unwrap_or(1).max(1);
+            // Buffers for the largest step so far, checked against the step's room.
+            let row = kvh * d;
+            let off = self.off();
+            let need_stage = nrows * b;
+            let before = self.bufs.bytes(row);
+            if need_stage > self.bufs.stage_slots {
+                self.bufs.stage = [
+                    LayerCache::new(&self.dev, need_stage, row)?,
+                    LayerCache::new(&self.dev, need_stage, row)?,
+                ];
+                self.bufs.stage_slots = need_stage;
+            }
+            for p in 0..2 {
+                grow(&self.dev, &mut self.bufs.sel[p], nrows * kvh * kcap)?;
+                grow(&self.dev, &mut self.bufs.ks[p], nrows)?;
+            }
+            grow(&self.dev, &mut self.bufs.scores, nrows * h * stride)?;
+            grow(&self.dev, &mut self.bufs.counts, nrows * h)?;
+            grow(&self.dev, &mut self.bufs.klog, (off * nrows).max(1))?;
+            let after = self.bufs.bytes(row);
+            if let Some(limit) = self.scratch_limit.filter(|&l| after > before + l) {
+                return Err(Error::OutOfMemory {
+                    device: self.device_name.clone(),
+                    component: crate::error::Component::Activations,
+                    requested: after - before,
+                    available: limit,
+                    capacity: limit,
+                });
+            }
+            let idx = if nrows == batch.num_tokens {
+                None
+            } else {
+                let r: Vec<u32> = rows.iter().map(|&i| batch.seqs[i].q_start as u32).collect();
+                Some(Tensor::new(
+                    r.as_slice(),
+                    &candle_core::Device::Cuda(self.dev.clone()),
+                )?)
+            };
+            let zeros = vec![0usize; nrows];
+            Some(DecodePlan {
+                rows,
+                idx,
+                positions,
+                src_rows: upload_i32(&self.dev, &src)?,
+                khat_slots: upload_i32(&self.dev, &khat_slots)?,
+                row_seq: upload_i32(&self.dev, &row_seq)?,
+                nctx: upload_i32(&self.dev, &nctx)?,
+                kmax: upload_i32(&self.dev, &kmax)?,
+                dense_tables: DecodeTables::new(&self.dev, &tables, &ctx)?,
+                host_tables: upload_i32(&self.dev, &hflat)?,
+                max_hblocks,
+                stage_tables: [
+                    DecodeTables::with_max_ctx(&self.dev, &stage_tables, &zeros, b)?,
+                    DecodeTables::with_max_ctx(&self.dev, &stage_tables, &zeros, b)?,
+                ],
+                kcap,
+                b,
+                stride,
+            })
+        };
+        self.stats.add_scratch(self.bufs.bytes(kvh * d));
+        Ok(Plan {
+            dense_slots: upload_i32(&self.dev, &dense_slots)?,
+            host_slots: upload_i32(
+                &self.dev,
+                &host_slots.iter().copied().chain([0]).collect::<Vec<_>>(),
+            )?,
+            dec,
+            staged: Vec::new(),
+        })
+    }
+
+    /// Layer `target`'s selection for the decode rows from rotated queries `q`
+    /// (`[R, H, D]` bf16), then its gather on the copy stream.
+    fn speculate(&mut self, target: usize, q: &Tensor) -> Result<()> {
+        let (h, kvh, d) = self.heads;
+        let li = target - self.dense;
+        let p = target % 2;
+        let plan = self.plan.as_mut().expect("planned");
+        let dp = plan.dec.as_mut().expect("decode rows");
+        let nrows = dp.rows.len();
+        let q = q.to_dtype(DType::BF16)?.contiguous()?;
+        let (qs, ql) = q.storage_and_layout();
+        let qv = view(&qs, ql, "speculation q")?;
+        let a_l = self.a.get(target)?;
+        let (as_, al) = a_l.storage_and_layout();
+        let av = f32_view(&as_, al, "skewing matrices")?;
+        let start = self
+            .dev
+            .cuda_stream()
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .w()?;
+        let (li_i, off_i) = (
+            as_i32(li, "layer")?,
+            as_i32(self.num_layers - self.dense, "layers")?,
+        );
+        let (h_i, kvh_i, d_i, r_i) = (
+            as_i32(h, "heads")?,
+            as_i32(kvh, "KV heads")?,
+            as_i32(d, "D")?,
+            as_i32(self.r, "r")?,
+        );
+        let (bs_i, mb_i, stride_i) = (
+            as_i32(self.block_size, "block size")?,
+            as_i32(dp.dense_tables.max_blocks, "blocks")?,
+            as_i32(dp.stride, "stride")?,
+        );
+        let scale = 1.0f32 / (d as f32).sqrt();
+        let f = self
+            .dev
+            .get_or_load_custom_func("ig_spec_scores", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&qv)
+            .arg(&av)
+            .arg(&self.cols)
+            .arg(&dp.row_seq)
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&self.khat[li])
+            .arg(&dp.dense_tables.tables)
+            .arg(&mb_i)
+            .arg(&dp.nctx)
+            .arg(&mut self.bufs.scores)
+            .arg(&stride_i)
+            .arg(&h_i)
+            .arg(&kvh_i)
+            .arg(&d_i)
+            .arg(&r_i)
+            .arg(&bs_i)
+            .arg(&scale);
+        let threads = 256usize;
+        let cfg = LaunchConfig {
+            grid_dim: (nrows as u32, h as u32, dp.stride.div_ceil(threads) as u32),
+            block_dim: (threads as u32, 1, 1),
+            shared_mem_bytes: ((d + self.r) * 4) as u32,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+
+        let alpha = self.params.alpha as f32;
+        let f = self.dev.get_or_load_custom_func("ig_count", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&self.bufs.scores)
+            .arg(&dp.nctx)
+            .arg(&stride_i)
+            .arg(&alpha)
+            .arg(&mut self.bufs.counts);
+        let cfg = LaunchConfig {
+            grid_dim: (nrows as u32, h as u32, 1),
+            block_dim: (IG_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+
+        let kcap_i = as_i32(dp.kcap, "selection capacity")?;
+        let f = self.dev.get_or_load_custom_func("ig_select", MODULE, PTX)?;
+        let mut klog = self.bufs.klog.slice_mut(li * nrows..(li + 1) * nrows);
+        let mut b = f.builder();
+        b.arg(&self.bufs.scores)
+            .arg(&self.bufs.counts)
+            .arg(&dp.nctx)
+            .arg(&dp.kmax)
+            .arg(&stride_i)
+            .arg(&h_i)
+            .arg(&kvh_i)
+            .arg(&mut self.bufs.sel[p])
+            .arg(&kcap_i)
+            .arg(&mut self.bufs.ks[p])
+            .arg(&mut dp.stage_tables[p].ctx)
+            .arg(&mut klog);
+        let cfg = LaunchConfig {
+            grid_dim: (nrows as u32, kvh as u32, 1),
+            block_dim: (IG_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        let selected = self
+            .dev
+            .cuda_stream()
+            .record_event(Some(CU_EVENT_DEFAULT))
+            .w()?;
+        // The gather waits for the selection, which the compute stream issued after
+        // layer target−2's attention: the staging buffer of this parity is free.
+        self.copy.wait(&selected).w()?;
+        self.cache_events.push((start, selected));
+        let (mhb_i, bpc_i) = (
+            as_i32(dp.max_hblocks, "host blocks")?,
+            as_i32(self.host.bpc, "blocks per chunk")?,
+        );
+        let b_i = as_i32(dp.b, "staging slots")?;
+        let f = self.dev.get_or_load_custom_func("ig_gather", MODULE, PTX)?;
+        let stage = &mut self.bufs.stage[p];
+        let mut b = self.copy.launch_builder(&f);
+        b.arg(&self.host.ptrs_dev)
+            .arg(&dp.host_tables)
+            .arg(&mhb_i)
+            .arg(&self.bufs.sel[p])
+            .arg(&kcap_i)
+            .arg(&self.bufs.ks[p])
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&bs_i)
+            .arg(&kvh_i)
+            .arg(&d_i)
+            .arg(&bpc_i)
+            .arg(&mut stage.k)
+            .arg(&mut stage.v)
+            .arg(&b_i);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                nrows as u32,
+                kvh as u32,
+                dp.kcap.div_ceil(GATHER_WARPS) as u32,
+            ),
+            block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        self.gathered[p] = Some(self.copy.record_event(Some(CU_EVENT_DEFAULT)).w()?);
+        Ok(())
+    }
+
+    /// Speculated queries of layer `target` for the decode rows, from this layer's
+    /// input.
+    fn speculative_q(&self, input: &LayerInput<'_>, target: usize) -> Result<Tensor> {
+        let (h, _, d) = self.heads;
+        let dp = self
+            .plan
+            .as_ref()
+            .and_then(|p| p.dec.as_ref())
+            .expect("decode rows");
+        let x = match &dp.idx {
+            Some(idx) => input.x.index_select(idx, 0)?,
+            None => input.x.clone(),
+        };
+        let q = self.wq[target]
+            .forward(&x)?
+            .reshape((dp.rows.len(), h, d))?;
+        input.rope.rotate(&q, &dp.positions)
+    }
+
+    /// Decode rows of offloaded layer `layer`: wait for the gather, add each row's own
+    /// token, attend over the staging slots. Returns `[R, H, D]`.
+    fn attend_staged(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let (h, kvh, d) = self.heads;
+        let p = layer % 2;
+        let gathered = self.gathered[p].take().ok_or_else(|| {
+            Error::Config(format!(
+                "infinigen: layer {layer} has no selection (it is made in layer {})",
+                layer.saturating_sub(1)
+            ))
+        })?;
+        let stream = self.dev.cuda_stream();
+        let w0 = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        stream.wait(&gathered).w()?;
+        let w1 = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        self.stall_events.push((w0, w1));
+        let plan = self.plan.as_mut().expect("planned");
+        plan.staged.push(layer);
+        let dp = plan.dec.as_ref().expect("decode rows");
+        let nrows = dp.rows.len();
+        let (ks_, kl) = k.storage_and_layout();
+        let (vs_, vl) = v.storage_and_layout();
+        let kv_ = view(&ks_, kl, "infinigen k")?;
+        let vv_ = view(&vs_, vl, "infinigen v")?;
+        let (b_i, re_i) = (as_i32(dp.b, "staging slots")?, as_i32(kvh * d, "KV row")?);
+        let f = self
+            .dev
+            .get_or_load_custom_func("ig_stage_own", MODULE, PTX)?;
+        let stage = &mut self.bufs.stage[p];
+        let mut b = f.builder();
+        b.arg(&kv_)
+            .arg(&vv_)
+            .arg(&dp.src_rows)
+            .arg(&self.bufs.ks[p])
+            .arg(&b_i)
+            .arg(&re_i)
+            .arg(&mut stage.k)
+            .arg(&mut stage.v);
+        let cfg = LaunchConfig {
+            grid_dim: (nrows as u32, 1, 1),
+            block_dim: ((kvh * d).min(1024) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        let qd = match &dp.idx {
+            Some(idx) => q.index_select(idx, 0)?,
+            None => q.clone(),
+        };
+        let shape = DecodeShape {
+            num_heads: h,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: STAGE_BLOCK,
+            part_size: PART_SIZE,
+        };
+        paged_decode(&self.bufs.stage[p], &qd, &dp.stage_tables[p], shape)
+    }
+
+    /// K/V rows `[n, KVH, D]` of positions `0..n` of offloaded layer `li` from the host
+    /// tier.
+    fn host_prefix(&self, seq: SeqId, li: usize, n: usize) -> Result<(Tensor, Tensor)> {
+        let (_, kvh, d) = self.heads;
+        let row = kvh * d;
+        // SAFETY: the kernel writes every element.
+        let (mut k, mut v) = unsafe {
+            (
+                self.dev.alloc::<bf16>(n * row)?,
+                self.dev.alloc::<bf16>(n * row)?,
+            )
+        };
+        let table = upload_i32(&self.dev, &self.host.table_i32(seq))?;
+        let (li_i, off_i, bs_i) = (
+            as_i32(li, "layer")?,
+            as_i32(self.off(), "layers")?,
+            as_i32(self.block_size, "block size")?,
+        );
+        let (re_i, bpc_i) = (
+            as_i32(row, "KV row")?,
+            as_i32(self.host.bpc, "blocks per chunk")?,
+        );
+        let f = self
+            .dev
+            .get_or_load_custom_func("ig_host_read", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&self.host.ptrs_dev)
+            .arg(&table)
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&bs_i)
+            .arg(&re_i)
+            .arg(&bpc_i)
+            .arg(&mut k)
+            .arg(&mut v);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        Ok((
+            tensor_from(&self.dev, k, (n, kvh, d)),
+            tensor_from(&self.dev, v, (n, kvh, d)),
+        ))
+    }
+
+    /// Rows `src_rows` of `k` (`[T, KVH, D]`) as partial keys at pool slots `dst` of
+    /// offloaded layer `li`, with the columns of sequence slot `row_seq` of each.
+    fn khat_write(
+        &mut self,
+        li: usize,
+        k: &Tensor,
+        src_rows: &CudaSlice<i32>,
+        dst: &CudaSlice<i32>,
+        row_seq: &CudaSlice<i32>,
+        count: usize,
+    ) -> Result<()> {
+        if count == 0 {
+            return Ok(());
+        }
+        let (_, kvh, d) = self.heads;
+        let k = k.contiguous()?;
+        let (ks_, kl) = k.storage_and_layout();
+        let kv_ = view(&ks_, kl, "infinigen k")?;
+        let a_l = self.a.get(self.dense + li)?;
+        let (as_, al) = a_l.storage_and_layout();
+        let av = f32_view(&as_, al, "skewing matrices")?;
+        let (li_i, off_i) = (as_i32(li, "layer")?, as_i32(self.off(), "layers")?);
+        let (kvh_i, d_i, r_i) = (
+            as_i32(kvh, "KV heads")?,
+            as_i32(d, "D")?,
+            as_i32(self.r, "r")?,
+        );
+        let f = self
+            .dev
+            .get_or_load_custom_func("ig_khat_write", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&kv_)
+            .arg(src_rows)
+            .arg(dst)
+            .arg(row_seq)
+            .arg(&av)
+            .arg(&self.cols)
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&kvh_i)
+            .arg(&d_i)
+            .arg(&r_i)
+            .arg(&mut self.khat[li]);
+        let cfg = LaunchConfig {
+            grid_dim: (count as u32, kvh as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (d * 4) as u32,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+
+    /// The step's new K/V of offloaded layer `li` to the host tier.
+    fn host_write(&mut self, li: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (_, kvh, d) = self.heads;
+        let t = k.dim(0)?;
+        if t == 0 {
+            return Ok(());
+        }
+        let (k, v) = (k.contiguous()?, v.contiguous()?);
+        let (ks_, kl) = k.storage_and_layout();
+        let (vs_, vl) = v.storage_and_layout();
+        let kv_ = view(&ks_, kl, "infinigen k")?;
+        let vv_ = view(&vs_, vl, "infinigen v")?;
+        let plan = self.plan.as_ref().expect("planned");
+        let (li_i, off_i, bs_i) = (
+            as_i32(li, "layer")?,
+            as_i32(self.off(), "layers")?,
+            as_i32(self.block_size, "block size")?,
+        );
+        let (re_i, bpc_i) = (
+            as_i32(kvh * d, "KV row")?,
+            as_i32(self.host.bpc, "blocks per chunk")?,
+        );
+        let f = self
+            .dev
+            .get_or_load_custom_func("ig_host_write", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&kv_)
+            .arg(&vv_)
+            .arg(&self.host.ptrs_dev)
+            .arg(&plan.host_slots)
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&bs_i)
+            .arg(&re_i)
+            .arg(&bpc_i);
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+        self.stats.d2h_bytes += (2 * t * kvh * d * 2) as u64;
+        Ok(())
+    }
+
+    /// One prefill chunk of `s` in `layer`: attention over its first `n` positions;
+    /// in an offloaded layer also the column importance and, once the prompt is
+    /// complete, the column choice and K̂ of every prompt token.
+    fn prefill(
+        &mut self,
+        layer: usize,
+        s: StepSeq,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        let (_, kvh, d) = self.heads;
+        let n = s.ctx_before + s.q_len;
+        let qs = q.narrow(0, s.q_start, s.q_len)?;
+        let (kr, vr) = (
+            k.narrow(0, s.q_start, s.q_len)?,
+            v.narrow(0, s.q_start, s.q_len)?,
+        );
+        let chunk = match self.attention {
+            AttentionImpl::Eager => usize::MAX,
+            _ => self.chunk_size,
+        };
+        if layer < self.dense {
+            let table = self.table_i32(s.id);
+            if self.attention == AttentionImpl::Flash {
+                return flash_prefill(
+                    &self.dense_kv[layer],
+                    &qs,
+                    &table,
+                    s.ctx_before,
+                    kvh,
+                    self.block_size,
+                );
+            }
+            let (kk, vv) = if s.ctx_before == 0 {
+                (kr, vr)
+            } else {
+                kv_gather(
+                    &self.dev,
+                    &self.dense_kv[layer],
+                    &table,
+                    n,
+                    self.block_size,
+                    kvh,
+                    d,
+                )?
+            };
+            let (o, scratch) =
+                prefill_attention(&qs, &kk, &vv, s.ctx_before, chunk, self.scratch_limit)?;
+            self.stats.add_scratch(scratch);
+            return Ok(o);
+        }
+        let li = layer - self.dense;
+        // The chunk's keys with the earlier chunks' (read back from the host tier).
+        let (kk, vv) = if s.ctx_before == 0 {
+            (kr.contiguous()?, vr.contiguous()?)
+        } else {
+            let (pk, pv) = self.host_prefix(s.id, li, s.ctx_before)?;
+            (Tensor::cat(&[&pk, &kr], 0)?, Tensor::cat(&[&pv, &vr], 0)?)
+        };
+        let kv_bytes = (2 * n * kvh * d * 2) as u64;
+        let out = if self.attention == AttentionImpl::Flash {
+            let slots = n.div_ceil(STAGE_BLOCK) * STAGE_BLOCK;
+            let mut tmp = LayerCache::new(&self.dev, slots, kvh * d)?;
+            let ids: Vec<i32> = (0..n as i32).collect();
+            kv_write_at(&mut tmp, &kk, &vv, &upload_i32(&self.dev, &ids)?)?;
+            let table: Vec<i32> = (0..(slots / STAGE_BLOCK) as i32).collect();
+            self.stats.add_scratch(2 * kv_bytes);
+            flash_prefill(&tmp, &qs, &table, s.ctx_before, kvh, STAGE_BLOCK)?
+        } else {
+            let (o, scratch) =
+                prefill_attention(&qs, &kk, &vv, s.ctx_before, chunk, self.scratch_limit)?;
+            self.stats.add_scratch(scratch + kv_bytes);
+            o
+        };
+        // Column importance (algorithms.md §4): Σ_t |Q̃[t, c]| over the group's heads.
+        let start = self.event()?;
+        let a_l = self.a.get(layer)?;
+        let uq = colabs(&qs, kvh, &a_l)?;
+        let st = self.seqs.get_mut(&s.id).expect("admitted");
+        st.uq[li] = Some(match st.uq[li].take() {
+            Some(u) => (u + uq)?,
+            None => uq,
+        });
+        if n >= st.info.prefill_len {
+            let u = (st.uq[li].take().expect("set above") + colabs(&kk, kvh, &a_l)?)?;
+            let u = u.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let r = self.r;
+            let mut cols = Vec::with_capacity(kvh * r);
+            for g in 0..kvh {
+                cols.extend(
+                    top_k(&u[g * d..(g + 1) * d], r)
+                        .into_iter()
+                        .map(|c| c as i32),
+                );
+            }
+            let per_layer = kvh * r;
+            st.cols[li * per_layer..(li + 1) * per_layer].copy_from_slice(&cols);
+            let slot = st.slot;
+            let per = self.cols_per_seq();
+            let mut dst = self
+                .cols
+                .slice_mut(slot * per + li * per_layer..slot * per + (li + 1) * per_layer);
+            self.dev.cuda_stream().memcpy_htod(&cols, &mut dst).w()?;
+            let slots: Vec<i32> = (0..n)
+                .map(|p| as_i32(self.tables.slot(s.id, p), "pool slot"))
+                .collect::<Result<_>>()?;
+            let src: Vec<i32> = (0..n as i32).collect();
+            let (src_d, dst_d, seq_d) = (
+                upload_i32(&self.dev, &src)?,
+                upload_i32(&self.dev, &slots)?,
+                upload_i32(&self.dev, &vec![as_i32(slot, "sequence slot")?; n])?,
+            );
+            self.khat_write(li, &kk, &src_d, &dst_d, &seq_d, n)?;
+        }
+        let end = self.event()?;
+        self.cache_events.push((start, end));
+        Ok(out)
+    }
+}
+
+/// Σ_t |(x_t A_g)[c]| per KV head g over the rows of `x` (`[T, heads, D]`, heads a
+/// multiple of KVH: each group's heads summed) with `a` `[KVH, D, D]` f32. `[KVH, D]`.
+fn colabs(x: &Tensor, kvh: usize, a: &Tensor) -> Result<Tensor> {
+    let (t, heads, d) = x.dims3()?;
+    let g = heads / kvh;
+    let rows = (COLABS_ROWS / g).max(1);
+    let mut acc: Option<Tensor> = None;
+    for t0 in (0..t).step_by(rows) {
+        let c = rows.min(t - t0);
+        let part = x
+            .narrow(0, t0, c)?
+            .to_dtype(DType::F32)?
+            .reshape((c, kvh, g, d))?
+            .permute((1, 0, 2, 3))?
+            .contiguous()?
+            .reshape((kvh, c * g, d))?
+            .matmul(a)?
+            .abs()?
+            .sum(1)?;
+        acc = Some(match acc {
+            None => part,
+            Some(s) => (s + part)?,
+        });
+    }
+    match acc {
+        Some(a) => Ok(a),
+        None => Ok(Tensor::zeros((kvh, d), DType::F32, x.device())?),
+    }
+}
+
+/// An f32 view of a contiguous CUDA tensor's elements.
+fn f32_view<'a>(
+    s: &'a candle_core::Storage,
+    l: &candle_core::Layout,
+    what: &str,
+) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
+    let candle_core::Storage::Cuda(c) = s else {
+        return Err(Error::Config(format!("{what}: expected a CUDA tensor")));
+    };
+    if !l.is_contiguous() {
+        return Err(Error::Config(format!(
+            "{what}: expected a contiguous tensor"
+        )));
+    }
+    let start = l.start_offset();
+    Ok(c.as_cuda_slice::<f32>()?
+        .slice(start..start + l.shape().elem_count()))
+}
+
+impl KvPolicy for CudaInfinigenPolicy {
+    fn name(&self) -> &'static str {
+        "infinigen"
+    }
+
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+        if let Err(e) = self.admit_seq(seq, info) {
+            self.failed.get_or_insert(e);
+        }
+    }
+
+    fn set_scratch_limit(&mut self, limit: Option<u64>) {
+        self.scratch_limit = limit;
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        if !self.seqs.contains_key(&seq) {
+            self.admit(
+                seq,
+                SeqInfo {
+                    prompt_len: total_tokens,
+                    max_new_tokens: 0,
+                    prefill_len: total_tokens,
+                },
+            );
+        }
+        if !self.tables.reserve(seq, total_tokens) {
+            return false;
+        }
+        if self.off() == 0 {
+            return true;
+        }
+        match self.host.reserve(seq, total_tokens) {
+            Ok(ok) => ok,
+            Err(e) => {
+                // Reported by the next step rather than taken for a full pool.
+                self.failed.get_or_insert(e);
+                true
+            }
+        }
+    }
+
+    fn fits(&self, total_tokens: usize) -> bool {
+        self.tables.fits(total_tokens) && (self.off() == 0 || self.host.tables.fits(total_tokens))
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.tables.release(seq);
+        self.host.tables.release(seq);
+        if let Some(s) = self.seqs.remove(&seq) {
+            self.free_slots.push(s.slot);
+        }
+    }
+
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let layer = input.layer;
+        let q = input.q.to_dtype(DType::BF16)?;
+        let k = input.k.to_dtype(DType::BF16)?.contiguous()?;
+        let v = input.v.to_dtype(DType::BF16)?.contiguous()?;
+        if layer == 0 || self.plan.is_none() {
+            self.plan = Some(self.plan(batch)?);
+        }
+        let offloaded = layer >= self.dense;
+
+        // The step's K/V: the device pool (dense layers) or the host tier; the decode
+        // rows' partial keys.
+        let start = self.event()?;
+        if offloaded {
+            let li = layer - self.dense;
+            self.host_write(li, &k, &v)?;
+            let plan = self.plan.take().expect("planned");
+            if let Some(dp) = &plan.dec {
+                self.khat_write(
+                    li,
+                    &k,
+                    &dp.src_rows,
+                    &dp.khat_slots,
+                    &dp.row_seq,
+                    dp.rows.len(),
+                )?;
+            }
+            self.plan = Some(plan);
+        } else {
+            let plan = self.plan.as_ref().expect("planned");
+            kv_write_at(&mut self.dense_kv[layer], &k, &v, &plan.dense_slots)?;
+        }
+        let end = self.event()?;
+        self.cache_events.push((start, end));
+
+        let has_dec = self.plan.as_ref().is_some_and(|p| p.dec.is_some());
+        let next = layer + 1;
+        if has_dec
+            && self.params.speculation == Speculation::Previous
+            && next >= self.dense
+            && next < self.num_layers
+        {
+            // Layer ℓ+1's selection from this layer's input, issued before this
+            // layer's attention so its gather overlaps it.
+            let qn = self.speculative_q(input, next)?;
+            self.speculate(next, &qn)?;
+        }
+
+        let dec_out = if !has_dec {
+            None
+        } else if offloaded {
+            if self.params.speculation == Speculation::Oracle {
+                let dp = self
+                    .plan
+                    .as_ref()
+                    .and_then(|p| p.dec.as_ref())
+                    .expect("decode");
+                let qd = match &dp.idx {
+                    Some(idx) => q.index_select(idx, 0)?,
+                    None => q.clone(),
+                };
+                self.speculate(layer, &qd)?;
+            }
+            Some(self.attend_staged(layer, &q, &k, &v)?)
+        } else {
+            let (h, kvh, d) = self.heads;
+            let dp = self
+                .plan
+                .as_ref()
+                .and_then(|p| p.dec.as_ref())
+                .expect("decode");
+            let qd = match &dp.idx {
+                Some(idx) => q.index_select(idx, 0)?,
+                None => q.clone(),
+            };
+            for (&i, &pos) in dp.rows.iter().zip(&dp.positions) {
+                self.attended.push(AttendRecord {
+                    seq: batch.seqs[i].id,
+                    layer,
+                    attended: pos as usize + 1,
+                    context: pos as usize + 1,
+                });
+            }
+            let shape = DecodeShape {
+                num_heads: h,
+                num_kv_heads: kvh,
+                head_dim: d,
+                block_size: self.block_size,
+                part_size: PART_SIZE,
+            };
+            Some(paged_decode(
+                &self.dense_kv[layer],
+                &qd,
+                &dp.dense_tables,
+                shape,
+            )?)
+        };
+
+        let n_dec = self
+            .plan
+            .as_ref()
+            .and_then(|p| p.dec.as_ref())
+            .map_or(0, |d| d.rows.len());
+        let out = if n_dec == batch.num_tokens {
+            dec_out.ok_or_else(|| Error::Config("decode rows without output".into()))?
+        } else {
+            let mut pieces = Vec::with_capacity(batch.seqs.len());
+            let mut next_dec = 0;
+            for &s in &batch.seqs {
+                if self.seqs[&s.id].prefilled() {
+                    let o = dec_out
+                        .as_ref()
+                        .ok_or_else(|| Error::Config("decode rows without output".into()))?;
+                    pieces.push(o.narrow(0, next_dec, 1)?);
+                    next_dec += 1;
+                } else {
+                    pieces.push(self.prefill(layer, s, &q, &k, &v)?);
+                }
+            }
+            Tensor::cat(&pieces, 0)?
+        };
+
+        if layer + 1 == self.num_layers {
+            for s in &batch.seqs {
+                self.tables.set_len(s.id, s.ctx_before + s.q_len);
+                self.host.tables.set_len(s.id, s.ctx_before + s.q_len);
+                if let Some(st) = self.seqs.get_mut(&s.id) {
+                    st.computed = s.ctx_before + s.q_len;
+                }
+            }
+        }
+        Ok(out.to_dtype(input.q.dtype())?)
+    }
+
+    fn end_step(&mut self, batch: &StepBatch) -> Result<()> {
+        let Some(plan) = self.plan.take() else {
+            return Ok(());
+        };
+        self.gathered = [None, None];
+        let (Some(dp), false) = (plan.dec.as_ref(), plan.staged.is_empty()) else {
+            return Ok(());
+        };
+        // Each offloaded layer's selected counts (this synchronizes the step).
+        let nrows = dp.rows.len();
+        let (_, kvh, d) = self.heads;
+        let counts = self
+            .dev
+            .cuda_stream()
+            .clone_dtoh(&self.bufs.klog.slice(0..self.off() * nrows))
+            .w()?;
+        for &layer in &plan.staged {
+            let li = layer - self.dense;
+            for (r, (&i, &pos)) in dp.rows.iter().zip(&dp.positions).enumerate() {
+                let k = counts[li * nrows + r].max(0) as usize;
+                self.stats.h2d_bytes += (2 * k * kvh * d * 2) as u64;
+                self.attended.push(AttendRecord {
+                    seq: batch.seqs[i].id,
+                    layer,
+                    attended: k + 1,
+                    context: pos as usize + 1,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn memory(&self) -> PolicyMemory {
+        let fixed = (self.a.elem_count() * 4) as u64 + self.bufs.bytes(self.heads.1 * self.heads.2);
+        PolicyMemory {
+            device_reserved: self.block_bytes * self.tables.num_blocks() as u64 + fixed,
+            device_used: self.block_bytes * self.tables.num_used() as u64 + fixed,
+            host_reserved: self.host.allocated_bytes(),
+            host_used: self.host.tables.num_used() as u64 * self.host.block_bytes(),
+        }
+    }
+
+    fn seq_device_bytes(&self, seq: SeqId) -> u64 {
+        self.tables.table(seq).len() as u64 * self.block_bytes
+    }
+
+    fn seq_host_bytes(&self, seq: SeqId) -> u64 {
+        self.host.tables.table(seq).len() as u64 * self.host.block_bytes()
+    }
+
+    fn take_stats(&mut self) -> PolicyStats {
+        // The step's logits were read back, so its events have completed.
+        for (a, b) in self.cache_events.drain(..) {
+            match a.elapsed_ms(&b) {
+                Ok(ms) => self.stats.cache_ops_s += ms as f64 / 1e3,
+                Err(_) => self.event_errors += 1,
+            }
+        }
+        for (a, b) in self.stall_events.drain(..) {
+            match a.elapsed_ms(&b) {
+                Ok(ms) => {
+                    self.stats.cache_ops_s += ms as f64 / 1e3;
+                    self.stats.transfer_s += ms as f64 / 1e3;
+                }
+                Err(_) => self.event_errors += 1,
+            }
+        }
+        std::mem::take(&mut self.stats)
+    }
+
+    fn take_attended(&mut self) -> Vec<AttendRecord> {
+        std::mem::take(&mut self.attended)
+    }
+
+    fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.tables.check_invariants()?;
+        self.host.tables.check_invariants()
+    }
+}
