@@ -238,6 +238,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             ));
         }
         out.extend(evicting_checks(dev, &mut rng, h, kvh, d, bs)?);
+        out.extend(infinigen_checks(dev, &mut rng, h, kvh, d, bs)?);
     }
     Ok(out)
 }
@@ -677,4 +678,399 @@ fn tensor_from_k(
         parts.push(k);
     }
     Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// The InfiniGen kernels on one shape, against the host: K/V to the pinned host tier
+/// and back (several chunks), partial keys, speculated scores, the α counts and top-k
+/// selection (from the kernel's own scores, so the comparison is exact), the gather
+/// from the host tier on a second stream, the own-token append and the paged decode
+/// over the staging layout.
+fn infinigen_checks(
+    dev: &Device,
+    rng: &mut StdRng,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    bs: usize,
+) -> Result<Vec<KernelCheck>> {
+    use super::infinigen::{
+        gather, host_read, host_write, khat_write, speculate_select, stage_own, GatherSrc, IgDims,
+        KhatRows, PinnedTier, SelectOut, SpecRows,
+    };
+    use crate::policy::infinigen::top_k;
+    use candle_core::cuda_backend::WrapErr;
+    let cuda = device_of(dev)?;
+    let stream = cuda.cuda_stream();
+    let mut out = Vec::new();
+    let (off, li) = (2usize, 1usize);
+    let r = (d / 5).max(1);
+    let dims = IgDims {
+        num_heads: h,
+        num_kv_heads: kvh,
+        head_dim: d,
+        r,
+        off_layers: off,
+        block_size: bs,
+    };
+    let row = kvh * d;
+    let shape = format!("H={h} KVH={kvh} D={d} r={r}");
+    // Positions before each row's new token, and each row's k_max: all fetched (n ≤
+    // k_max) for the first and last, a selection for the others.
+    let lens = [1usize, 17, 300, 2500];
+    let kmax = [4usize, 10, 50, 3000];
+    let nrows = lens.len();
+
+    // Host tier: four blocks per chunk, so the rows span several pinned chunks.
+    let block_elems = off * 2 * bs * row;
+    let host_blocks: usize = lens.iter().map(|l| (l + 1).div_ceil(bs)).sum::<usize>() + 3;
+    let mut tier = PinnedTier::new(
+        &cuda,
+        host_blocks,
+        bs,
+        block_elems,
+        (4 * block_elems * 2) as u64,
+    )?;
+    for (si, &l) in lens.iter().enumerate() {
+        if !tier.reserve(si as u64, l + 1)? {
+            return Err(crate::error::Error::Config(
+                "check: host tier too small".into(),
+            ));
+        }
+    }
+    tier.sync_ptrs(&stream)?;
+    // Every position of both tier layers (different values, so a layer mix-up shows).
+    let mut host_k = vec![Vec::new(); nrows];
+    let mut host_v = vec![Vec::new(); nrows];
+    for layer in 0..off {
+        for (si, &l) in lens.iter().enumerate() {
+            let k = rand_bf16(rng, l * row, 1.0);
+            let v = rand_bf16(rng, l * row, 1.0);
+            let slots: Vec<i32> = (0..l).map(|p| tier.slot(si as u64, p) as i32).collect();
+            host_write(
+                &cuda,
+                &tier,
+                dims,
+                layer,
+                &upload(&k, &[l, kvh, d], dev)?,
+                &upload(&v, &[l, kvh, d], dev)?,
+                &super::upload_i32(&cuda, &slots)?,
+            )?;
+            if layer == li {
+                host_k[si] = k;
+                host_v[si] = v;
+            }
+        }
+    }
+    let mut ok = true;
+    for (si, &l) in lens.iter().enumerate() {
+        let (k, v) = host_read(&cuda, &tier, dims, li, &tier.table_i32(si as u64), l)?;
+        ok &= download(&k)? == host_k[si] && download(&v)? == host_v[si];
+    }
+    out.push(exact_check(
+        "ig_host_write/read",
+        format!(
+            "{shape}, {nrows} sequences over {} pinned chunks",
+            host_blocks.div_ceil(4)
+        ),
+        ok,
+    ));
+
+    // Partial keys in a device pool with shuffled block tables.
+    let pool_blocks = host_blocks;
+    let mut free: Vec<i32> = (0..pool_blocks as i32).collect();
+    free.shuffle(rng);
+    let tables: Vec<Vec<i32>> = lens
+        .iter()
+        .map(|&l| free.split_off(free.len() - (l + 1).div_ceil(bs)))
+        .collect();
+    let a: Vec<f32> = (0..off * kvh * d * d)
+        .map(|_| rng.random_range(-1.0f32..1.0) / (d as f32).sqrt())
+        .collect();
+    let a_t = Tensor::from_slice(&a, (off, kvh, d, d), dev)?;
+    let a_l = a_t.get(li)?;
+    let per_seq = off * kvh * r;
+    let mut cols = vec![0i32; nrows * per_seq];
+    for c in cols.chunks_exact_mut(r) {
+        let mut all: Vec<i32> = (0..d as i32).collect();
+        all.shuffle(rng);
+        c.copy_from_slice(&all[..r]);
+    }
+    let cols_d = super::upload_i32(&cuda, &cols)?;
+    let mut khat = cuda.alloc_zeros::<bf16>(pool_blocks * bs * kvh * r)?;
+    let slot_of = |si: usize, p: usize| tables[si][p / bs] as usize * bs + p % bs;
+    for (si, &l) in lens.iter().enumerate() {
+        let src: Vec<i32> = (0..l as i32).collect();
+        let dst: Vec<i32> = (0..l).map(|p| slot_of(si, p) as i32).collect();
+        let (src_d, dst_d, seq_d) = (
+            super::upload_i32(&cuda, &src)?,
+            super::upload_i32(&cuda, &dst)?,
+            super::upload_i32(&cuda, &vec![si as i32; l])?,
+        );
+        let rows = KhatRows {
+            src: &src_d,
+            dst: &dst_d,
+            seq: &seq_d,
+            count: l,
+        };
+        let k = upload(&host_k[si], &[l, kvh, d], dev)?;
+        khat_write(&cuda, dims, li, &a_l, &cols_d, &k, &rows, &mut khat)?;
+    }
+    let khat_h: Vec<f32> = stream
+        .clone_dtoh(&khat)
+        .w()?
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    let col = |si: usize, g: usize, c: usize| cols[si * per_seq + (li * kvh + g) * r + c] as usize;
+    let a_at = |g: usize, dd: usize, c: usize| a[((li * kvh + g) * d + dd) * d + c] as f64;
+    let (mut got, mut want) = (Vec::new(), Vec::new());
+    for (si, &l) in lens.iter().enumerate() {
+        for p in 0..l {
+            for g in 0..kvh {
+                for c in 0..r {
+                    let kr = &host_k[si][(p * kvh + g) * d..(p * kvh + g + 1) * d];
+                    want.push(
+                        kr.iter()
+                            .enumerate()
+                            .map(|(dd, &x)| x as f64 * a_at(g, dd, col(si, g, c)))
+                            .sum::<f64>(),
+                    );
+                    got.push(khat_h[(slot_of(si, p) * kvh + g) * r + c]);
+                }
+            }
+        }
+    }
+    out.push(bf16_check(
+        "ig_khat_write",
+        shape.clone(),
+        rel_err(&got, &want),
+    ));
+
+    // Speculated scores, counts and selections, for a finite α and α = ∞.
+    let q = rand_bf16(rng, nrows * h * d, 1.0);
+    let q_t = upload(&q, &[nrows, h, d], dev)?;
+    let ctx: Vec<usize> = lens.iter().map(|l| l + 1).collect();
+    let dense_tables = DecodeTables::new(&cuda, &tables, &ctx)?;
+    let nctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+    let kmax_i: Vec<i32> = kmax.iter().map(|&k| k as i32).collect();
+    let seqs: Vec<i32> = (0..nrows as i32).collect();
+    let (nctx_d, kmax_d, seq_d) = (
+        super::upload_i32(&cuda, &nctx)?,
+        super::upload_i32(&cuda, &kmax_i)?,
+        super::upload_i32(&cuda, &seqs)?,
+    );
+    let stride = lens.iter().copied().max().unwrap_or(1);
+    let kcap = lens
+        .iter()
+        .zip(&kmax)
+        .map(|(&l, &k)| l.min(k))
+        .max()
+        .unwrap_or(1);
+    let b = (kcap + 1).div_ceil(16) * 16;
+    let stage_rows: Vec<Vec<i32>> = (0..nrows)
+        .map(|ri| (0..b / 16).map(|i| (ri * b / 16 + i) as i32).collect())
+        .collect();
+    let scale = 1.0 / (d as f64).sqrt();
+    for alpha in [1.0f32, f32::INFINITY] {
+        let mut scores = cuda.alloc_zeros::<f32>(nrows * h * stride)?;
+        let mut counts = cuda.alloc_zeros::<i32>(nrows * h)?;
+        let mut sel = cuda.alloc_zeros::<i32>(nrows * kvh * kcap)?;
+        let mut ks = cuda.alloc_zeros::<i32>(nrows)?;
+        let mut stage_tables = DecodeTables::with_max_ctx(&cuda, &stage_rows, &vec![0; nrows], b)?;
+        let rows = SpecRows {
+            row_seq: &seq_d,
+            nctx: &nctx_d,
+            kmax: &kmax_d,
+            tables: &dense_tables,
+            stride,
+        };
+        let sel_out = SelectOut {
+            sel: &mut sel,
+            kcap,
+            ks: &mut ks,
+            stage_ctx: &mut stage_tables.ctx,
+            klog: None,
+        };
+        speculate_select(
+            &cuda,
+            dims,
+            li,
+            &q_t,
+            &a_l,
+            &cols_d,
+            &khat,
+            &rows,
+            alpha,
+            &mut scores,
+            &mut counts,
+            sel_out,
+        )?;
+        let s_h = stream.clone_dtoh(&scores).w()?;
+        // Scores against f64 from the same inputs (K̂ as the kernel wrote it).
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for (ri, &l) in lens.iter().enumerate() {
+            for hq in 0..h {
+                let g = hq / (h / kvh);
+                let qh: Vec<f64> = (0..r)
+                    .map(|c| {
+                        (0..d)
+                            .map(|dd| q[(ri * h + hq) * d + dd] as f64 * a_at(g, dd, col(ri, g, c)))
+                            .sum()
+                    })
+                    .collect();
+                for j in 0..l {
+                    let kr = &khat_h[(slot_of(ri, j) * kvh + g) * r..][..r];
+                    want.push(scale * qh.iter().zip(kr).map(|(&x, &y)| x * y as f64).sum::<f64>());
+                    got.push(s_h[(ri * h + hq) * stride + j]);
+                }
+            }
+        }
+        let e = rel_err(&got, &want);
+        out.push(KernelCheck {
+            kernel: "ig_spec_scores",
+            case: format!("{shape}, positions {lens:?}"),
+            rel_err: e,
+            tolerance: 1e-4,
+            pass: e <= 1e-4,
+        });
+        // Selection: the CPU rules applied to the kernel's own scores.
+        let sel_h = stream.clone_dtoh(&sel).w()?;
+        let ks_h = stream.clone_dtoh(&ks).w()?;
+        let ctx_h = stream.clone_dtoh(&stage_tables.ctx).w()?;
+        let mut ok = true;
+        let mut picked = Vec::new();
+        for (ri, &n) in lens.iter().enumerate() {
+            let km = kmax[ri].max(1);
+            let srow = |hq: usize| &s_h[(ri * h + hq) * stride..(ri * h + hq) * stride + n];
+            let k = if n <= km {
+                n
+            } else {
+                let total: usize = (0..h)
+                    .map(|hq| {
+                        let m = srow(hq).iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                        srow(hq).iter().filter(|&&x| x > m - alpha).count()
+                    })
+                    .sum();
+                (total / h).clamp(1, km)
+            };
+            ok &= ks_h[ri] as usize == k && ctx_h[ri] as usize == k + 1;
+            for g in 0..kvh {
+                let want: Vec<u32> = if n <= km {
+                    (0..n as u32).collect()
+                } else {
+                    let mut est = vec![f32::NEG_INFINITY; n];
+                    for hq in g * (h / kvh)..(g + 1) * (h / kvh) {
+                        for (e, &x) in est.iter_mut().zip(srow(hq)) {
+                            *e = e.max(x);
+                        }
+                    }
+                    top_k(&est, k)
+                };
+                let base = (ri * kvh + g) * kcap;
+                let got: Vec<u32> = sel_h[base..base + k.min(kcap)]
+                    .iter()
+                    .map(|&x| x as u32)
+                    .collect();
+                ok &= got == want;
+            }
+            picked.push(k);
+        }
+        out.push(exact_check(
+            "ig_count/ig_select",
+            format!("{shape}, alpha {alpha}, k {picked:?} (k_max {kmax:?})"),
+            ok,
+        ));
+
+        // Gather on a second stream, the own token, attention over the staging slots.
+        let mut stage = LayerCache::new(&cuda, nrows * b, row)?;
+        let host_tables: Vec<Vec<i32>> = (0..nrows).map(|si| tier.table_i32(si as u64)).collect();
+        let mhb = host_tables.iter().map(Vec::len).max().unwrap_or(1);
+        let mut flat = vec![0i32; nrows * mhb];
+        for (ri, t) in host_tables.iter().enumerate() {
+            flat[ri * mhb..ri * mhb + t.len()].copy_from_slice(t);
+        }
+        let flat_d = super::upload_i32(&cuda, &flat)?;
+        synchronize(&cuda)?;
+        let copy = stream.context().new_stream().w()?;
+        let src = GatherSrc {
+            host_tables: &flat_d,
+            max_hblocks: mhb,
+            sel: &sel,
+            kcap,
+            ks: &ks,
+            rows: nrows,
+        };
+        gather(&copy, &cuda, &tier, dims, li, &src, &mut stage, b)?;
+        copy.synchronize().w()?;
+        let own_k = rand_bf16(rng, nrows * row, 1.0);
+        let own_v = rand_bf16(rng, nrows * row, 1.0);
+        stage_own(
+            &cuda,
+            dims,
+            &upload(&own_k, &[nrows, kvh, d], dev)?,
+            &upload(&own_v, &[nrows, kvh, d], dev)?,
+            &seq_d,
+            &ks,
+            nrows,
+            b,
+            &mut stage,
+        )?;
+        let sk: Vec<f32> = stream
+            .clone_dtoh(&stage.k)
+            .w()?
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        let sv: Vec<f32> = stream
+            .clone_dtoh(&stage.v)
+            .w()?
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        let mut ok = true;
+        for ri in 0..nrows {
+            let k = ks_h[ri] as usize;
+            for g in 0..kvh {
+                for j in 0..=k {
+                    let at = ((ri * b + j) * kvh + g) * d;
+                    let (wk, wv) = if j < k {
+                        let p = sel_h[(ri * kvh + g) * kcap + j] as usize;
+                        let o = (p * kvh + g) * d;
+                        (&host_k[ri][o..o + d], &host_v[ri][o..o + d])
+                    } else {
+                        let o = (ri * kvh + g) * d;
+                        (&own_k[o..o + d], &own_v[o..o + d])
+                    };
+                    ok &= sk[at..at + d] == *wk && sv[at..at + d] == *wv;
+                }
+            }
+        }
+        out.push(exact_check(
+            "ig_gather/ig_stage_own",
+            format!("{shape}, alpha {alpha}, {nrows} rows from pinned host memory"),
+            ok,
+        ));
+        let o = paged_decode(&stage, &q_t, &stage_tables, dims.stage_shape())?;
+        let o = download(&o)?;
+        let (mut got, mut want) = (Vec::new(), Vec::new());
+        for ri in 0..nrows {
+            let n = ks_h[ri] as usize + 1;
+            let at = ri * b * row;
+            want.extend(reference_row(
+                &q[ri * h * d..(ri + 1) * h * d],
+                &sk[at..at + n * row],
+                &sv[at..at + n * row],
+                n,
+                kvh,
+                d,
+            ));
+            got.extend_from_slice(&o[ri * h * d..(ri + 1) * h * d]);
+        }
+        out.push(bf16_check(
+            "paged_decode (staging)",
+            format!("{shape}, alpha {alpha}"),
+            rel_err(&got, &want),
+        ));
+    }
+    Ok(out)
 }

@@ -44,7 +44,8 @@ use crate::policy::{
 };
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUevent_flags::CU_EVENT_DEFAULT};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, LaunchConfig, PinnedHostSlice,
+    PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Tensor};
@@ -67,7 +68,7 @@ const COLABS_ROWS: usize = 8192;
 
 /// The host tier: blocks of `[offloaded layers][K, V][block_size][KVH][D]` bf16 in
 /// pinned, device-mapped host memory, allocated a chunk at a time.
-struct PinnedTier {
+pub struct PinnedTier {
     ctx: Arc<CudaContext>,
     tables: SeqTables,
     block_elems: usize,
@@ -81,14 +82,17 @@ struct PinnedTier {
 }
 
 impl PinnedTier {
-    fn new(
+    /// `num_blocks` blocks of `block_elems` bf16 each, pinned `chunk_bytes` at a time
+    /// (nothing allocated yet).
+    pub fn new(
         dev: &CudaDevice,
         num_blocks: usize,
         block_size: usize,
         block_elems: usize,
+        chunk_bytes: u64,
     ) -> Result<Self> {
         let block_bytes = (block_elems * 2).max(1) as u64;
-        let bpc = (CHUNK_BYTES / block_bytes).max(1) as usize;
+        let bpc = (chunk_bytes / block_bytes).max(1) as usize;
         let n_chunks = num_blocks.div_ceil(bpc);
         Ok(Self {
             ctx: dev.cuda_stream().context().clone(),
@@ -107,7 +111,7 @@ impl PinnedTier {
     }
 
     /// Room for `tokens` of `seq`; allocates the chunks its blocks fall in.
-    fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<bool> {
+    pub fn reserve(&mut self, seq: SeqId, tokens: usize) -> Result<bool> {
         if !self.tables.reserve(seq, tokens) {
             return Ok(false);
         }
@@ -158,7 +162,7 @@ impl PinnedTier {
     }
 
     /// Upload the chunk addresses if a chunk was added since the last upload.
-    fn sync_ptrs(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
+    pub fn sync_ptrs(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
         if self.dirty && !self.ptrs.is_empty() {
             stream.memcpy_htod(&self.ptrs, &mut self.ptrs_dev).w()?;
             self.dirty = false;
@@ -174,8 +178,13 @@ impl PinnedTier {
             .sum()
     }
 
-    fn table_i32(&self, seq: SeqId) -> Vec<i32> {
+    pub fn table_i32(&self, seq: SeqId) -> Vec<i32> {
         self.tables.table(seq).iter().map(|&b| b as i32).collect()
+    }
+
+    /// Tier slot of position `pos` of `seq`.
+    pub fn slot(&self, seq: SeqId, pos: usize) -> usize {
+        self.tables.slot(seq, pos)
     }
 }
 
@@ -376,7 +385,7 @@ impl CudaInfinigenPolicy {
         } else {
             (env.kv_host_bytes / (host_block_elems * 2) as u64) as usize
         };
-        let host = PinnedTier::new(&dev, host_blocks, bs, host_block_elems)?;
+        let host = PinnedTier::new(&dev, host_blocks, bs, host_block_elems, CHUNK_BYTES)?;
         let copy = dev.cuda_stream().context().new_stream().w()?;
         Ok(Self {
             copy,
@@ -416,6 +425,17 @@ impl CudaInfinigenPolicy {
 
     fn off(&self) -> usize {
         self.num_layers - self.dense
+    }
+
+    fn dims(&self) -> IgDims {
+        IgDims {
+            num_heads: self.heads.0,
+            num_kv_heads: self.heads.1,
+            head_dim: self.heads.2,
+            r: self.r,
+            off_layers: self.off(),
+            block_size: self.block_size,
+        }
     }
 
     fn cols_per_seq(&self) -> usize {
@@ -559,11 +579,11 @@ impl CudaInfinigenPolicy {
                 .map(|r| (0..per_row).map(|i| (r * per_row + i) as i32).collect())
                 .collect();
             let stride = nctx.iter().map(|&n| n as usize).max().unwrap_or(1).max(1);
-            // Buffers for the largest step so far, checked against the step's room.
+            // Buffers for the largest step so far (kept between steps), within the
+            // step's scratch room.
             let row = kvh * d;
             let off = self.off();
             let need_stage = nrows * b;
-            let before = self.bufs.bytes(row);
             if need_stage > self.bufs.stage_slots {
                 self.bufs.stage = [
                     LayerCache::new(&self.dev, need_stage, row)?,
@@ -579,11 +599,11 @@ impl CudaInfinigenPolicy {
             grow(&self.dev, &mut self.bufs.counts, nrows * h)?;
             grow(&self.dev, &mut self.bufs.klog, (off * nrows).max(1))?;
             let after = self.bufs.bytes(row);
-            if let Some(limit) = self.scratch_limit.filter(|&l| after > before + l) {
+            if let Some(limit) = self.scratch_limit.filter(|&l| after > l) {
                 return Err(Error::OutOfMemory {
                     device: self.device_name.clone(),
                     component: crate::error::Component::Activations,
-                    requested: after - before,
+                    requested: after,
                     available: limit,
                     capacity: limit,
                 });
@@ -634,148 +654,65 @@ impl CudaInfinigenPolicy {
     /// Layer `target`'s selection for the decode rows from rotated queries `q`
     /// (`[R, H, D]` bf16), then its gather on the copy stream.
     fn speculate(&mut self, target: usize, q: &Tensor) -> Result<()> {
-        let (h, kvh, d) = self.heads;
+        let dims = self.dims();
         let li = target - self.dense;
         let p = target % 2;
         let plan = self.plan.as_mut().expect("planned");
         let dp = plan.dec.as_mut().expect("decode rows");
         let nrows = dp.rows.len();
-        let q = q.to_dtype(DType::BF16)?.contiguous()?;
-        let (qs, ql) = q.storage_and_layout();
-        let qv = view(&qs, ql, "speculation q")?;
-        let a_l = self.a.get(target)?;
-        let (as_, al) = a_l.storage_and_layout();
-        let av = f32_view(&as_, al, "skewing matrices")?;
-        let start = self
-            .dev
-            .cuda_stream()
-            .record_event(Some(CU_EVENT_DEFAULT))
-            .w()?;
-        let (li_i, off_i) = (
-            as_i32(li, "layer")?,
-            as_i32(self.num_layers - self.dense, "layers")?,
-        );
-        let (h_i, kvh_i, d_i, r_i) = (
-            as_i32(h, "heads")?,
-            as_i32(kvh, "KV heads")?,
-            as_i32(d, "D")?,
-            as_i32(self.r, "r")?,
-        );
-        let (bs_i, mb_i, stride_i) = (
-            as_i32(self.block_size, "block size")?,
-            as_i32(dp.dense_tables.max_blocks, "blocks")?,
-            as_i32(dp.stride, "stride")?,
-        );
-        let scale = 1.0f32 / (d as f32).sqrt();
-        let f = self
-            .dev
-            .get_or_load_custom_func("ig_spec_scores", MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&qv)
-            .arg(&av)
-            .arg(&self.cols)
-            .arg(&dp.row_seq)
-            .arg(&li_i)
-            .arg(&off_i)
-            .arg(&self.khat[li])
-            .arg(&dp.dense_tables.tables)
-            .arg(&mb_i)
-            .arg(&dp.nctx)
-            .arg(&mut self.bufs.scores)
-            .arg(&stride_i)
-            .arg(&h_i)
-            .arg(&kvh_i)
-            .arg(&d_i)
-            .arg(&r_i)
-            .arg(&bs_i)
-            .arg(&scale);
-        let threads = 256usize;
-        let cfg = LaunchConfig {
-            grid_dim: (nrows as u32, h as u32, dp.stride.div_ceil(threads) as u32),
-            block_dim: (threads as u32, 1, 1),
-            shared_mem_bytes: ((d + self.r) * 4) as u32,
+        let stream = self.dev.cuda_stream();
+        let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        let rows = SpecRows {
+            row_seq: &dp.row_seq,
+            nctx: &dp.nctx,
+            kmax: &dp.kmax,
+            tables: &dp.dense_tables,
+            stride: dp.stride,
         };
-        unsafe { b.launch(cfg) }.w()?;
-
-        let alpha = self.params.alpha as f32;
-        let f = self.dev.get_or_load_custom_func("ig_count", MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&self.bufs.scores)
-            .arg(&dp.nctx)
-            .arg(&stride_i)
-            .arg(&alpha)
-            .arg(&mut self.bufs.counts);
-        let cfg = LaunchConfig {
-            grid_dim: (nrows as u32, h as u32, 1),
-            block_dim: (IG_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let out = SelectOut {
+            sel: &mut self.bufs.sel[p],
+            kcap: dp.kcap,
+            ks: &mut self.bufs.ks[p],
+            stage_ctx: &mut dp.stage_tables[p].ctx,
+            klog: Some(self.bufs.klog.slice_mut(li * nrows..(li + 1) * nrows)),
         };
-        unsafe { b.launch(cfg) }.w()?;
-
-        let kcap_i = as_i32(dp.kcap, "selection capacity")?;
-        let f = self.dev.get_or_load_custom_func("ig_select", MODULE, PTX)?;
-        let mut klog = self.bufs.klog.slice_mut(li * nrows..(li + 1) * nrows);
-        let mut b = f.builder();
-        b.arg(&self.bufs.scores)
-            .arg(&self.bufs.counts)
-            .arg(&dp.nctx)
-            .arg(&dp.kmax)
-            .arg(&stride_i)
-            .arg(&h_i)
-            .arg(&kvh_i)
-            .arg(&mut self.bufs.sel[p])
-            .arg(&kcap_i)
-            .arg(&mut self.bufs.ks[p])
-            .arg(&mut dp.stage_tables[p].ctx)
-            .arg(&mut klog);
-        let cfg = LaunchConfig {
-            grid_dim: (nrows as u32, kvh as u32, 1),
-            block_dim: (IG_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
-        let selected = self
-            .dev
-            .cuda_stream()
-            .record_event(Some(CU_EVENT_DEFAULT))
-            .w()?;
+        speculate_select(
+            &self.dev,
+            dims,
+            li,
+            q,
+            &self.a.get(target)?,
+            &self.cols,
+            &self.khat[li],
+            &rows,
+            self.params.alpha as f32,
+            &mut self.bufs.scores,
+            &mut self.bufs.counts,
+            out,
+        )?;
+        let selected = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
         // The gather waits for the selection, which the compute stream issued after
         // layer target−2's attention: the staging buffer of this parity is free.
         self.copy.wait(&selected).w()?;
         self.cache_events.push((start, selected));
-        let (mhb_i, bpc_i) = (
-            as_i32(dp.max_hblocks, "host blocks")?,
-            as_i32(self.host.bpc, "blocks per chunk")?,
-        );
-        let b_i = as_i32(dp.b, "staging slots")?;
-        let f = self.dev.get_or_load_custom_func("ig_gather", MODULE, PTX)?;
-        let stage = &mut self.bufs.stage[p];
-        let mut b = self.copy.launch_builder(&f);
-        b.arg(&self.host.ptrs_dev)
-            .arg(&dp.host_tables)
-            .arg(&mhb_i)
-            .arg(&self.bufs.sel[p])
-            .arg(&kcap_i)
-            .arg(&self.bufs.ks[p])
-            .arg(&li_i)
-            .arg(&off_i)
-            .arg(&bs_i)
-            .arg(&kvh_i)
-            .arg(&d_i)
-            .arg(&bpc_i)
-            .arg(&mut stage.k)
-            .arg(&mut stage.v)
-            .arg(&b_i);
-        let cfg = LaunchConfig {
-            grid_dim: (
-                nrows as u32,
-                kvh as u32,
-                dp.kcap.div_ceil(GATHER_WARPS) as u32,
-            ),
-            block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+        let src = GatherSrc {
+            host_tables: &dp.host_tables,
+            max_hblocks: dp.max_hblocks,
+            sel: &self.bufs.sel[p],
+            kcap: dp.kcap,
+            ks: &self.bufs.ks[p],
+            rows: nrows,
         };
-        unsafe { b.launch(cfg) }.w()?;
+        gather(
+            &self.copy,
+            &self.dev,
+            &self.host,
+            dims,
+            li,
+            &src,
+            &mut self.bufs.stage[p],
+            dp.b,
+        )?;
         self.gathered[p] = Some(self.copy.record_event(Some(CU_EVENT_DEFAULT)).w()?);
         Ok(())
     }
@@ -808,7 +745,7 @@ impl CudaInfinigenPolicy {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Tensor> {
-        let (h, kvh, d) = self.heads;
+        let dims = self.dims();
         let p = layer % 2;
         let gathered = self.gathered[p].take().ok_or_else(|| {
             Error::Config(format!(
@@ -824,186 +761,42 @@ impl CudaInfinigenPolicy {
         let plan = self.plan.as_mut().expect("planned");
         plan.staged.push(layer);
         let dp = plan.dec.as_ref().expect("decode rows");
-        let nrows = dp.rows.len();
-        let (ks_, kl) = k.storage_and_layout();
-        let (vs_, vl) = v.storage_and_layout();
-        let kv_ = view(&ks_, kl, "infinigen k")?;
-        let vv_ = view(&vs_, vl, "infinigen v")?;
-        let (b_i, re_i) = (as_i32(dp.b, "staging slots")?, as_i32(kvh * d, "KV row")?);
-        let f = self
-            .dev
-            .get_or_load_custom_func("ig_stage_own", MODULE, PTX)?;
-        let stage = &mut self.bufs.stage[p];
-        let mut b = f.builder();
-        b.arg(&kv_)
-            .arg(&vv_)
-            .arg(&dp.src_rows)
-            .arg(&self.bufs.ks[p])
-            .arg(&b_i)
-            .arg(&re_i)
-            .arg(&mut stage.k)
-            .arg(&mut stage.v);
-        let cfg = LaunchConfig {
-            grid_dim: (nrows as u32, 1, 1),
-            block_dim: ((kvh * d).min(1024) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
+        stage_own(
+            &self.dev,
+            dims,
+            k,
+            v,
+            &dp.src_rows,
+            &self.bufs.ks[p],
+            dp.rows.len(),
+            dp.b,
+            &mut self.bufs.stage[p],
+        )?;
         let qd = match &dp.idx {
             Some(idx) => q.index_select(idx, 0)?,
             None => q.clone(),
         };
-        let shape = DecodeShape {
-            num_heads: h,
-            num_kv_heads: kvh,
-            head_dim: d,
-            block_size: STAGE_BLOCK,
-            part_size: PART_SIZE,
-        };
-        paged_decode(&self.bufs.stage[p], &qd, &dp.stage_tables[p], shape)
-    }
-
-    /// K/V rows `[n, KVH, D]` of positions `0..n` of offloaded layer `li` from the host
-    /// tier.
-    fn host_prefix(&self, seq: SeqId, li: usize, n: usize) -> Result<(Tensor, Tensor)> {
-        let (_, kvh, d) = self.heads;
-        let row = kvh * d;
-        // SAFETY: the kernel writes every element.
-        let (mut k, mut v) = unsafe {
-            (
-                self.dev.alloc::<bf16>(n * row)?,
-                self.dev.alloc::<bf16>(n * row)?,
-            )
-        };
-        let table = upload_i32(&self.dev, &self.host.table_i32(seq))?;
-        let (li_i, off_i, bs_i) = (
-            as_i32(li, "layer")?,
-            as_i32(self.off(), "layers")?,
-            as_i32(self.block_size, "block size")?,
-        );
-        let (re_i, bpc_i) = (
-            as_i32(row, "KV row")?,
-            as_i32(self.host.bpc, "blocks per chunk")?,
-        );
-        let f = self
-            .dev
-            .get_or_load_custom_func("ig_host_read", MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&self.host.ptrs_dev)
-            .arg(&table)
-            .arg(&li_i)
-            .arg(&off_i)
-            .arg(&bs_i)
-            .arg(&re_i)
-            .arg(&bpc_i)
-            .arg(&mut k)
-            .arg(&mut v);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
-        Ok((
-            tensor_from(&self.dev, k, (n, kvh, d)),
-            tensor_from(&self.dev, v, (n, kvh, d)),
-        ))
-    }
-
-    /// Rows `src_rows` of `k` (`[T, KVH, D]`) as partial keys at pool slots `dst` of
-    /// offloaded layer `li`, with the columns of sequence slot `row_seq` of each.
-    fn khat_write(
-        &mut self,
-        li: usize,
-        k: &Tensor,
-        src_rows: &CudaSlice<i32>,
-        dst: &CudaSlice<i32>,
-        row_seq: &CudaSlice<i32>,
-        count: usize,
-    ) -> Result<()> {
-        if count == 0 {
-            return Ok(());
-        }
-        let (_, kvh, d) = self.heads;
-        let k = k.contiguous()?;
-        let (ks_, kl) = k.storage_and_layout();
-        let kv_ = view(&ks_, kl, "infinigen k")?;
-        let a_l = self.a.get(self.dense + li)?;
-        let (as_, al) = a_l.storage_and_layout();
-        let av = f32_view(&as_, al, "skewing matrices")?;
-        let (li_i, off_i) = (as_i32(li, "layer")?, as_i32(self.off(), "layers")?);
-        let (kvh_i, d_i, r_i) = (
-            as_i32(kvh, "KV heads")?,
-            as_i32(d, "D")?,
-            as_i32(self.r, "r")?,
-        );
-        let f = self
-            .dev
-            .get_or_load_custom_func("ig_khat_write", MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&kv_)
-            .arg(src_rows)
-            .arg(dst)
-            .arg(row_seq)
-            .arg(&av)
-            .arg(&self.cols)
-            .arg(&li_i)
-            .arg(&off_i)
-            .arg(&kvh_i)
-            .arg(&d_i)
-            .arg(&r_i)
-            .arg(&mut self.khat[li]);
-        let cfg = LaunchConfig {
-            grid_dim: (count as u32, kvh as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (d * 4) as u32,
-        };
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(())
+        paged_decode(
+            &self.bufs.stage[p],
+            &qd,
+            &dp.stage_tables[p],
+            dims.stage_shape(),
+        )
     }
 
     /// The step's new K/V of offloaded layer `li` to the host tier.
     fn host_write(&mut self, li: usize, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (_, kvh, d) = self.heads;
-        let t = k.dim(0)?;
-        if t == 0 {
-            return Ok(());
-        }
-        let (k, v) = (k.contiguous()?, v.contiguous()?);
-        let (ks_, kl) = k.storage_and_layout();
-        let (vs_, vl) = v.storage_and_layout();
-        let kv_ = view(&ks_, kl, "infinigen k")?;
-        let vv_ = view(&vs_, vl, "infinigen v")?;
         let plan = self.plan.as_ref().expect("planned");
-        let (li_i, off_i, bs_i) = (
-            as_i32(li, "layer")?,
-            as_i32(self.off(), "layers")?,
-            as_i32(self.block_size, "block size")?,
-        );
-        let (re_i, bpc_i) = (
-            as_i32(kvh * d, "KV row")?,
-            as_i32(self.host.bpc, "blocks per chunk")?,
-        );
-        let f = self
-            .dev
-            .get_or_load_custom_func("ig_host_write", MODULE, PTX)?;
-        let mut b = f.builder();
-        b.arg(&kv_)
-            .arg(&vv_)
-            .arg(&self.host.ptrs_dev)
-            .arg(&plan.host_slots)
-            .arg(&li_i)
-            .arg(&off_i)
-            .arg(&bs_i)
-            .arg(&re_i)
-            .arg(&bpc_i);
-        let cfg = LaunchConfig {
-            grid_dim: (t as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        unsafe { b.launch(cfg) }.w()?;
-        self.stats.d2h_bytes += (2 * t * kvh * d * 2) as u64;
+        host_write(
+            &self.dev,
+            &self.host,
+            self.dims(),
+            li,
+            k,
+            v,
+            &plan.host_slots,
+        )?;
+        self.stats.d2h_bytes += (2 * k.elem_count() * 2) as u64;
         Ok(())
     }
 
@@ -1064,7 +857,8 @@ impl CudaInfinigenPolicy {
         let (kk, vv) = if s.ctx_before == 0 {
             (kr.contiguous()?, vr.contiguous()?)
         } else {
-            let (pk, pv) = self.host_prefix(s.id, li, s.ctx_before)?;
+            let table = self.host.table_i32(s.id);
+            let (pk, pv) = host_read(&self.dev, &self.host, self.dims(), li, &table, s.ctx_before)?;
             (Tensor::cat(&[&pk, &kr], 0)?, Tensor::cat(&[&pv, &vr], 0)?)
         };
         let kv_bytes = (2 * n * kvh * d * 2) as u64;
@@ -1120,7 +914,22 @@ impl CudaInfinigenPolicy {
                 upload_i32(&self.dev, &slots)?,
                 upload_i32(&self.dev, &vec![as_i32(slot, "sequence slot")?; n])?,
             );
-            self.khat_write(li, &kk, &src_d, &dst_d, &seq_d, n)?;
+            let rows = KhatRows {
+                src: &src_d,
+                dst: &dst_d,
+                seq: &seq_d,
+                count: n,
+            };
+            khat_write(
+                &self.dev,
+                self.dims(),
+                li,
+                &a_l,
+                &self.cols,
+                &kk,
+                &rows,
+                &mut self.khat[li],
+            )?;
         }
         let end = self.event()?;
         self.cache_events.push((start, end));
@@ -1175,6 +984,464 @@ fn f32_view<'a>(
     let start = l.start_offset();
     Ok(c.as_cuda_slice::<f32>()?
         .slice(start..start + l.shape().elem_count()))
+}
+
+/// Sizes the InfiniGen kernels share.
+#[derive(Debug, Clone, Copy)]
+pub struct IgDims {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Partial-key columns per KV head.
+    pub r: usize,
+    /// Offloaded layers (layers of the host tier).
+    pub off_layers: usize,
+    /// Tokens per block of the device pool and the host tier.
+    pub block_size: usize,
+}
+
+impl IgDims {
+    fn row(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+
+    /// The paged decode over staging buffers (rows of `B` slots in blocks of
+    /// `STAGE_BLOCK`).
+    pub fn stage_shape(&self) -> DecodeShape {
+        DecodeShape {
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            block_size: STAGE_BLOCK,
+            part_size: PART_SIZE,
+        }
+    }
+}
+
+/// K/V rows `[T, KVH, D]` (bf16) to host-tier `slots` (one per row) of offloaded layer
+/// `li`.
+pub fn host_write(
+    dev: &CudaDevice,
+    tier: &PinnedTier,
+    dims: IgDims,
+    li: usize,
+    k: &Tensor,
+    v: &Tensor,
+    slots: &CudaSlice<i32>,
+) -> Result<()> {
+    let t = k.dim(0)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let kv = view(&ks, kl, "host_write k")?;
+    let vv = view(&vs, vl, "host_write v")?;
+    let (li_i, off_i, bs_i) = (
+        as_i32(li, "layer")?,
+        as_i32(dims.off_layers, "layers")?,
+        as_i32(dims.block_size, "block size")?,
+    );
+    let (re_i, bpc_i) = (
+        as_i32(dims.row(), "KV row")?,
+        as_i32(tier.bpc, "blocks per chunk")?,
+    );
+    let f = dev.get_or_load_custom_func("ig_host_write", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&kv)
+        .arg(&vv)
+        .arg(&tier.ptrs_dev)
+        .arg(slots)
+        .arg(&li_i)
+        .arg(&off_i)
+        .arg(&bs_i)
+        .arg(&re_i)
+        .arg(&bpc_i);
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Positions `0..n` of offloaded layer `li` of a sequence (host block `table`) as
+/// contiguous `[n, KVH, D]` K and V on the device.
+pub fn host_read(
+    dev: &CudaDevice,
+    tier: &PinnedTier,
+    dims: IgDims,
+    li: usize,
+    table: &[i32],
+    n: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (kvh, d) = (dims.num_kv_heads, dims.head_dim);
+    let row = dims.row();
+    // SAFETY: the kernel writes every element.
+    let (mut k, mut v) = unsafe { (dev.alloc::<bf16>(n * row)?, dev.alloc::<bf16>(n * row)?) };
+    if n > 0 {
+        let table = upload_i32(dev, table)?;
+        let (li_i, off_i, bs_i) = (
+            as_i32(li, "layer")?,
+            as_i32(dims.off_layers, "layers")?,
+            as_i32(dims.block_size, "block size")?,
+        );
+        let (re_i, bpc_i) = (
+            as_i32(row, "KV row")?,
+            as_i32(tier.bpc, "blocks per chunk")?,
+        );
+        let f = dev.get_or_load_custom_func("ig_host_read", MODULE, PTX)?;
+        let mut b = f.builder();
+        b.arg(&tier.ptrs_dev)
+            .arg(&table)
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&bs_i)
+            .arg(&re_i)
+            .arg(&bpc_i)
+            .arg(&mut k)
+            .arg(&mut v);
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok((
+        tensor_from(dev, k, (n, kvh, d)),
+        tensor_from(dev, v, (n, kvh, d)),
+    ))
+}
+
+/// Which rows of `k` become which partial keys: `count` rows `src` of `k`, written to
+/// pool slots `dst` with the columns of sequence slot `seq` of each.
+pub struct KhatRows<'a> {
+    pub src: &'a CudaSlice<i32>,
+    pub dst: &'a CudaSlice<i32>,
+    pub seq: &'a CudaSlice<i32>,
+    pub count: usize,
+}
+
+/// Partial keys `K̂ = K·A[:, cols]` of offloaded layer `li` (`a_l` its `[KVH, D, D]`
+/// f32 skewing matrices, `cols` the column table) into `khat` (`[slots, KVH, r]`).
+#[allow(clippy::too_many_arguments)]
+pub fn khat_write(
+    dev: &CudaDevice,
+    dims: IgDims,
+    li: usize,
+    a_l: &Tensor,
+    cols: &CudaSlice<i32>,
+    k: &Tensor,
+    rows: &KhatRows<'_>,
+    khat: &mut CudaSlice<bf16>,
+) -> Result<()> {
+    if rows.count == 0 {
+        return Ok(());
+    }
+    let k = k.contiguous()?;
+    let (ks, kl) = k.storage_and_layout();
+    let kv = view(&ks, kl, "khat_write k")?;
+    let (as_, al) = a_l.storage_and_layout();
+    let av = f32_view(&as_, al, "skewing matrices")?;
+    let (li_i, off_i) = (as_i32(li, "layer")?, as_i32(dims.off_layers, "layers")?);
+    let (kvh_i, d_i, r_i) = (
+        as_i32(dims.num_kv_heads, "KV heads")?,
+        as_i32(dims.head_dim, "D")?,
+        as_i32(dims.r, "r")?,
+    );
+    let f = dev.get_or_load_custom_func("ig_khat_write", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&kv)
+        .arg(rows.src)
+        .arg(rows.dst)
+        .arg(rows.seq)
+        .arg(&av)
+        .arg(cols)
+        .arg(&li_i)
+        .arg(&off_i)
+        .arg(&kvh_i)
+        .arg(&d_i)
+        .arg(&r_i)
+        .arg(khat);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.count as u32, dims.num_kv_heads as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: (dims.head_dim * 4) as u32,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// The decode rows a speculation ranges over: per row its column-table slot, the
+/// positions before the new token (`nctx`), `k_max`, and its pool block table; `stride`
+/// ≥ the largest `nctx` (the score buffer's row length).
+pub struct SpecRows<'a> {
+    pub row_seq: &'a CudaSlice<i32>,
+    pub nctx: &'a CudaSlice<i32>,
+    pub kmax: &'a CudaSlice<i32>,
+    pub tables: &'a DecodeTables,
+    pub stride: usize,
+}
+
+/// Where a selection goes: positions `[R, KVH, kcap]`, counts `ks[R]`, the staging
+/// attention's context lengths (count + 1) and optionally a log of the counts.
+pub struct SelectOut<'a> {
+    pub sel: &'a mut CudaSlice<i32>,
+    pub kcap: usize,
+    pub ks: &'a mut CudaSlice<i32>,
+    pub stage_ctx: &'a mut CudaSlice<i32>,
+    pub klog: Option<CudaViewMut<'a, i32>>,
+}
+
+/// Speculated scores (`scores` `[R, H, stride]`), the α counts (`counts` `[R, H]`) and
+/// the per-KV-head top-k selection of offloaded layer `li` for queries `q` (`[R, H, D]`,
+/// rotated), as algorithms.md §4 steps 1–4.
+#[allow(clippy::too_many_arguments)]
+pub fn speculate_select(
+    dev: &CudaDevice,
+    dims: IgDims,
+    li: usize,
+    q: &Tensor,
+    a_l: &Tensor,
+    cols: &CudaSlice<i32>,
+    khat: &CudaSlice<bf16>,
+    rows: &SpecRows<'_>,
+    alpha: f32,
+    scores: &mut CudaSlice<f32>,
+    counts: &mut CudaSlice<i32>,
+    out: SelectOut<'_>,
+) -> Result<()> {
+    let (h, kvh, d) = (dims.num_heads, dims.num_kv_heads, dims.head_dim);
+    let nrows = rows.tables.rows;
+    if nrows == 0 {
+        return Ok(());
+    }
+    if scores.len() < nrows * h * rows.stride
+        || counts.len() < nrows * h
+        || out.sel.len() < nrows * kvh * out.kcap
+        || out.ks.len() < nrows
+    {
+        return Err(Error::Config(format!(
+            "infinigen selection: buffers too small for {nrows} rows of up to {} positions",
+            rows.stride
+        )));
+    }
+    let q = q.to_dtype(DType::BF16)?.contiguous()?;
+    let (qs, ql) = q.storage_and_layout();
+    let qv = view(&qs, ql, "speculation q")?;
+    let (as_, al) = a_l.storage_and_layout();
+    let av = f32_view(&as_, al, "skewing matrices")?;
+    let (li_i, off_i) = (as_i32(li, "layer")?, as_i32(dims.off_layers, "layers")?);
+    let (h_i, kvh_i, d_i, r_i) = (
+        as_i32(h, "heads")?,
+        as_i32(kvh, "KV heads")?,
+        as_i32(d, "D")?,
+        as_i32(dims.r, "r")?,
+    );
+    let (bs_i, mb_i, stride_i) = (
+        as_i32(dims.block_size, "block size")?,
+        as_i32(rows.tables.max_blocks, "blocks")?,
+        as_i32(rows.stride, "stride")?,
+    );
+    let scale = 1.0f32 / (d as f32).sqrt();
+    let f = dev.get_or_load_custom_func("ig_spec_scores", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&qv)
+        .arg(&av)
+        .arg(cols)
+        .arg(rows.row_seq)
+        .arg(&li_i)
+        .arg(&off_i)
+        .arg(khat)
+        .arg(&rows.tables.tables)
+        .arg(&mb_i)
+        .arg(rows.nctx)
+        .arg(&mut *scores)
+        .arg(&stride_i)
+        .arg(&h_i)
+        .arg(&kvh_i)
+        .arg(&d_i)
+        .arg(&r_i)
+        .arg(&bs_i)
+        .arg(&scale);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            nrows as u32,
+            h as u32,
+            rows.stride.div_ceil(IG_THREADS as usize) as u32,
+        ),
+        block_dim: (IG_THREADS, 1, 1),
+        shared_mem_bytes: ((d + dims.r) * 4) as u32,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+
+    let f = dev.get_or_load_custom_func("ig_count", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&*scores)
+        .arg(rows.nctx)
+        .arg(&stride_i)
+        .arg(&alpha)
+        .arg(&mut *counts);
+    let cfg = LaunchConfig {
+        grid_dim: (nrows as u32, h as u32, 1),
+        block_dim: (IG_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+
+    let kcap_i = as_i32(out.kcap, "selection capacity")?;
+    let null: u64 = 0;
+    let f = dev.get_or_load_custom_func("ig_select", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&*scores)
+        .arg(&*counts)
+        .arg(rows.nctx)
+        .arg(rows.kmax)
+        .arg(&stride_i)
+        .arg(&h_i)
+        .arg(&kvh_i)
+        .arg(out.sel)
+        .arg(&kcap_i)
+        .arg(out.ks)
+        .arg(out.stage_ctx);
+    let mut klog = out.klog;
+    match klog.as_mut() {
+        Some(l) => b.arg(l),
+        None => b.arg(&null),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (nrows as u32, kvh as u32, 1),
+        block_dim: (IG_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// What a gather reads: each decode row's host block table (`[R, max_hblocks]`) and
+/// its selection (positions `[R, KVH, kcap]`, counts `ks`).
+pub struct GatherSrc<'a> {
+    pub host_tables: &'a CudaSlice<i32>,
+    pub max_hblocks: usize,
+    pub sel: &'a CudaSlice<i32>,
+    pub kcap: usize,
+    pub ks: &'a CudaSlice<i32>,
+    pub rows: usize,
+}
+
+/// The selected K/V rows of offloaded layer `li` from the host tier into `stage`
+/// (row r's j-th selection of KV head g at slot `r·b + j`, head g), on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn gather(
+    stream: &Arc<CudaStream>,
+    dev: &CudaDevice,
+    tier: &PinnedTier,
+    dims: IgDims,
+    li: usize,
+    src: &GatherSrc<'_>,
+    stage: &mut LayerCache,
+    b: usize,
+) -> Result<()> {
+    if src.rows == 0 {
+        return Ok(());
+    }
+    if stage.k.len() < src.rows * b * dims.row() || src.kcap >= b {
+        return Err(Error::Config(format!(
+            "infinigen gather: staging of {} elements for {} rows of {b} slots (selection \
+             capacity {})",
+            stage.k.len(),
+            src.rows,
+            src.kcap
+        )));
+    }
+    let (mhb_i, kcap_i, li_i) = (
+        as_i32(src.max_hblocks, "host blocks")?,
+        as_i32(src.kcap, "selection capacity")?,
+        as_i32(li, "layer")?,
+    );
+    let (off_i, bs_i, kvh_i, d_i) = (
+        as_i32(dims.off_layers, "layers")?,
+        as_i32(dims.block_size, "block size")?,
+        as_i32(dims.num_kv_heads, "KV heads")?,
+        as_i32(dims.head_dim, "D")?,
+    );
+    let (bpc_i, b_i) = (
+        as_i32(tier.bpc, "blocks per chunk")?,
+        as_i32(b, "staging slots")?,
+    );
+    let f = dev.get_or_load_custom_func("ig_gather", MODULE, PTX)?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&tier.ptrs_dev)
+        .arg(src.host_tables)
+        .arg(&mhb_i)
+        .arg(src.sel)
+        .arg(&kcap_i)
+        .arg(src.ks)
+        .arg(&li_i)
+        .arg(&off_i)
+        .arg(&bs_i)
+        .arg(&kvh_i)
+        .arg(&d_i)
+        .arg(&bpc_i)
+        .arg(&mut stage.k)
+        .arg(&mut stage.v)
+        .arg(&b_i);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            src.rows as u32,
+            dims.num_kv_heads as u32,
+            src.kcap.div_ceil(GATHER_WARPS) as u32,
+        ),
+        block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { lb.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Each decode row's new K/V (rows `src_rows` of `k`/`v` `[T, KVH, D]`) into staging
+/// slot `r·b + ks[r]`, after its selection.
+#[allow(clippy::too_many_arguments)]
+pub fn stage_own(
+    dev: &CudaDevice,
+    dims: IgDims,
+    k: &Tensor,
+    v: &Tensor,
+    src_rows: &CudaSlice<i32>,
+    ks: &CudaSlice<i32>,
+    rows: usize,
+    b: usize,
+    stage: &mut LayerCache,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let (ks_, kl) = k.storage_and_layout();
+    let (vs_, vl) = v.storage_and_layout();
+    let kv = view(&ks_, kl, "stage_own k")?;
+    let vv = view(&vs_, vl, "stage_own v")?;
+    let (b_i, re_i) = (as_i32(b, "staging slots")?, as_i32(dims.row(), "KV row")?);
+    let f = dev.get_or_load_custom_func("ig_stage_own", MODULE, PTX)?;
+    let mut lb = f.builder();
+    lb.arg(&kv)
+        .arg(&vv)
+        .arg(src_rows)
+        .arg(ks)
+        .arg(&b_i)
+        .arg(&re_i)
+        .arg(&mut stage.k)
+        .arg(&mut stage.v);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (dims.row().min(1024) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { lb.launch(cfg) }.w()?;
+    Ok(())
 }
 
 impl KvPolicy for CudaInfinigenPolicy {
@@ -1252,13 +1519,21 @@ impl KvPolicy for CudaInfinigenPolicy {
             self.host_write(li, &k, &v)?;
             let plan = self.plan.take().expect("planned");
             if let Some(dp) = &plan.dec {
-                self.khat_write(
+                let rows = KhatRows {
+                    src: &dp.src_rows,
+                    dst: &dp.khat_slots,
+                    seq: &dp.row_seq,
+                    count: dp.rows.len(),
+                };
+                khat_write(
+                    &self.dev,
+                    self.dims(),
                     li,
+                    &self.a.get(layer)?,
+                    &self.cols,
                     &k,
-                    &dp.src_rows,
-                    &dp.khat_slots,
-                    &dp.row_seq,
-                    dp.rows.len(),
+                    &rows,
+                    &mut self.khat[li],
                 )?;
             }
             self.plan = Some(plan);
@@ -1401,7 +1676,9 @@ impl KvPolicy for CudaInfinigenPolicy {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let fixed = (self.a.elem_count() * 4) as u64 + self.bufs.bytes(self.heads.1 * self.heads.2);
+        // The step buffers (staging, scores, selections) are charged to each step's
+        // scratch, like attention's score matrices.
+        let fixed = (self.a.elem_count() * 4) as u64;
         PolicyMemory {
             device_reserved: self.block_bytes * self.tables.num_blocks() as u64 + fixed,
             device_used: self.block_bytes * self.tables.num_used() as u64 + fixed,
