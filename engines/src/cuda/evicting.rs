@@ -18,7 +18,7 @@
 //! reports it as reserved and the blocks sequences hold as used.
 
 use super::{
-    as_i32, device_of, flash_prefill_with, flash_smem_bytes, kv_gather, kv_write_at,
+    as_i32, device_of, flash_prefill_with, flash_smem_bytes, join_rows, kv_gather, kv_write_at,
     paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores, DecodeShape,
     DecodeTables, LayerCache, MODULE, PTX,
 };
@@ -573,25 +573,14 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         self.end(start)?;
 
         let dec_out = self.decode(layer, &q, batch)?;
-        let n_dec = self.step.as_ref().map_or(0, |s| s.rows.len());
-        let out = if n_dec == batch.num_tokens {
-            dec_out.ok_or_else(|| Error::Config("decode rows without output".into()))?
-        } else {
-            let mut pieces = Vec::with_capacity(batch.seqs.len());
-            let mut next_dec = 0;
-            for &s in &batch.seqs {
-                if self.seqs[&s.id].prefilled() {
-                    let o = dec_out
-                        .as_ref()
-                        .ok_or_else(|| Error::Config("decode rows without output".into()))?;
-                    pieces.push(o.narrow(0, next_dec, 1)?);
-                    next_dec += 1;
-                } else {
-                    pieces.push(self.prefill(layer, s, &q, &k, &v)?);
-                }
-            }
-            Tensor::cat(&pieces, 0)?
-        };
+        let decode: Vec<bool> = batch
+            .seqs
+            .iter()
+            .map(|s| self.seqs[&s.id].prefilled())
+            .collect();
+        let out = join_rows(batch, &decode, dec_out.as_ref(), |s| {
+            self.prefill(layer, s, &q, &k, &v)
+        })?;
 
         if layer + 1 == self.layers.len() {
             for s in &batch.seqs {

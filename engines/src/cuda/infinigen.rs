@@ -28,8 +28,9 @@
 //! selection (device events).
 
 use super::{
-    as_i32, device_of, flash_prefill, kv_gather, kv_write_at, paged_decode, prefill_attention,
-    tensor_from, upload_i32, view, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
+    as_i32, device_of, flash_prefill, join_rows, kv_gather, kv_write_at, paged_decode,
+    prefill_attention, tensor_from, upload_i32, view, view_of, DecodeShape, DecodeTables,
+    LayerCache, MODULE, PTX,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
@@ -343,26 +344,8 @@ impl CudaInfinigenPolicy {
     pub fn new(params: InfinigenParams, model: &Llama, env: PolicyEnv) -> Result<Self> {
         let cfg = &model.cfg;
         let dev = device_of(model.device())?;
-        let skew = params.skewing.clone().ok_or_else(|| {
-            Error::Config("infinigen needs skewing matrices from a calibration run".into())
-        })?;
-        if (skew.num_layers, skew.num_kv_heads, skew.head_dim)
-            != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        {
-            return Err(Error::Config(format!(
-                "skewing matrices are for {} layers × {} KV heads × dh {}, the model has {} × {} × {}",
-                skew.num_layers, skew.num_kv_heads, skew.head_dim,
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-            )));
-        }
-        let dense = params.dense_layers.min(cfg.num_layers);
-        if dense == 0 && params.speculation == Speculation::Previous {
-            return Err(Error::Config(
-                "infinigen: dense_layers must be ≥ 1 (layer ℓ is speculated in layer ℓ−1)".into(),
-            ));
-        }
+        let (skew, dense, r) = params.checked(cfg)?;
         let (h, kvh, d) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let r = ((params.partial_ratio * d as f64).floor() as usize).clamp(1, d);
         let off = cfg.num_layers - dense;
         let row = kvh * d;
         let bs = env.block_size;
@@ -967,25 +950,6 @@ fn colabs(x: &Tensor, kvh: usize, a: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// An f32 view of a contiguous CUDA tensor's elements.
-fn f32_view<'a>(
-    s: &'a candle_core::Storage,
-    l: &candle_core::Layout,
-    what: &str,
-) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, f32>> {
-    let candle_core::Storage::Cuda(c) = s else {
-        return Err(Error::Config(format!("{what}: expected a CUDA tensor")));
-    };
-    if !l.is_contiguous() {
-        return Err(Error::Config(format!(
-            "{what}: expected a contiguous tensor"
-        )));
-    }
-    let start = l.start_offset();
-    Ok(c.as_cuda_slice::<f32>()?
-        .slice(start..start + l.shape().elem_count()))
-}
-
 /// Sizes the InfiniGen kernels share.
 #[derive(Debug, Clone, Copy)]
 pub struct IgDims {
@@ -1145,7 +1109,7 @@ pub fn khat_write(
     let (ks, kl) = k.storage_and_layout();
     let kv = view(&ks, kl, "khat_write k")?;
     let (as_, al) = a_l.storage_and_layout();
-    let av = f32_view(&as_, al, "skewing matrices")?;
+    let av = view_of::<f32>(&as_, al, "skewing matrices")?;
     let (li_i, off_i) = (as_i32(li, "layer")?, as_i32(dims.off_layers, "layers")?);
     let (kvh_i, d_i, r_i) = (
         as_i32(dims.num_kv_heads, "KV heads")?,
@@ -1233,7 +1197,7 @@ pub fn speculate_select(
     let (qs, ql) = q.storage_and_layout();
     let qv = view(&qs, ql, "speculation q")?;
     let (as_, al) = a_l.storage_and_layout();
-    let av = f32_view(&as_, al, "skewing matrices")?;
+    let av = view_of::<f32>(&as_, al, "skewing matrices")?;
     let (li_i, off_i) = (as_i32(li, "layer")?, as_i32(dims.off_layers, "layers")?);
     let (h_i, kvh_i, d_i, r_i) = (
         as_i32(h, "heads")?,
@@ -1607,29 +1571,14 @@ impl KvPolicy for CudaInfinigenPolicy {
             )?)
         };
 
-        let n_dec = self
-            .plan
-            .as_ref()
-            .and_then(|p| p.dec.as_ref())
-            .map_or(0, |d| d.rows.len());
-        let out = if n_dec == batch.num_tokens {
-            dec_out.ok_or_else(|| Error::Config("decode rows without output".into()))?
-        } else {
-            let mut pieces = Vec::with_capacity(batch.seqs.len());
-            let mut next_dec = 0;
-            for &s in &batch.seqs {
-                if self.seqs[&s.id].prefilled() {
-                    let o = dec_out
-                        .as_ref()
-                        .ok_or_else(|| Error::Config("decode rows without output".into()))?;
-                    pieces.push(o.narrow(0, next_dec, 1)?);
-                    next_dec += 1;
-                } else {
-                    pieces.push(self.prefill(layer, s, &q, &k, &v)?);
-                }
-            }
-            Tensor::cat(&pieces, 0)?
-        };
+        let decode: Vec<bool> = batch
+            .seqs
+            .iter()
+            .map(|s| self.seqs[&s.id].prefilled())
+            .collect();
+        let out = join_rows(batch, &decode, dec_out.as_ref(), |s| {
+            self.prefill(layer, s, &q, &k, &v)
+        })?;
 
         if layer + 1 == self.num_layers {
             for s in &batch.seqs {

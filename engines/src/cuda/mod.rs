@@ -54,6 +54,15 @@ pub fn synchronize(dev: &CudaDevice) -> Result<()> {
 
 /// A bf16 view of a contiguous CUDA tensor's elements.
 fn view<'a>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, bf16>> {
+    view_of::<bf16>(s, l, what)
+}
+
+/// A view of a contiguous CUDA tensor's elements as `T` (its dtype).
+fn view_of<'a, T: candle_core::cuda_backend::CudaDType>(
+    s: &'a Storage,
+    l: &Layout,
+    what: &str,
+) -> Result<CudaView<'a, T>> {
     let Storage::Cuda(c) = s else {
         return Err(Error::Config(format!("{what}: expected a CUDA tensor")));
     };
@@ -63,8 +72,34 @@ fn view<'a>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, bf16>
         )));
     }
     let start = l.start_offset();
-    Ok(c.as_cuda_slice::<bf16>()?
+    Ok(c.as_cuda_slice::<T>()?
         .slice(start..start + l.shape().elem_count()))
+}
+
+/// A step's attention output in row order: decode rows (`decode[i]` for sequence `i`)
+/// are the consecutive rows of `dec`, prefill chunks come from `prefill`.
+fn join_rows(
+    batch: &crate::policy::StepBatch,
+    decode: &[bool],
+    dec: Option<&Tensor>,
+    mut prefill: impl FnMut(crate::policy::StepSeq) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let missing = || Error::Config("decode rows without output".into());
+    let n_dec = decode.iter().filter(|&&d| d).count();
+    if n_dec == batch.num_tokens {
+        return dec.cloned().ok_or_else(missing);
+    }
+    let mut pieces = Vec::with_capacity(batch.seqs.len());
+    let mut next_dec = 0;
+    for (&s, &is_dec) in batch.seqs.iter().zip(decode) {
+        if is_dec {
+            pieces.push(dec.ok_or_else(missing)?.narrow(0, next_dec, 1)?);
+            next_dec += 1;
+        } else {
+            pieces.push(prefill(s)?);
+        }
+    }
+    Ok(Tensor::cat(&pieces, 0)?)
 }
 
 fn check_bf16(t: &Tensor, what: &str) -> Result<()> {

@@ -53,6 +53,37 @@ pub struct InfinigenParams {
     pub skewing: Option<Arc<Skewing>>,
 }
 
+impl InfinigenParams {
+    /// The skewing matrices (checked against the model's shape), the number of dense
+    /// layers and the partial-key width r = ⌊ρ·dh⌋, or what is wrong with them.
+    pub fn checked(
+        &self,
+        cfg: &crate::config::ModelConfig,
+    ) -> Result<(Arc<Skewing>, usize, usize)> {
+        let skew = self.skewing.clone().ok_or_else(|| {
+            Error::Config("infinigen needs skewing matrices from a calibration run".into())
+        })?;
+        if (skew.num_layers, skew.num_kv_heads, skew.head_dim)
+            != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        {
+            return Err(Error::Config(format!(
+                "skewing matrices are for {} layers × {} KV heads × dh {}, the model has {} × {} × {}",
+                skew.num_layers, skew.num_kv_heads, skew.head_dim,
+                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+            )));
+        }
+        let dense = self.dense_layers.min(cfg.num_layers);
+        if dense == 0 && self.speculation == Speculation::Previous {
+            return Err(Error::Config(
+                "infinigen: dense_layers must be ≥ 1 (layer ℓ is speculated in layer ℓ−1)".into(),
+            ));
+        }
+        let r =
+            ((self.partial_ratio * cfg.head_dim as f64).floor() as usize).clamp(1, cfg.head_dim);
+        Ok((skew, dense, r))
+    }
+}
+
 impl Default for InfinigenParams {
     fn default() -> Self {
         Self {
@@ -200,26 +231,7 @@ impl InfinigenPolicy {
 
     pub fn new(params: InfinigenParams, model: &Llama, env: PolicyEnv) -> Result<Self> {
         let cfg = &model.cfg;
-        let skew = params.skewing.clone().ok_or_else(|| {
-            Error::Config("infinigen needs skewing matrices from a calibration run".into())
-        })?;
-        if (skew.num_layers, skew.num_kv_heads, skew.head_dim)
-            != (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-        {
-            return Err(Error::Config(format!(
-                "skewing matrices are for {} layers × {} KV heads × dh {}, the model has {} × {} × {}",
-                skew.num_layers, skew.num_kv_heads, skew.head_dim,
-                cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-            )));
-        }
-        let dense = params.dense_layers.min(cfg.num_layers);
-        if dense == 0 && params.speculation == Speculation::Previous {
-            return Err(Error::Config(
-                "infinigen: dense_layers must be ≥ 1 (layer ℓ is speculated in layer ℓ−1)".into(),
-            ));
-        }
-        let r =
-            ((params.partial_ratio * cfg.head_dim as f64).floor() as usize).clamp(1, cfg.head_dim);
+        let (skew, dense, r) = params.checked(cfg)?;
         let bs = env.block_size;
         let dense_block =
             PagedKv::block_bytes(dense, bs, cfg.num_kv_heads, cfg.head_dim, KvDtype::F32).max(1);
