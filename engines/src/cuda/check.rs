@@ -239,6 +239,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         }
         out.extend(evicting_checks(dev, &mut rng, h, kvh, d, bs)?);
         out.extend(infinigen_checks(dev, &mut rng, h, kvh, d, bs)?);
+        out.push(rolling_check(dev, &mut rng, h, kvh, d, bs)?);
     }
     Ok(out)
 }
@@ -1073,4 +1074,135 @@ fn infinigen_checks(
         ));
     }
     Ok(out)
+}
+
+/// The paged decode over keys cached without RoPE (StreamingLLM's rolling positions):
+/// slots hold the sinks and a contiguous window in shuffled slot order; each key is
+/// rotated to its index in the cache (its rank by position), against an f64 reference
+/// that rotates on the host.
+fn rolling_check(
+    dev: &Device,
+    rng: &mut StdRng,
+    h: usize,
+    kvh: usize,
+    d: usize,
+    bs: usize,
+) -> Result<KernelCheck> {
+    use super::{paged_decode_rolling, upload_i32, RollingKeys};
+    use candle_core::cuda_backend::WrapErr;
+    let cuda = device_of(dev)?;
+    let stream = cuda.cuda_stream();
+    let row = kvh * d;
+    let half = d / 2;
+    // (context n, sinks, window): evicting, keeping everything, a window at the start.
+    let cases = [
+        (900usize, 4usize, 60usize),
+        (40, 4, 100),
+        (700, 0, 513),
+        (65, 4, 60),
+    ];
+    let kept: Vec<usize> = cases.iter().map(|&(n, s, w)| n.min(s + w)).collect();
+    let total_blocks: usize = kept.iter().map(|m| m.div_ceil(bs)).sum::<usize>() + 2;
+    let mut free: Vec<i32> = (0..total_blocks as i32).collect();
+    free.shuffle(rng);
+    let mut cache = LayerCache::new(&cuda, total_blocks * bs, row)?;
+    let mut pos = vec![0i32; total_blocks * bs * kvh];
+    let (mut tables, mut params, mut keys, mut vals) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (&(n, sinks, window), &m) in cases.iter().zip(&kept) {
+        let table = free.split_off(free.len() - m.div_ceil(bs));
+        // Kept positions: the sinks and the last window, the new token last.
+        let mut kept_pos: Vec<usize> = if n <= sinks + window {
+            (0..n).collect()
+        } else {
+            (0..sinks).chain(n - window..n).collect()
+        };
+        let last = kept_pos.pop().expect("n ≥ 1");
+        kept_pos.shuffle(rng);
+        kept_pos.push(last);
+        let k = rand_bf16(rng, m * row, 1.0);
+        let v = rand_bf16(rng, m * row, 1.0);
+        let slots: Vec<i32> = (0..m)
+            .map(|i| table[i / bs] * bs as i32 + (i % bs) as i32)
+            .collect();
+        kv_write(
+            &mut cache,
+            &upload(&k, &[m, kvh, d], dev)?,
+            &upload(&v, &[m, kvh, d], dev)?,
+            &slots,
+        )?;
+        for (i, &slot) in slots.iter().enumerate() {
+            for g in 0..kvh {
+                pos[slot as usize * kvh + g] = kept_pos[i] as i32;
+            }
+        }
+        params.extend([m as i32, n as i32, (sinks + window) as i32, window as i32]);
+        tables.push(table);
+        keys.push((k, kept_pos));
+        vals.push(v);
+    }
+    let max_m = kept.iter().copied().max().unwrap_or(1);
+    let inv: Vec<f64> = (0..half)
+        .map(|i| 10000f64.powf(-2.0 * i as f64 / d as f64))
+        .collect();
+    let cos: Vec<f32> = (0..max_m)
+        .flat_map(|p| inv.iter().map(move |f| (p as f64 * f).cos() as f32))
+        .collect();
+    let sin: Vec<f32> = (0..max_m)
+        .flat_map(|p| inv.iter().map(move |f| (p as f64 * f).sin() as f32))
+        .collect();
+    let q = rand_bf16(rng, cases.len() * h * d, 1.0);
+    let t = DecodeTables::new(&cuda, &tables, &kept)?;
+    let (pos_d, params_d) = (upload_i32(&cuda, &pos)?, upload_i32(&cuda, &params)?);
+    let (cos_d, sin_d) = (stream.clone_htod(&cos).w()?, stream.clone_htod(&sin).w()?);
+    let shape = DecodeShape {
+        num_heads: h,
+        num_kv_heads: kvh,
+        head_dim: d,
+        block_size: bs,
+        part_size: 512,
+    };
+    let roll = RollingKeys {
+        pos: &pos_d,
+        params: &params_d,
+        cos: &cos_d,
+        sin: &sin_d,
+    };
+    let o = download(&paged_decode_rolling(
+        &cache,
+        &upload(&q, &[cases.len(), h, d], dev)?,
+        &t,
+        shape,
+        roll,
+    )?)?;
+    let mut want = Vec::new();
+    for (ri, (&(n, sinks, _), &m)) in cases.iter().zip(&kept).enumerate() {
+        let (k, kept_pos) = &keys[ri];
+        let mut rot = k.clone();
+        for (i, &p) in kept_pos.iter().enumerate() {
+            let index = if p < sinks { p } else { p - (n - m) };
+            for g in 0..kvh {
+                let x = &mut rot[(i * kvh + g) * d..(i * kvh + g + 1) * d];
+                for j in 0..half {
+                    let (c, s) = (cos[index * half + j], sin[index * half + j]);
+                    let (x0, x1) = (x[j], x[j + half]);
+                    x[j] = x0 * c - x1 * s;
+                    x[j + half] = x0 * s + x1 * c;
+                }
+            }
+        }
+        want.extend(reference_row(
+            &q[ri * h * d..(ri + 1) * h * d],
+            &rot,
+            &vals[ri],
+            m,
+            kvh,
+            d,
+        ));
+    }
+    Ok(bf16_check(
+        "paged_decode (rolling positions)",
+        format!("H={h} KVH={kvh} D={d}, (n, sinks, window) {cases:?}"),
+        rel_err(&o, &want),
+    ))
 }

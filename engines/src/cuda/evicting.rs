@@ -4,6 +4,11 @@
 //! sequence holds the same number of slots and one block table serves them all; the
 //! paged decode and flash prefill kernels of `full` read them unchanged (keys carry
 //! their RoPE). Beside K/V each (slot, KV head) has an f32 score and an i32 position.
+//! StreamingLLM with rolling positions (its original form) caches keys without RoPE:
+//! the decode kernel rotates each key to its index in the cache as it reads it (from
+//! the slot's position: the kept set is the sinks and a contiguous window), the query
+//! is rotated to the last index, and a prefill chunk rotates its gathered keys to their
+//! positions (the indices until the prompt is complete and compacted).
 //!
 //! Per step and layer: K/V written to the next slots; decode rows attend their slots
 //! plus the new token, H2O adds the rows' probabilities (raw scores and log-sum-exp
@@ -18,9 +23,9 @@
 //! reports it as reserved and the blocks sequences hold as used.
 
 use super::{
-    as_i32, device_of, flash_prefill_with, flash_smem_bytes, join_rows, kv_gather, kv_write_at,
-    paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores, DecodeShape,
-    DecodeTables, LayerCache, MODULE, PTX,
+    as_i32, device_of, flash_prefill_contiguous, flash_prefill_with, flash_smem_bytes, join_rows,
+    kv_gather, kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats,
+    upload_i32, DecodeScores, DecodeShape, DecodeTables, LayerCache, RollingKeys, MODULE, PTX,
 };
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
@@ -85,6 +90,8 @@ struct StepDecode {
     write_pos: CudaSlice<i32>,
     /// Indices into the batch's sequences.
     rows: Vec<usize>,
+    /// Slots each row attends (its kept tokens and the new one).
+    kept: Vec<usize>,
     tables: DecodeTables,
     /// Per row: slots m (with the new token), context n, capacity, recent.
     params: CudaSlice<i32>,
@@ -119,6 +126,9 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     step: Option<StepDecode>,
     /// Bytes of one slot over all layers: K, V, score and position of every KV head.
     slot_bytes: u64,
+    /// Rotation rows cos, sin (`[indices, D/2]`) of cache indices for rolling
+    /// positions, and how many indices they cover.
+    rope: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
 }
 
 impl<E: Eviction> CudaEvictingPolicy<E> {
@@ -133,11 +143,13 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         cfg: &ModelConfig,
         env: PolicyEnv,
     ) -> Result<Self> {
-        if rule.rolling_positions() {
+        if rule.rolling_positions() && cfg.rope_interleaved {
             return Err(Error::Config(format!(
-                "`{}` with rolling positions re-rotates every cached key each step; that \
-                 has no CUDA kernel: set rolling_positions=false or run it with --device cpu",
-                rule.name()
+                "`{}` with rolling positions rotates cached keys in the decode kernel, which \
+                 pairs dimension i with i + D/2; {} pairs adjacent dimensions: set \
+                 rolling_positions=false or run it with --device cpu",
+                rule.name(),
+                cfg.name
             )));
         }
         let dev = device_of(dev)?;
@@ -171,6 +183,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             event_errors: 0,
             step: None,
             slot_bytes,
+            rope: None,
         })
     }
 
@@ -259,13 +272,70 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                 .dev
                 .alloc_zeros::<f32>(if probs { n * h * stride } else { 1 })?,
             stride,
+            kept: ctx,
             rows,
         })
     }
 
+    /// An out-of-memory error from a kernel wrapper with this policy's device name.
+    fn named_oom(&self, e: Error) -> Error {
+        match e {
+            Error::OutOfMemory {
+                requested,
+                available,
+                capacity,
+                component,
+                ..
+            } => Error::OutOfMemory {
+                device: self.device_name.clone(),
+                component,
+                requested,
+                available,
+                capacity,
+            },
+            other => other,
+        }
+    }
+
+    /// The budget audit's record of each decode row's keys.
+    fn decoded(&mut self, layer: usize, batch: &StepBatch, step: &StepDecode) {
+        for &i in &step.rows {
+            let s = batch.seqs[i];
+            self.attended.push(AttendRecord {
+                seq: s.id,
+                layer,
+                attended: self.store[&s.id].len + 1,
+                context: s.ctx_before + 1,
+            });
+        }
+    }
+
+    /// Rotation rows of cache indices `0..m` on the device (rolling positions), built
+    /// by the model's RoPE on the host as the CPU policy's, grown by powers of two.
+    fn rope_rows(&mut self, rope: &dyn crate::policy::Rope, m: usize) -> Result<()> {
+        if self.rope.as_ref().is_some_and(|r| r.2 >= m) {
+            return Ok(());
+        }
+        let idx: Vec<u32> = (0..m.next_power_of_two() as u32).collect();
+        let (c, s) = rope.tables(&idx);
+        let stream = self.dev.cuda_stream();
+        self.rope = Some((
+            stream.clone_htod(&c).w()?,
+            stream.clone_htod(&s).w()?,
+            idx.len(),
+        ));
+        Ok(())
+    }
+
     /// Decode rows: attention over their slots and the new token, H2O's probabilities
     /// into the scores, one eviction per (row, KV head). Returns `[R, H, D]`.
-    fn decode(&mut self, layer: usize, q: &Tensor, batch: &StepBatch) -> Result<Option<Tensor>> {
+    fn decode(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        batch: &StepBatch,
+        input: &LayerInput<'_>,
+    ) -> Result<Option<Tensor>> {
         let (h, kvh, d) = self.heads;
         let Some(step) = self.step.take() else {
             return Ok(None);
@@ -292,6 +362,44 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             block_size: self.block_size,
             part_size: PART_SIZE,
         };
+        if self.rule.rolling_positions() {
+            // The query at its cache's last index; the kernel rotates each key to its.
+            let most = step.kept.iter().copied().max().unwrap_or(1);
+            self.rope_rows(input.rope, most)?;
+            let (cos, sin, _) = self.rope.as_ref().expect("built above");
+            let last: Vec<u32> = step.kept.iter().map(|&m| (m - 1) as u32).collect();
+            let raw = input.q_raw.to_dtype(DType::BF16)?;
+            let raw = if step.rows.len() == batch.num_tokens {
+                raw
+            } else {
+                raw.index_select(&Tensor::new(idx.as_slice(), q.device())?, 0)?
+            };
+            let qr = input.rope.rotate(&raw, &last)?.to_dtype(DType::BF16)?;
+            let roll = RollingKeys {
+                pos: &self.layers[layer].pos,
+                params: &step.params,
+                cos,
+                sin,
+            };
+            let out = paged_decode_rolling(&self.layers[layer].kv, &qr, &step.tables, shape, roll)?;
+            self.decoded(layer, batch, &step);
+            if step.evicts {
+                let start = self.begin()?;
+                let mode = self.rule.victim_kind();
+                evict(
+                    &self.dev,
+                    &mut self.layers[layer],
+                    &step.tables,
+                    &step.params,
+                    d,
+                    self.block_size,
+                    mode,
+                )?;
+                self.end(start)?;
+            }
+            self.step = Some(step);
+            return Ok(Some(out));
+        }
         let sl = &self.layers[layer];
         let out = if step.probs {
             let scores = DecodeScores {
@@ -303,15 +411,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         } else {
             paged_decode_with(&sl.kv, &qd, &step.tables, shape, None)?
         };
-        for &i in &step.rows {
-            let s = batch.seqs[i];
-            self.attended.push(AttendRecord {
-                seq: s.id,
-                layer,
-                attended: self.store[&s.id].len + 1,
-                context: s.ctx_before + 1,
-            });
-        }
+        self.decoded(layer, batch, &step);
         if step.probs || step.evicts {
             let start = self.begin()?;
             let sl = &mut self.layers[layer];
@@ -387,6 +487,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
+        rope: &dyn crate::policy::Rope,
     ) -> Result<Tensor> {
         let (h, kvh, d) = self.heads;
         let st = self.seqs[&s.id];
@@ -397,7 +498,44 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let table = self.table_i32(s.id);
         let table_d = upload_i32(&self.dev, &table)?;
         let qs = q.narrow(0, s.q_start, s.q_len)?;
-        let out = if self.attention == AttentionImpl::Flash {
+        let out = if self.rule.rolling_positions() {
+            // Keys are cached without RoPE; until the prompt is complete slots are
+            // positions, which are also the cache indices they rotate to.
+            let (kk, vv) = kv_gather(
+                &self.dev,
+                &self.layers[layer].kv,
+                &table,
+                n,
+                self.block_size,
+                kvh,
+                d,
+            )?;
+            let positions: Vec<u32> = (0..n as u32).collect();
+            let kk = rope.rotate(&kk, &positions)?.to_dtype(DType::BF16)?;
+            let gathered = (2 * n * kvh * d * 2) as u64;
+            if self.attention == AttentionImpl::Flash {
+                let (o, scratch) = flash_prefill_contiguous(&qs, &kk, &vv, s.ctx_before)?;
+                self.stats.add_scratch(scratch + gathered);
+                o
+            } else {
+                let chunk = match self.attention {
+                    AttentionImpl::Eager => usize::MAX,
+                    _ => self.chunk_size,
+                };
+                let (o, scratch, _) = prefill_attention_stats(
+                    &qs,
+                    &kk,
+                    &vv,
+                    s.ctx_before,
+                    chunk,
+                    self.scratch_limit,
+                    None,
+                )
+                .map_err(|e| self.named_oom(e))?;
+                self.stats.add_scratch(scratch + gathered);
+                o
+            }
+        } else if self.attention == AttentionImpl::Flash {
             match stats {
                 None => flash_prefill_with(
                     &self.layers[layer].kv,
@@ -473,22 +611,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                 self.scratch_limit,
                 stats,
             )
-            .map_err(|e| match e {
-                Error::OutOfMemory {
-                    requested,
-                    available,
-                    capacity,
-                    component,
-                    ..
-                } => Error::OutOfMemory {
-                    device: self.device_name.clone(),
-                    component,
-                    requested,
-                    available,
-                    capacity,
-                },
-                other => other,
-            })?;
+            .map_err(|e| self.named_oom(e))?;
             self.stats.add_scratch(scratch);
             if let Some(col) = col {
                 let start = self.begin()?;
@@ -552,7 +675,13 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
         let layer = input.layer;
         let q = input.q.to_dtype(DType::BF16)?;
-        let k = input.k.to_dtype(DType::BF16)?;
+        // Rolling positions cache keys without RoPE (rotated as they are read).
+        let k = if self.rule.rolling_positions() {
+            input.k_raw
+        } else {
+            input.k
+        }
+        .to_dtype(DType::BF16)?;
         let v = input.v.to_dtype(DType::BF16)?;
 
         if layer == 0 || self.step.is_none() {
@@ -572,14 +701,14 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         )?;
         self.end(start)?;
 
-        let dec_out = self.decode(layer, &q, batch)?;
+        let dec_out = self.decode(layer, &q, batch, input)?;
         let decode: Vec<bool> = batch
             .seqs
             .iter()
             .map(|s| self.seqs[&s.id].prefilled())
             .collect();
         let out = join_rows(batch, &decode, dec_out.as_ref(), |s| {
-            self.prefill(layer, s, &q, &k, &v)
+            self.prefill(layer, s, &q, &k, &v, input.rope)
         })?;
 
         if layer + 1 == self.layers.len() {

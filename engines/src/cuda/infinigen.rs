@@ -28,9 +28,9 @@
 //! selection (device events).
 
 use super::{
-    as_i32, device_of, flash_prefill, join_rows, kv_gather, kv_write_at, paged_decode,
-    prefill_attention, tensor_from, upload_i32, view, view_of, DecodeShape, DecodeTables,
-    LayerCache, MODULE, PTX,
+    as_i32, device_of, flash_prefill, flash_prefill_contiguous, join_rows, kv_gather, kv_write_at,
+    paged_decode, prefill_attention, tensor_from, upload_i32, view, view_of, DecodeShape,
+    DecodeTables, LayerCache, MODULE, PTX,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
@@ -846,13 +846,9 @@ impl CudaInfinigenPolicy {
         };
         let kv_bytes = (2 * n * kvh * d * 2) as u64;
         let out = if self.attention == AttentionImpl::Flash {
-            let slots = n.div_ceil(STAGE_BLOCK) * STAGE_BLOCK;
-            let mut tmp = LayerCache::new(&self.dev, slots, kvh * d)?;
-            let ids: Vec<i32> = (0..n as i32).collect();
-            kv_write_at(&mut tmp, &kk, &vv, &upload_i32(&self.dev, &ids)?)?;
-            let table: Vec<i32> = (0..(slots / STAGE_BLOCK) as i32).collect();
-            self.stats.add_scratch(2 * kv_bytes);
-            flash_prefill(&tmp, &qs, &table, s.ctx_before, kvh, STAGE_BLOCK)?
+            let (o, scratch) = flash_prefill_contiguous(&qs, &kk, &vv, s.ctx_before)?;
+            self.stats.add_scratch(scratch + kv_bytes);
+            o
         } else {
             let (o, scratch) =
                 prefill_attention(&qs, &kk, &vv, s.ctx_before, chunk, self.scratch_limit)?;

@@ -62,14 +62,29 @@ extern "C" __global__ void kv_gather_bf16(
 // the partition's max score m, sum of exp l, and unnormalized output acc (f32) to
 // scratch laid out [rows, H, parts] (+ D for acc). Empty partitions write m = -inf.
 // Shared memory: G * D floats of q, G * P floats of scores.
+//
+// Rolling positions (StreamingLLM, algorithms.md §5): the cache holds keys without
+// RoPE; each key is rotated to its index in the cache as it is read. The kept set is
+// the sinks plus a contiguous window, so a key at position p has index p below the
+// sinks and p - (n - m) after them (n context, m kept slots, both with the new token;
+// params per row: m, n, capacity, recent; sinks = capacity - recent). cos/sin rows per
+// index, [indices, D/2]; halves rotated together (non-interleaved RoPE).
 #define DECODE_THREADS 128
-extern "C" __global__ void paged_decode_part_bf16(
+struct Rolling {
+    const int32_t* pos;     // [slots, KVH]
+    const int32_t* params;  // [rows, 4]
+    const float* cos;
+    const float* sin;
+};
+
+template <bool ROLL>
+__device__ __forceinline__ void paged_decode_part(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
     const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
-    int part_size, float scale) {
+    int part_size, float scale, Rolling roll) {
     extern __shared__ float smem[];
     const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
     const int parts = gridDim.z;
@@ -111,9 +126,27 @@ extern "C" __global__ void paged_decode_part_bf16(
         const int t = start + j;
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         const __nv_bfloat16* kr = k_cache + slot * row_elems + (int64_t)kvh * D;
+        const float *rc = nullptr, *rs = nullptr;
+        if (ROLL) {
+            const int p = roll.pos[slot * num_kv_heads + kvh];
+            const int32_t* pr = roll.params + (int64_t)row * 4;
+            const int index = p < pr[2] - pr[3] ? p : p - (pr[1] - pr[0]);
+            rc = roll.cos + (int64_t)index * (D / 2);
+            rs = roll.sin + (int64_t)index * (D / 2);
+        }
         for (int g = 0; g < group; ++g) {
             float acc = 0.f;
-            for (int d = lane; d < D; d += WARP) acc += sq[g * D + d] * __bfloat162float(kr[d]);
+            if (ROLL) {
+                const int half = D / 2;
+                for (int i = lane; i < half; i += WARP) {
+                    const float x0 = __bfloat162float(kr[i]), x1 = __bfloat162float(kr[i + half]);
+                    acc += sq[g * D + i] * (x0 * rc[i] - x1 * rs[i]) +
+                           sq[g * D + i + half] * (x0 * rs[i] + x1 * rc[i]);
+                }
+            } else {
+                for (int d = lane; d < D; d += WARP)
+                    acc += sq[g * D + d] * __bfloat162float(kr[d]);
+            }
             acc = warp_sum(acc);
             if (lane == 0) {
                 ss[g * part_size + j] = acc * scale;
@@ -159,6 +192,34 @@ extern "C" __global__ void paged_decode_part_bf16(
         const int64_t o = ((int64_t)row * H + kvh * group + g) * parts + part;
         part_acc[o * D + d] = acc;
     }
+}
+
+extern "C" __global__ void paged_decode_part_bf16(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
+    const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
+    float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
+    int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
+    int part_size, float scale) {
+    paged_decode_part<false>(q, k_cache, v_cache, tables, ctx_lens, part_m, part_l, part_acc,
+                             raw, raw_stride, num_kv_heads, group, head_dim, block_size,
+                             max_blocks, part_size, scale, Rolling{});
+}
+
+// paged_decode_part_bf16 over keys cached without RoPE (rolling positions, above).
+extern "C" __global__ void paged_decode_part_rolling_bf16(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
+    const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
+    float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
+    int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
+    int part_size, float scale, const int32_t* __restrict__ pos,
+    const int32_t* __restrict__ params, const float* __restrict__ rope_cos,
+    const float* __restrict__ rope_sin) {
+    paged_decode_part<true>(q, k_cache, v_cache, tables, ctx_lens, part_m, part_l, part_acc,
+                            raw, raw_stride, num_kv_heads, group, head_dim, block_size,
+                            max_blocks, part_size, scale,
+                            Rolling{pos, params, rope_cos, rope_sin});
 }
 
 // Reduction pass: grid (rows, H), block >= D threads. out = sum_p acc_p e^{m_p - M} /

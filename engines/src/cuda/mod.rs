@@ -321,6 +321,41 @@ pub fn paged_decode_with(
     s: DecodeShape,
     scores: Option<DecodeScores<'_>>,
 ) -> Result<Tensor> {
+    paged_decode_impl(cache, q, t, s, scores, None)
+}
+
+/// Keys cached without RoPE and rotated as they are read, to their index in the cache
+/// (StreamingLLM's rolling positions; kept set = sinks + a contiguous window): each
+/// (slot, KV head)'s position `pos` (`[slots, KVH]`), per row `params` (kept slots m
+/// and context n, both with the new token, capacity, recent window), and the rotation
+/// rows `cos`/`sin` (`[indices, D/2]`, non-interleaved RoPE).
+pub struct RollingKeys<'a> {
+    pub pos: &'a CudaSlice<i32>,
+    pub params: &'a CudaSlice<i32>,
+    pub cos: &'a CudaSlice<f32>,
+    pub sin: &'a CudaSlice<f32>,
+}
+
+/// [`paged_decode`] over keys cached without RoPE; `q` is already rotated to the last
+/// index of its row's cache.
+pub fn paged_decode_rolling(
+    cache: &LayerCache,
+    q: &Tensor,
+    t: &DecodeTables,
+    s: DecodeShape,
+    roll: RollingKeys<'_>,
+) -> Result<Tensor> {
+    paged_decode_impl(cache, q, t, s, None, Some(roll))
+}
+
+fn paged_decode_impl(
+    cache: &LayerCache,
+    q: &Tensor,
+    t: &DecodeTables,
+    s: DecodeShape,
+    scores: Option<DecodeScores<'_>>,
+    roll: Option<RollingKeys<'_>>,
+) -> Result<Tensor> {
     check_bf16(q, "paged_decode q")?;
     let dev = device_of(q.device())?;
     let rows = q.dim(0)?;
@@ -385,7 +420,12 @@ pub fn paged_decode_with(
         ),
         None => (None, None, 0),
     };
-    let f = dev.get_or_load_custom_func("paged_decode_part_bf16", MODULE, PTX)?;
+    let name = if roll.is_some() {
+        "paged_decode_part_rolling_bf16"
+    } else {
+        "paged_decode_part_bf16"
+    };
+    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&qv)
         .arg(&cache.k)
@@ -407,6 +447,9 @@ pub fn paged_decode_with(
         .arg(&mb_i)
         .arg(&ps_i)
         .arg(&scale);
+    if let Some(r) = &roll {
+        b.arg(r.pos).arg(r.params).arg(r.cos).arg(r.sin);
+    }
     let shared = (group * d + group * s.part_size) * 4;
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, kvh as u32, parts as u32),
@@ -553,6 +596,34 @@ pub fn prefill_attention_stats(
         outs.push(o);
     }
     Ok((Tensor::cat(&outs, 0)?, scratch, col))
+}
+
+/// [`flash_prefill`] over contiguous K/V (`[n, KVH, D]`, n = ctx_before + T) rather
+/// than a pool: they are copied into a temporary cache read through an identity table.
+/// Returns the output and the temporary's bytes (scratch).
+pub fn flash_prefill_contiguous(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx_before: usize,
+) -> Result<(Tensor, u64)> {
+    const BLOCK: usize = 16;
+    let dev = device_of(q.device())?;
+    let (n, kvh, d) = k.dims3()?;
+    let slots = n.div_ceil(BLOCK) * BLOCK;
+    let mut tmp = LayerCache::new(&dev, slots, kvh * d)?;
+    let ids: Vec<i32> = (0..n)
+        .map(|i| as_i32(i, "position"))
+        .collect::<Result<_>>()?;
+    kv_write(
+        &mut tmp,
+        &k.to_dtype(DType::BF16)?,
+        &v.to_dtype(DType::BF16)?,
+        &ids,
+    )?;
+    let table: Vec<i32> = (0..(slots / BLOCK) as i32).collect();
+    let out = flash_prefill(&tmp, q, &table, ctx_before, kvh, BLOCK)?;
+    Ok((out, (2 * slots * kvh * d * 2) as u64))
 }
 
 /// Shared-memory bytes of the flash prefill kernel for head dimension `d` (the layout

@@ -281,9 +281,8 @@ impl PolicySpec {
 }
 
 impl PolicySpec {
-    /// The CUDA implementations: `full`, `h2o` and `streaming` (without rolling
-    /// positions) with their pools in device memory, `infinigen` with its host tier in
-    /// pinned host memory.
+    /// The CUDA implementations: `full`, `h2o` and `streaming` with their pools in
+    /// device memory, `infinigen` with its host tier in pinned host memory.
     #[cfg(feature = "cuda")]
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
         use crate::cuda::evicting::CudaEvictingPolicy;
