@@ -938,9 +938,10 @@ extern "C" __global__ void __launch_bounds__(IG_THREADS) ig_count(
     if (threadIdx.x == 0) counts[row * H + h] = c;
 }
 
-// f32 → u32 with the same order (larger float, larger key).
+// f32 → u32 with the same order (larger float, larger key); -0 and +0 are one key,
+// as they compare equal on the host.
 __device__ __forceinline__ uint32_t order_key(float x) {
-    const uint32_t u = __float_as_uint(x);
+    const uint32_t u = __float_as_uint(x == 0.f ? 0.f : x);
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
