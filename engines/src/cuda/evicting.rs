@@ -23,9 +23,10 @@
 //! reports it as reserved and the blocks sequences hold as used.
 
 use super::{
-    as_i32, device_of, flash_prefill_contiguous, flash_prefill_with, flash_smem_bytes, join_rows,
-    kv_gather, kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats,
-    upload_i32, DecodeScores, DecodeShape, DecodeTables, LayerCache, RollingKeys, MODULE, PTX,
+    as_i32, device_of, drain_event_seconds, flash_prefill_contiguous, flash_prefill_with,
+    flash_smem_bytes, join_rows, kv_gather, kv_write_at, paged_decode_rolling, paged_decode_with,
+    prefill_attention_stats, upload_i32, DecodeScores, DecodeShape, DecodeTables, LayerCache,
+    RollingKeys, MODULE, PTX,
 };
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
@@ -760,12 +761,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
     fn take_stats(&mut self) -> PolicyStats {
         // The step's logits were read back, so its events have completed.
-        for (a, b) in self.events.drain(..) {
-            match a.elapsed_ms(&b) {
-                Ok(ms) => self.stats.cache_ops_s += ms as f64 / 1e3,
-                Err(_) => self.event_errors += 1,
-            }
-        }
+        self.stats.cache_ops_s += drain_event_seconds(&mut self.events, &mut self.event_errors);
         std::mem::take(&mut self.stats)
     }
 

@@ -6,8 +6,8 @@
 //! ([`super::prefill_attention`]).
 
 use super::{
-    device_of, flash_prefill, kv_gather, kv_write_at, paged_decode, upload_i32, DecodeShape,
-    DecodeTables, LayerCache,
+    device_of, drain_event_seconds, flash_prefill, kv_gather, kv_write_at, paged_decode,
+    upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
@@ -248,12 +248,8 @@ impl KvPolicy for CudaFullPolicy {
 
     fn take_stats(&mut self) -> PolicyStats {
         // The step's logits were read back, so its events have completed.
-        for (a, b) in self.cache_events.drain(..) {
-            match a.elapsed_ms(&b) {
-                Ok(ms) => self.stats.cache_ops_s += ms as f64 / 1e3,
-                Err(_) => self.event_errors += 1,
-            }
-        }
+        self.stats.cache_ops_s +=
+            drain_event_seconds(&mut self.cache_events, &mut self.event_errors);
         std::mem::take(&mut self.stats)
     }
 

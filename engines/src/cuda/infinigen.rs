@@ -28,15 +28,15 @@
 //! selection (device events).
 
 use super::{
-    as_i32, device_of, flash_prefill, flash_prefill_contiguous, join_rows, kv_gather, kv_write_at,
-    paged_decode, prefill_attention, tensor_from, upload_i32, view, view_of, DecodeShape,
-    DecodeTables, LayerCache, MODULE, PTX,
+    as_i32, device_of, drain_event_seconds, flash_prefill, flash_prefill_contiguous, join_rows,
+    kv_gather, kv_write_at, paged_decode, prefill_attention, tensor_from, upload_i32, view,
+    view_of, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
 use crate::kv::SeqTables;
 use crate::model::{Linear, Llama};
-use crate::policy::budget::infinigen_k_max;
+use crate::policy::budget::{infinigen_k_max, infinigen_selection_cap};
 use crate::policy::infinigen::{top_k, InfinigenParams, Speculation};
 use crate::policy::spec::PolicyEnv;
 use crate::policy::{
@@ -458,20 +458,13 @@ impl CudaInfinigenPolicy {
     }
 
     fn admit_seq(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
-        let n_max = info.prefill_len + info.max_new_tokens;
-        let cap = infinigen_k_max(
+        let cap = infinigen_selection_cap(
             self.params.budget,
             info.prompt_len,
             info.max_new_tokens,
-            n_max,
-            false,
-        )
-        .max(if self.params.relative_to_current {
-            infinigen_k_max(self.params.budget, 0, 0, n_max, true)
-        } else {
-            0
-        })
-        .min(n_max);
+            info.prefill_len,
+            self.params.relative_to_current,
+        );
         let slot = match self.seqs.get(&seq) {
             Some(s) => s.slot,
             None => self.take_slot()?,
@@ -1642,21 +1635,10 @@ impl KvPolicy for CudaInfinigenPolicy {
 
     fn take_stats(&mut self) -> PolicyStats {
         // The step's logits were read back, so its events have completed.
-        for (a, b) in self.cache_events.drain(..) {
-            match a.elapsed_ms(&b) {
-                Ok(ms) => self.stats.cache_ops_s += ms as f64 / 1e3,
-                Err(_) => self.event_errors += 1,
-            }
-        }
-        for (a, b) in self.stall_events.drain(..) {
-            match a.elapsed_ms(&b) {
-                Ok(ms) => {
-                    self.stats.cache_ops_s += ms as f64 / 1e3;
-                    self.stats.transfer_s += ms as f64 / 1e3;
-                }
-                Err(_) => self.event_errors += 1,
-            }
-        }
+        let stalled = drain_event_seconds(&mut self.stall_events, &mut self.event_errors);
+        self.stats.cache_ops_s +=
+            drain_event_seconds(&mut self.cache_events, &mut self.event_errors) + stalled;
+        self.stats.transfer_s += stalled;
         std::mem::take(&mut self.stats)
     }
 

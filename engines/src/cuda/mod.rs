@@ -11,7 +11,9 @@ pub mod infinigen;
 use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Shape, Storage, Tensor};
@@ -50,6 +52,20 @@ pub fn memory_info(dev: &CudaDevice) -> Result<(u64, u64)> {
 pub fn synchronize(dev: &CudaDevice) -> Result<()> {
     dev.cuda_stream().synchronize().w()?;
     Ok(())
+}
+
+/// Seconds between the two events of each pair, draining `events`; pairs whose time
+/// cannot be read are counted in `errors`. Call once the events have completed (the
+/// step's output was read back).
+pub fn drain_event_seconds(events: &mut Vec<(CudaEvent, CudaEvent)>, errors: &mut u64) -> f64 {
+    let mut s = 0.0;
+    for (a, b) in events.drain(..) {
+        match a.elapsed_ms(&b) {
+            Ok(ms) => s += ms as f64 / 1e3,
+            Err(_) => *errors += 1,
+        }
+    }
+    s
 }
 
 /// A bf16 view of a contiguous CUDA tensor's elements.

@@ -7,7 +7,7 @@
 //! bytes may exceed the nominal bytes by one block of tokens (paged allocation rounds
 //! up) plus 1 %.
 
-use super::budget::{h2o_counts, infinigen_k_max, streaming_counts};
+use super::budget::{h2o_counts, infinigen_k_max, infinigen_selection_cap, streaming_counts};
 use super::spec::PolicySpec;
 use super::SeqInfo;
 use crate::config::ModelConfig;
@@ -71,19 +71,13 @@ pub fn nominal_device_bytes(
             let (hkv, dh) = (cfg.num_kv_heads as u64, cfg.head_dim as u64);
             let r = ((p.partial_ratio * cfg.head_dim as f64).floor() as u64).clamp(1, dh);
             let n_max = (info.prefill_len + info.max_new_tokens) as u64;
-            let cap = infinigen_k_max(
+            let cap = infinigen_selection_cap(
                 p.budget,
                 info.prompt_len,
                 info.max_new_tokens,
-                n_max as usize,
-                false,
-            )
-            .max(if p.relative_to_current {
-                infinigen_k_max(p.budget, 0, 0, n_max as usize, true)
-            } else {
-                0
-            })
-            .min(n_max as usize) as u64;
+                info.prefill_len,
+                p.relative_to_current,
+            ) as u64;
             let staging = if off == 0 {
                 0
             } else {

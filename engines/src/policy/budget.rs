@@ -92,6 +92,26 @@ pub fn infinigen_k_max(
     ((budget * n as f64).ceil() as usize).max(1)
 }
 
+/// The most tokens one InfiniGen selection of a sequence may hold over its life:
+/// `k_max` at its full length `prefill_len + max_new_tokens` (the larger of the two
+/// conventions when `relative_to_current`), at most that length.
+pub fn infinigen_selection_cap(
+    budget: f64,
+    prompt_len: usize,
+    max_new_tokens: usize,
+    prefill_len: usize,
+    relative_to_current: bool,
+) -> usize {
+    let n_max = prefill_len + max_new_tokens;
+    let fixed = infinigen_k_max(budget, prompt_len, max_new_tokens, n_max, false);
+    let relative = if relative_to_current {
+        infinigen_k_max(budget, 0, 0, n_max, true)
+    } else {
+        0
+    };
+    fixed.max(relative).min(n_max)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,7 @@
 //! the count k is per sequence; per KV head the estimated score of a token is the max
 //! over its query heads; `n ≤ k_max` fetches everything.
 
-use super::budget::infinigen_k_max;
+use super::budget::{infinigen_k_max, infinigen_selection_cap};
 use super::skew::Skewing;
 use super::spec::PolicyEnv;
 use super::to_f32;
@@ -436,19 +436,13 @@ impl KvPolicy for InfinigenPolicy {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
         let off = self.num_layers - self.dense;
         let n_max = info.prefill_len + info.max_new_tokens;
-        let cap = infinigen_k_max(
+        let cap = infinigen_selection_cap(
             self.params.budget,
             info.prompt_len,
             info.max_new_tokens,
-            n_max,
-            false,
-        )
-        .max(if self.params.relative_to_current {
-            infinigen_k_max(self.params.budget, 0, 0, n_max, true)
-        } else {
-            0
-        })
-        .min(n_max);
+            info.prefill_len,
+            self.params.relative_to_current,
+        );
         let fixed_device_bytes = self.fixed_bytes(n_max, cap);
         let staging = || Staging {
             layer: None,
