@@ -6,7 +6,9 @@
 
 use crate::data::{Outcome, Run};
 use crate::select::{label, stats, Series, SeriesKey};
-use crate::style::{self, component_color, Axis, DrawResult, Fmt, LegendItem, INK, MUTED};
+use crate::style::{
+    self, component_color, Axis, DrawPanel, DrawResult, Fmt, LegendItem, INK, MUTED,
+};
 use crate::Error;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -45,6 +47,12 @@ pub struct Bars {
 
 /// How a component or mark is read from a run, in display units.
 pub type Getter<'a> = &'a dyn Fn(&Run) -> Option<f64>;
+
+impl DrawPanel for Bars {
+    fn draw_panel<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        self.draw(area)
+    }
+}
 
 impl Bars {
     /// Bars of `runs` grouped by `group` (a numeric key, labelled by `group_label`),

@@ -5,16 +5,10 @@
 
 use crate::lines::{legend_items, Panel};
 use crate::select::{missing_note, pin, series, series_notes, Dim};
-use crate::style::{self, byte_unit, fmt_count, Fmt};
-use crate::{Draw, Error, Prepared, Tables};
-use plotters::coord::Shift;
-use plotters::prelude::*;
+use crate::style::{byte_unit, fmt_count, Fmt, TwoPanels};
+use crate::{Prepared, Tables};
 
-pub struct Fig2 {
-    memory: Panel,
-    latency: Panel,
-    notes: Vec<String>,
-}
+pub type Fig2 = TwoPanels<Panel, Panel>;
 
 /// Prefill walltime per request (the cell's prefill time over its requests).
 fn prefill_per_request(r: &crate::data::Run) -> Option<f64> {
@@ -118,24 +112,6 @@ pub fn prepare(t: &Tables) -> Prepared<Fig2> {
     if memory.is_empty() && latency.is_empty() {
         return Err("no cell has an activation peak or a prefill time".into());
     }
-    Ok(Fig2 {
-        memory,
-        latency,
-        notes,
-    })
-}
-
-impl Draw for Fig2 {
-    fn notes(&self) -> Vec<String> {
-        self.notes.clone()
-    }
-
-    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
-        let (plots, legend) = style::with_legend(area);
-        let (w, _) = plots.dim_in_pixel();
-        let (a, b) = plots.split_horizontally(w / 2);
-        self.memory.draw(&a)?;
-        self.latency.draw(&b)?;
-        style::legend(&legend, &legend_items(&[&self.memory, &self.latency]))
-    }
+    let legend = legend_items(&[&memory, &latency]);
+    Ok(TwoPanels::new(memory, latency, 50, legend, notes))
 }

@@ -8,16 +8,10 @@
 use crate::bars::{Bars, Getter};
 use crate::data::Run;
 use crate::select::{missing_note, pin, Dim};
-use crate::style::{self, byte_unit, fmt_count, LegendItem};
-use crate::{Draw, Error, Prepared, Tables};
-use plotters::coord::Shift;
-use plotters::prelude::*;
+use crate::style::{byte_unit, fmt_count, LegendItem, TwoPanels};
+use crate::{Prepared, Tables};
 
-pub struct Fig3 {
-    device: Bars,
-    host: Bars,
-    notes: Vec<String>,
-}
+pub type Fig3 = TwoPanels<Bars, Bars>;
 
 fn max_of(runs: &[&Run], cols: &[&str]) -> f64 {
     runs.iter()
@@ -100,31 +94,11 @@ pub fn prepare(t: &Tables) -> Prepared<Fig3> {
             "mem_kv_host_bytes",
         ],
     ));
-    Ok(Fig3 {
-        device,
-        host,
-        notes,
-    })
-}
-
-impl Draw for Fig3 {
-    fn notes(&self) -> Vec<String> {
-        self.notes.clone()
-    }
-
-    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
-        let (plots, legend) = style::with_legend(area);
-        let (w, _) = plots.dim_in_pixel();
-        let (a, b) = plots.split_horizontally(w * 3 / 5);
-        self.device.draw(&a)?;
-        self.host.draw(&b)?;
-        let mut items: Vec<LegendItem> = self.device.legend_items(false);
-        items.extend(
-            self.host
-                .legend_items(true)
-                .into_iter()
-                .filter(|i| !matches!(i, LegendItem::Hatch(_)) || !self.device.has_fails()),
-        );
-        style::legend(&legend, &items)
-    }
+    let mut legend: Vec<LegendItem> = device.legend_items(false);
+    legend.extend(
+        host.legend_items(true)
+            .into_iter()
+            .filter(|i| !matches!(i, LegendItem::Hatch(_)) || !device.has_fails()),
+    );
+    Ok(TwoPanels::new(device, host, 60, legend, notes))
 }

@@ -6,16 +6,10 @@
 use crate::data::Run;
 use crate::lines::{legend_items, Panel};
 use crate::select::{missing_note, pin, series, series_notes, Dim};
-use crate::style::{self, fmt_count, Fmt};
-use crate::{Draw, Error, Prepared, Tables};
-use plotters::coord::Shift;
-use plotters::prelude::*;
+use crate::style::{fmt_count, Fmt, TwoPanels};
+use crate::{Prepared, Tables};
 
-pub struct Fig4 {
-    throughput: Panel,
-    per_gb: Panel,
-    notes: Vec<String>,
-}
+pub type Fig4 = TwoPanels<Panel, Panel>;
 
 pub fn prepare(t: &Tables) -> Prepared<Fig4> {
     if let Some(why) = t.no_runs() {
@@ -70,24 +64,6 @@ pub fn prepare(t: &Tables) -> Prepared<Fig4> {
     let xs: Vec<f64> = runs.iter().filter_map(|r| r.batch).collect();
     throughput.x = throughput.x.clone().with_ticks_at(&xs);
     per_gb.x = per_gb.x.clone().with_ticks_at(&xs);
-    Ok(Fig4 {
-        throughput,
-        per_gb,
-        notes,
-    })
-}
-
-impl Draw for Fig4 {
-    fn notes(&self) -> Vec<String> {
-        self.notes.clone()
-    }
-
-    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
-        let (plots, legend) = style::with_legend(area);
-        let (w, _) = plots.dim_in_pixel();
-        let (a, b) = plots.split_horizontally(w / 2);
-        self.throughput.draw(&a)?;
-        self.per_gb.draw(&b)?;
-        style::legend(&legend, &legend_items(&[&self.throughput, &self.per_gb]))
-    }
+    let legend = legend_items(&[&throughput, &per_gb]);
+    Ok(TwoPanels::new(throughput, per_gb, 50, legend, notes))
 }

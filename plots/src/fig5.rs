@@ -7,10 +7,8 @@ use crate::bars::Bars;
 use crate::data::Run;
 use crate::lines::{legend_items, Panel};
 use crate::select::{missing_note, pin, series, series_notes, Dim};
-use crate::style::{self, fmt_count, Fmt, LegendItem};
-use crate::{Draw, Error, Prepared, Tables};
-use plotters::coord::Shift;
-use plotters::prelude::*;
+use crate::style::{fmt_count, Fmt, LegendItem, TwoPanels};
+use crate::{Prepared, Tables};
 
 /// The walltime components of a cell, seconds.
 pub fn walltime_bars(
@@ -60,11 +58,7 @@ pub fn bar_line_legend(bars: &Bars, lines: &Panel) -> Vec<LegendItem> {
     items
 }
 
-pub struct Fig5 {
-    breakdown: Bars,
-    total: Panel,
-    notes: Vec<String>,
-}
+pub type Fig5 = TwoPanels<Bars, Panel>;
 
 pub fn prepare(t: &Tables) -> Prepared<Fig5> {
     if let Some(why) = t.no_runs() {
@@ -111,24 +105,6 @@ pub fn prepare(t: &Tables) -> Prepared<Fig5> {
     );
     let xs: Vec<f64> = runs.iter().filter_map(|r| r.batch).collect();
     total.x = total.x.clone().with_ticks_at(&xs);
-    Ok(Fig5 {
-        breakdown,
-        total,
-        notes,
-    })
-}
-
-impl Draw for Fig5 {
-    fn notes(&self) -> Vec<String> {
-        self.notes.clone()
-    }
-
-    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
-        let (plots, legend) = style::with_legend(area);
-        let (w, _) = plots.dim_in_pixel();
-        let (a, b) = plots.split_horizontally(w * 11 / 20);
-        self.breakdown.draw(&a)?;
-        self.total.draw(&b)?;
-        style::legend(&legend, &bar_line_legend(&self.breakdown, &self.total))
-    }
+    let legend = bar_line_legend(&breakdown, &total);
+    Ok(TwoPanels::new(breakdown, total, 55, legend, notes))
 }

@@ -7,16 +7,10 @@ use crate::data::Run;
 use crate::fig5::{bar_line_legend, walltime_bars};
 use crate::lines::Panel;
 use crate::select::{missing_note, pin, series, series_notes, Dim};
-use crate::style::{self, fmt_count, Fmt};
-use crate::{Draw, Error, Prepared, Tables};
-use plotters::coord::Shift;
-use plotters::prelude::*;
+use crate::style::{fmt_count, Fmt, TwoPanels};
+use crate::{Prepared, Tables};
 
-pub struct Fig6 {
-    throughput: Panel,
-    walltime: Bars,
-    notes: Vec<String>,
-}
+pub type Fig6 = TwoPanels<Panel, Bars>;
 
 pub fn prepare(t: &Tables) -> Prepared<Fig6> {
     if let Some(why) = t.no_runs() {
@@ -76,24 +70,6 @@ pub fn prepare(t: &Tables) -> Prepared<Fig6> {
     );
     let xs: Vec<f64> = runs.iter().filter_map(|r| r.output).collect();
     throughput.x = throughput.x.clone().with_ticks_at(&xs);
-    Ok(Fig6 {
-        throughput,
-        walltime,
-        notes,
-    })
-}
-
-impl Draw for Fig6 {
-    fn notes(&self) -> Vec<String> {
-        self.notes.clone()
-    }
-
-    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
-        let (plots, legend) = style::with_legend(area);
-        let (w, _) = plots.dim_in_pixel();
-        let (a, b) = plots.split_horizontally(w * 9 / 20);
-        self.throughput.draw(&a)?;
-        self.walltime.draw(&b)?;
-        style::legend(&legend, &bar_line_legend(&self.walltime, &self.throughput))
-    }
+    let legend = bar_line_legend(&walltime, &throughput);
+    Ok(TwoPanels::new(throughput, walltime, 45, legend, notes))
 }

@@ -6,20 +6,28 @@
 
 use crate::data::AccRow;
 use crate::select::{engine_rank, stats};
-use crate::style::{self, engine_color, Axis, DrawResult, Fmt, LegendItem, LineStyle, Marker};
-use crate::{Draw, Error, Prepared, Tables};
+use crate::style::{
+    self, engine_color, Axis, DrawPanel, DrawResult, Fmt, LegendItem, LineStyle, Marker, TwoPanels,
+};
+use crate::{Error, Prepared, Tables};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::collections::BTreeMap;
 
-pub struct Fig8 {
+pub type Fig8 = TwoPanels<ByBucket, ByTurn>;
+
+/// Retention by context bucket: bars per engine.
+pub struct ByBucket {
     buckets: Vec<String>,
     /// Engine → retention (%) per bucket.
     by_bucket: BTreeMap<(u8, String), Vec<Option<f64>>>,
+}
+
+/// Retention by turn: a line per engine.
+pub struct ByTurn {
     /// Engine → (turn, retention %).
     by_turn: BTreeMap<(u8, String), Vec<(f64, f64)>>,
-    notes: Vec<String>,
 }
 
 /// `1K-2K` → 1000, `8192-16384` → 8192: the bucket's lower bound, for ordering.
@@ -131,96 +139,95 @@ pub fn prepare(t: &Tables) -> Prepared<Fig8> {
         notes.push("No `turn` column or values: retention by turn not shown.".into());
     }
     notes.push("Retention: share of conversations whose answer contains the fact (%).".into());
-    Ok(Fig8 {
-        buckets,
-        by_bucket,
-        by_turn,
+    let mut legend = vec![LegendItem::Heading("engine".into())];
+    for (_, e) in by_bucket.keys() {
+        legend.push(LegendItem::Line(
+            e.clone(),
+            LineStyle {
+                color: engine_color(e),
+                dash: style::Dash::Solid,
+                marker: Marker::Circle,
+            },
+        ));
+    }
+    Ok(TwoPanels::new(
+        ByBucket { buckets, by_bucket },
+        ByTurn { by_turn },
+        50,
+        legend,
         notes,
-    })
+    ))
 }
 
-impl Draw for Fig8 {
-    fn notes(&self) -> Vec<String> {
-        self.notes.clone()
-    }
-
-    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
-        let (plots, legend) = style::with_legend(area);
-        let (w, _) = plots.dim_in_pixel();
-        let (a, b) = plots.split_horizontally(w / 2);
-        let y = Axis::percent();
+impl DrawPanel for ByBucket {
+    fn draw_panel<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
         if self.buckets.is_empty() {
-            style::no_data(&a, "no context buckets")?;
-        } else {
-            let x = Axis::categories(self.buckets.clone());
-            let mut c = style::chart(
-                &a,
-                "By context bucket",
-                &x,
-                &y,
-                "context (tokens)",
-                "retention (%)",
-            )?;
-            let n = self.by_bucket.len().max(1) as f64;
-            let bw = 0.8 / n;
-            for (slot, ((_, engine), vals)) in self.by_bucket.iter().enumerate() {
-                for (g, v) in vals.iter().enumerate() {
-                    let Some(v) = v else { continue };
-                    let x0 = g as f64 - 0.4 + bw * slot as f64 + 0.05 * bw;
-                    // A measured zero gets a sliver and a label, so it does not read
-                    // as a missing bar.
-                    let top = if *v == 0.0 { 0.6 } else { *v };
-                    c.draw_series(std::iter::once(Rectangle::new(
-                        [(x0, 0.0), (x0 + 0.9 * bw, top)],
-                        engine_color(engine).filled(),
+            return style::no_data(area, "no context buckets");
+        }
+        let x = Axis::categories(self.buckets.clone());
+        let y = Axis::percent();
+        let mut c = style::chart(
+            area,
+            "By context bucket",
+            &x,
+            &y,
+            "context (tokens)",
+            "retention (%)",
+        )?;
+        let n = self.by_bucket.len().max(1) as f64;
+        let bw = 0.8 / n;
+        for (slot, ((_, engine), vals)) in self.by_bucket.iter().enumerate() {
+            for (g, v) in vals.iter().enumerate() {
+                let Some(v) = v else { continue };
+                let x0 = g as f64 - 0.4 + bw * slot as f64 + 0.05 * bw;
+                // A measured zero gets a sliver and a label, so it does not read
+                // as a missing bar.
+                let top = if *v == 0.0 { 0.6 } else { *v };
+                c.draw_series(std::iter::once(Rectangle::new(
+                    [(x0, 0.0), (x0 + 0.9 * bw, top)],
+                    engine_color(engine).filled(),
+                )))
+                .drawn()?;
+                if *v == 0.0 {
+                    c.draw_series(std::iter::once(Text::new(
+                        "0".to_string(),
+                        (x0 + 0.45 * bw, top),
+                        style::font(15)
+                            .color(&engine_color(engine))
+                            .pos(Pos::new(HPos::Center, VPos::Bottom)),
                     )))
                     .drawn()?;
-                    if *v == 0.0 {
-                        c.draw_series(std::iter::once(Text::new(
-                            "0".to_string(),
-                            (x0 + 0.45 * bw, top),
-                            style::font(15)
-                                .color(&engine_color(engine))
-                                .pos(Pos::new(HPos::Center, VPos::Bottom)),
-                        )))
-                        .drawn()?;
-                    }
                 }
             }
         }
+        Ok(())
+    }
+}
+
+impl DrawPanel for ByTurn {
+    fn draw_panel<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
         let turns: Vec<f64> = self.by_turn.values().flatten().map(|p| p.0).collect();
         if turns.is_empty() {
-            style::no_data(&b, "no turns")?;
-        } else {
-            let x = Axis::auto(&turns, Some(false), false, Fmt::Num).with_ticks_at(&turns);
-            let mut c = style::chart(&b, "By turn", &x, &y, "turn", "retention (%)")?;
-            let m = self.by_turn.len() as f64;
-            for (k, ((_, engine), pts)) in self.by_turn.iter().enumerate() {
-                let dx = (k as f64 - (m - 1.0) / 2.0) * 0.008 * (x.hi - x.lo);
-                let pts: Vec<(f64, f64)> = pts.iter().map(|p| (p.0 + dx, p.1)).collect();
-                let s = LineStyle {
-                    color: engine_color(engine),
-                    dash: style::Dash::Solid,
-                    marker: Marker::Circle,
-                };
-                style::line(&mut c, &pts, &s)?;
-                for &p in &pts {
-                    style::marker(&mut c, p, s.marker, s.color, 6)?;
-                }
+            return style::no_data(area, "no turns");
+        }
+        let x = Axis::auto(&turns, Some(false), false, Fmt::Num).with_ticks_at(&turns);
+        let y = Axis::percent();
+        let mut c = style::chart(area, "By turn", &x, &y, "turn", "retention (%)")?;
+        let m = self.by_turn.len() as f64;
+        for (k, ((_, engine), pts)) in self.by_turn.iter().enumerate() {
+            let dx = (k as f64 - (m - 1.0) / 2.0) * 0.008 * (x.hi - x.lo);
+            let pts: Vec<(f64, f64)> = pts.iter().map(|p| (p.0 + dx, p.1)).collect();
+            let s = LineStyle {
+                color: engine_color(engine),
+                dash: style::Dash::Solid,
+                marker: Marker::Circle,
+            };
+            style::line(&mut c, &pts, &s)?;
+            for &p in &pts {
+                style::marker(&mut c, p, s.marker, s.color, 6)?;
             }
         }
-        let mut items = vec![LegendItem::Heading("engine".into())];
-        for (_, e) in self.by_bucket.keys() {
-            items.push(LegendItem::Line(
-                e.clone(),
-                LineStyle {
-                    color: engine_color(e),
-                    dash: style::Dash::Solid,
-                    marker: Marker::Circle,
-                },
-            ));
-        }
-        style::legend(&legend, &items)
+        Ok(())
     }
 }
 

@@ -2,7 +2,7 @@
 //! over repeats, and failed cells marked in a band above the data at their x.
 
 use crate::select::Series;
-use crate::style::{self, Axis, DrawResult, Fmt, LegendItem, MUTED};
+use crate::style::{self, Axis, DrawPanel, DrawResult, Fmt, LegendItem, MUTED};
 use crate::Error;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -17,6 +17,12 @@ pub struct Panel {
     pub x: Axis,
     pub y: Axis,
     pub series: Vec<Series>,
+}
+
+impl DrawPanel for Panel {
+    fn draw_panel<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        self.draw(area)
+    }
 }
 
 impl Panel {

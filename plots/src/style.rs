@@ -4,7 +4,7 @@
 //! area, legends outside the data, markers for cells that ran out of memory, and error
 //! bars over repeats.
 
-use crate::{Error, FigureId};
+use crate::{Draw, Error, FigureId};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -794,6 +794,54 @@ pub fn with_legend<DB: DrawingBackend>(
 ) -> (DrawingArea<DB, Shift>, DrawingArea<DB, Shift>) {
     let (w, _) = body.dim_in_pixel();
     body.split_horizontally(w.saturating_sub(LEGEND_W))
+}
+
+/// What fills one panel of a [`TwoPanels`] figure.
+pub trait DrawPanel {
+    fn draw_panel<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error>;
+}
+
+/// A figure of two panels side by side with the legend in a column on their right.
+pub struct TwoPanels<L, R> {
+    left: L,
+    right: R,
+    /// The left panel's share of the plot width, percent (at most 100).
+    left_percent: u32,
+    legend: Vec<LegendItem>,
+    notes: Vec<String>,
+}
+
+impl<L, R> TwoPanels<L, R> {
+    pub fn new(
+        left: L,
+        right: R,
+        left_percent: u32,
+        legend: Vec<LegendItem>,
+        notes: Vec<String>,
+    ) -> Self {
+        TwoPanels {
+            left,
+            right,
+            left_percent: left_percent.min(100),
+            legend,
+            notes,
+        }
+    }
+}
+
+impl<L: DrawPanel, R: DrawPanel> Draw for TwoPanels<L, R> {
+    fn notes(&self) -> Vec<String> {
+        self.notes.clone()
+    }
+
+    fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
+        let (plots, legend_area) = with_legend(area);
+        let (w, _) = plots.dim_in_pixel();
+        let (a, b) = plots.split_horizontally(w.saturating_mul(self.left_percent) / 100);
+        self.left.draw_panel(&a)?;
+        self.right.draw_panel(&b)?;
+        legend(&legend_area, &self.legend)
+    }
 }
 
 /// Wrap `text` at about `width` characters.
