@@ -299,18 +299,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
 
         let qf = to_f32(input.q)?;
         let mut out = vec![0f32; batch.num_tokens * h * dh];
-        let decode: Vec<_> = batch
-            .seqs
-            .iter()
-            .filter(|s| self.seqs[&s.id].prefilled())
-            .copied()
-            .collect();
-        let prefill: Vec<_> = batch
-            .seqs
-            .iter()
-            .filter(|s| !self.seqs[&s.id].prefilled())
-            .copied()
-            .collect();
+        let (decode, prefill) = batch.split(|id| self.seqs[&id].prefilled());
 
         // Decode: the query over the kept slots and its own token (last slot).
         let mut probs = Vec::new();

@@ -553,20 +553,9 @@ impl KvPolicy for InfinigenPolicy {
 
         let qf = to_f32(input.q)?;
         let mut out = vec![0f32; batch.num_tokens * h * dh];
-        let decode: Vec<_> = batch
-            .seqs
-            .iter()
-            .filter(|s| self.seqs[&s.id].prefilled())
-            .copied()
-            .collect();
+        let (decode, prefill) = batch.split(|id| self.seqs[&id].prefilled());
 
         // Prefill rows: full attention over the sequence's context.
-        let prefill: Vec<_> = batch
-            .seqs
-            .iter()
-            .filter(|s| !self.seqs[&s.id].prefilled())
-            .copied()
-            .collect();
         for s in &prefill {
             let n = s.ctx_before + s.q_len;
             let (k, v) = if offloaded {

@@ -52,6 +52,12 @@ impl StepBatch {
         });
         self.num_tokens += q_len;
     }
+
+    /// The sequences split into decode rows (`decoding(id)`) and prefill chunks, each in
+    /// batch order.
+    pub fn split(&self, decoding: impl Fn(SeqId) -> bool) -> (Vec<StepSeq>, Vec<StepSeq>) {
+        self.seqs.iter().copied().partition(|s| decoding(s.id))
+    }
 }
 
 /// Rotary position embedding of the model, for policies that place keys at positions
