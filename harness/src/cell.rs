@@ -194,7 +194,7 @@ fn corpus_tokens(src: &Path, tok: &TextTokenizer) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
-/// The cell's requests: `warmup + num_requests` prompts and scheduled arrival times,
+/// The cell's requests: `warmup` + the measured requests' prompts and scheduled arrival times,
 /// the same for every engine and repeat of a matrix point (seeded by the experiment's
 /// seed). Under a concurrency cap a measured request's arrival is when it is sent
 /// ([`drive`]).
@@ -210,7 +210,8 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
             cell.index
         );
     };
-    let n = e.warmup + w.num_requests;
+    let measured = w.requests(cell.batch);
+    let n = e.warmup + measured;
     let lengths = prompt_len.dist().sample(n, e.seed)?;
     let vocab = setup.loaded.model.cfg.vocab_size;
     let prompts = match &w.source {
@@ -235,7 +236,7 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
         Arrivals::AllAtZero
     };
     // Warm-up requests arrive at 0; the measured ones follow their process.
-    let times = arrivals.times(w.num_requests, e.seed)?;
+    let times = arrivals.times(measured, e.seed)?;
     Ok(prompts
         .into_iter()
         .enumerate()

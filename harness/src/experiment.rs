@@ -218,8 +218,34 @@ pub struct Workload {
     /// A UTF-8 text file or a directory of them, prompts are sliced from; absent:
     /// seeded random token ids (enough for presets, whose weights are random).
     pub source: Option<PathBuf>,
-    /// Measured requests per cell.
-    pub num_requests: usize,
+    /// Measured requests per cell (this or `batches`).
+    #[serde(default)]
+    pub num_requests: Option<usize>,
+    /// Measured requests per cell as a number of full batches: `batches × batch`, so
+    /// every batch point runs the same number of waves (the study's fixed 300 prompts
+    /// cut to fit a short lease).
+    #[serde(default)]
+    pub batches: Option<usize>,
+}
+
+impl Workload {
+    /// Measured requests of a cell with `batch` concurrent sequences.
+    pub fn requests(&self, batch: usize) -> usize {
+        match (self.num_requests, self.batches) {
+            (Some(n), _) => n,
+            (None, Some(b)) => b * batch,
+            (None, None) => 0,
+        }
+    }
+
+    /// How the requests per cell are set, for headers and logs.
+    pub fn describe(&self) -> String {
+        match (self.num_requests, self.batches) {
+            (Some(n), _) => format!("{n} requests per cell"),
+            (None, Some(b)) => format!("{b} × batch requests per cell"),
+            (None, None) => "no requests".into(),
+        }
+    }
 }
 
 /// How a continuation's log-likelihood is computed.
@@ -951,8 +977,24 @@ impl Plan {
             .workload
             .as_ref()
             .context("a performance experiment needs a `workload:` section")?;
-        if w.num_requests == 0 {
-            return Err(err("workload.num_requests", "expected at least 1".into()));
+        match (w.num_requests, w.batches) {
+            (Some(_), Some(_)) => {
+                return Err(err(
+                    "workload.batches",
+                    "expected either `num_requests` or `batches`, not both".into(),
+                ))
+            }
+            (None, None) => {
+                return Err(err(
+                    "workload",
+                    "expected `num_requests` (requests per cell) or `batches` (full \
+                     batches per cell)"
+                        .into(),
+                ))
+            }
+            (Some(0), _) => return Err(err("workload.num_requests", "expected at least 1".into())),
+            (_, Some(0)) => return Err(err("workload.batches", "expected at least 1".into())),
+            _ => {}
         }
         if let Some(src) = &w.source {
             if !src.exists() {
@@ -1234,6 +1276,23 @@ repeats: 2
         assert!(e.is_empty(), "{e}");
         assert!(parse_shard("3/3").is_err() && parse_shard("0/0").is_err());
         assert_eq!(parse_shard("2/5").unwrap(), (2, 5));
+    }
+
+    #[test]
+    fn requests_per_cell_are_a_count_or_a_number_of_batches() {
+        let w = |p: &Plan| p.exp.workload.clone().unwrap();
+        let p = parse(GOOD).unwrap();
+        assert_eq!((w(&p).requests(1), w(&p).requests(2)), (4, 4));
+        let p = parse(&GOOD.replace("num_requests: 4", "batches: 3")).unwrap();
+        assert_eq!((w(&p).requests(1), w(&p).requests(2)), (3, 6));
+        // The cell key does not change with the workload: recorded cells stay valid.
+        assert_eq!(parse(GOOD).unwrap().cells[0].key(), p.cells[0].key());
+        let e = err(&GOOD.replace("num_requests: 4", "num_requests: 4\n  batches: 2"));
+        assert!(e.contains("`workload.batches`: expected either"), "{e}");
+        let e = err(&GOOD.replace("num_requests: 4", "batches: 0"));
+        assert!(e.contains("`workload.batches`: expected at least 1"), "{e}");
+        let e = err(&GOOD.replace("num_requests: 4", "source: null"));
+        assert!(e.contains("`workload`: expected `num_requests`"), "{e}");
     }
 
     #[test]

@@ -259,13 +259,15 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let e = &plan.exp;
     println!(
-        "{}: experiment `{}`, model {} on {}, context {}, {} requests per cell (+{} warm-up), {} repeat(s), seed {}",
+        "{}: experiment `{}`, model {} on {}, context {}, {} (+{} warm-up), {} repeat(s), seed {}",
         a.experiment.display(),
         e.name,
         e.model,
         e.device.name,
         plan.context,
-        e.workload.as_ref().map_or(0, |w| w.num_requests),
+        e.workload
+            .as_ref()
+            .map_or("no requests".into(), |w| w.describe()),
         e.warmup,
         e.repeats,
         e.seed
