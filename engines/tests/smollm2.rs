@@ -5,8 +5,8 @@ mod common;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use common::{max_abs_diff, smollm2_path};
-use kvbench_engines::engine::{argmax_rows, Engine, EngineConfig, Request};
+use common::{engine_greedy, max_abs_diff, smollm2_path};
+use kvbench_engines::engine::argmax_rows;
 use kvbench_engines::model::load::{load_gguf, GgufFile};
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::policy::full::{FullOptions, FullPolicy};
@@ -110,31 +110,15 @@ fn quantized_logits_and_answer_match_candle_quantized_llama() {
         let l = refm.forward(&x, prompt.len() + i).unwrap();
         next = argmax_rows(&l).unwrap()[0];
     }
-    let cfg = EngineConfig {
-        num_blocks: Some(600),
-        check_invariants: true,
-        ..Default::default()
-    };
-    let mut e = Engine::new(model, cfg).unwrap();
-    e.add_request(Request {
-        prompt: prompt.clone(),
-        max_new_tokens: 3,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    })
-    .unwrap();
-    e.run().unwrap();
-    let got = &e.finished()[0].output;
+    let got = engine_greedy(model, &prompt, 3);
     assert_eq!(
         got,
-        &want,
+        want,
         "ours: {:?}\ntheirs: {:?}",
-        tok.decode(got),
+        tok.decode(&got),
         tok.decode(&want)
     );
-    let text = tok.decode(got).unwrap();
+    let text = tok.decode(&got).unwrap();
     assert!(text.contains("Paris"), "{text}");
 }
 

@@ -7,8 +7,8 @@ mod common;
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
-use common::{max_abs_diff, smollm2_path};
-use kvbench_engines::engine::{argmax_rows, Engine, EngineConfig, Request};
+use common::{engine_greedy, max_abs_diff, smollm2_path};
+use kvbench_engines::engine::argmax_rows;
 use kvbench_engines::model::load::{load_gguf, GgufFile};
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::tokenizer::TextTokenizer;
@@ -33,23 +33,7 @@ fn f32_logits_and_32_greedy_tokens_match_dequantized_candle_llama() {
         .unwrap();
     let mut logits = refm.forward(&input, 0).unwrap();
 
-    let cfg = EngineConfig {
-        num_blocks: Some(600),
-        check_invariants: true,
-        ..Default::default()
-    };
-    let mut e = Engine::new(model.clone(), cfg).unwrap();
-    e.add_request(Request {
-        prompt: prompt.clone(),
-        max_new_tokens: 32,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    })
-    .unwrap();
-    e.run().unwrap();
-    let ours = e.finished()[0].output.clone();
+    let ours = engine_greedy(model.clone(), &prompt, 32);
 
     // Logits of the prompt's last position, and of every generated position, through
     // the reference's own KV cache against ours recomputed (dense) and paged (tokens).

@@ -121,15 +121,7 @@ fn greedy_dense(prompt: &[u32], n: usize) -> Vec<u32> {
 
 fn run_all(e: &mut Engine, prompts: &[Vec<u32>], n: usize) -> Vec<Vec<u32>> {
     for p in prompts {
-        e.add_request(Request {
-            prompt: p.clone(),
-            max_new_tokens: n,
-            arrival_s: 0.0,
-            stop_tokens: vec![],
-            forced_output: vec![],
-            record_logits: false,
-        })
-        .unwrap();
+        e.add_request(Request::greedy(p.clone(), n)).unwrap();
     }
     e.run().unwrap();
     let mut out: Vec<_> = e.finished().to_vec();
@@ -213,37 +205,16 @@ fn impossible_requests_are_rejected_not_looped() {
     cfg.block_size = 4;
     cfg.max_model_len = Some(64);
     let mut e = engine(cfg);
-    let too_long = e.add_request(Request {
-        prompt: vec![1; 60],
-        max_new_tokens: 10,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    });
+    let too_long = e.add_request(Request::greedy(vec![1; 60], 10));
     match too_long {
         Err(Error::RequestRejected { reason, .. }) => {
             assert!(reason.contains("max_model_len"), "{reason}")
         }
         other => panic!("{other:?}"),
     }
-    let bad_token = e.add_request(Request {
-        prompt: vec![49_152],
-        max_new_tokens: 1,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    });
+    let bad_token = e.add_request(Request::greedy(vec![49_152], 1));
     assert!(matches!(bad_token, Err(Error::RequestRejected { .. })));
-    let empty = e.add_request(Request {
-        prompt: vec![],
-        max_new_tokens: 1,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    });
+    let empty = e.add_request(Request::greedy(vec![], 1));
     assert!(matches!(empty, Err(Error::RequestRejected { .. })));
     assert!(!e.has_unfinished());
     assert_eq!(
@@ -320,21 +291,13 @@ fn later_arrivals_wait_and_stop_tokens_end_early() {
         .find(|&i| !first[..i].contains(&first[i]))
         .expect("varied output");
     e.add_request(Request {
-        prompt: p[1].clone(),
-        max_new_tokens: 3,
         arrival_s: 0.3,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
+        ..Request::greedy(p[1].clone(), 3)
     })
     .unwrap();
     e.add_request(Request {
-        prompt: p[0].clone(),
-        max_new_tokens: 6,
-        arrival_s: 0.0,
         stop_tokens: vec![first[k]],
-        forced_output: vec![],
-        record_logits: false,
+        ..Request::greedy(p[0].clone(), 6)
     })
     .unwrap();
     assert!(matches!(e.step().unwrap(), StepOutcome::Ran(_)));
@@ -380,26 +343,12 @@ fn a_step_past_the_capacity_fails_with_oom_and_nothing_is_lost() {
     cfg.scheduler.prefill = PrefillMode::Sequential;
     let mut e = Engine::new(model, cfg).unwrap();
     let mut seed = 1;
-    e.add_request(Request {
-        prompt: random_tokens(4, &mut seed),
-        max_new_tokens: 2,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    })
-    .unwrap();
+    e.add_request(Request::greedy(random_tokens(4, &mut seed), 2))
+        .unwrap();
     e.run().unwrap();
     assert_eq!(e.finished().len(), 1, "a small step fits");
-    e.add_request(Request {
-        prompt: random_tokens(700, &mut seed),
-        max_new_tokens: 2,
-        arrival_s: 0.0,
-        stop_tokens: vec![],
-        forced_output: vec![],
-        record_logits: false,
-    })
-    .unwrap();
+    e.add_request(Request::greedy(random_tokens(700, &mut seed), 2))
+        .unwrap();
     match e.run() {
         Err(Error::OutOfMemory {
             component: Component::Activations,

@@ -3,8 +3,10 @@
 //! drawn from it, the report judges C10 from it; a missing data directory is an error
 //! that says where the data was expected.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 const EXPERIMENT: &str = "\
 name: acc-e2e
@@ -39,10 +41,7 @@ fn data_dir() -> PathBuf {
 }
 
 fn kvbench(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .args(args)
-        .current_dir(cwd)
-        .env("KVBENCH_THREADS", "1")
+    common::kvbench_in(cwd, args)
         .env("KVBENCH_MODELS_DIR", cwd.join("models"))
         .env_remove("KVBENCH_DATASETS_DIR")
         .output()
@@ -59,9 +58,7 @@ fn text(o: &Output) -> String {
 
 #[test]
 fn an_accuracy_sweep_writes_its_tables_figure_and_verdict() {
-    let dir = tempfile::tempdir().unwrap();
-    let yaml = dir.path().join("acc.yaml");
-    std::fs::write(&yaml, EXPERIMENT).unwrap();
+    let (dir, yaml) = common::with_experiment("acc.yaml", EXPERIMENT);
     let data = data_dir();
     let data = data.to_str().unwrap();
     let run = kvbench(
@@ -112,9 +109,7 @@ fn an_accuracy_sweep_writes_its_tables_figure_and_verdict() {
 
 #[test]
 fn a_missing_data_directory_is_named() {
-    let dir = tempfile::tempdir().unwrap();
-    let yaml = dir.path().join("acc.yaml");
-    std::fs::write(&yaml, EXPERIMENT).unwrap();
+    let (dir, yaml) = common::with_experiment("acc.yaml", EXPERIMENT);
     let missing = dir.path().join("no-data");
     let run = kvbench(
         &[

@@ -1,5 +1,7 @@
 //! The `kvbench` binary as a user runs it.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -421,17 +423,26 @@ fn the_shipped_experiments_parse_and_list_their_cells() {
 #[test]
 fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     let dir = tempfile::tempdir().unwrap();
-    let exp = |memory: &str| {
-        format!(
-            "name: t\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: {memory}\nengines:\n  - name: h2o\nmatrix:\n  batch: [2]\n  prompt_len: [40]\n  output_len: [6]\n  budget: [0.25]\n  request_rate: [50]\nworkload:\n  num_requests: 3\nwarmup: 1\n"
+    // The experiment on a device of `memory`, written to `file`.
+    let exp = |file: &str, memory: &str| {
+        let path = dir.path().join(file);
+        std::fs::write(
+            &path,
+            format!(
+                "name: t\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: {memory}\nengines:\n  - name: h2o\nmatrix:\n  batch: [2]\n  prompt_len: [40]\n  output_len: [6]\n  budget: [0.25]\n  request_rate: [50]\nworkload:\n  num_requests: 3\nwarmup: 1\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let run_cell = |exp: &Path, cell: &str| {
+        kvbench(
+            dir.path(),
+            &["run-cell", exp.to_str().unwrap(), "--cell", cell],
         )
     };
-    let ok = dir.path().join("ok.yaml");
-    std::fs::write(&ok, exp("1GiB")).unwrap();
-    let o = kvbench(
-        dir.path(),
-        &["run-cell", ok.to_str().unwrap(), "--cell", "0"],
-    );
+    let ok = exp("ok.yaml", "1GiB");
+    let o = run_cell(&ok, "0");
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["outcome"], "ok", "{v}");
@@ -446,12 +457,7 @@ fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     // Run by hand, the cell reports no progress.
     assert!(!stderr(&o).contains("kvbench-progress"), "{}", stderr(&o));
     // A device smaller than the weights: the cell's outcome is oom, still one object.
-    let oom = dir.path().join("oom.yaml");
-    std::fs::write(&oom, exp("1MiB")).unwrap();
-    let o = kvbench(
-        dir.path(),
-        &["run-cell", oom.to_str().unwrap(), "--cell", "0"],
-    );
+    let o = run_cell(&exp("oom.yaml", "1MiB"), "0");
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["outcome"], "oom", "{v}");
@@ -461,31 +467,20 @@ fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     );
     assert!(v["metrics"].is_null());
     // A cell index past the plan is a named error.
-    let o = kvbench(
-        dir.path(),
-        &["run-cell", ok.to_str().unwrap(), "--cell", "9"],
-    );
+    let o = run_cell(&ok, "9");
     assert!(!o.status.success());
     assert!(stderr(&o).contains("cells 0..1"), "{}", stderr(&o));
 }
 
 #[test]
 fn a_sweep_records_each_cell_once_and_resumes() {
-    let dir = tempfile::tempdir().unwrap();
-    let exp = dir.path().join("e.yaml");
-    std::fs::write(
-        &exp,
+    let (dir, exp) = common::with_experiment(
+        "e.yaml",
         "name: sweep\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\n  - name: streaming\nmatrix:\n  batch: [1, 2]\n  prompt_len: [24]\n  output_len: [4]\n  budget: [0.5]\nworkload:\n  num_requests: 2\n",
-    )
-    .unwrap();
+    );
     let results = dir.path().join("results");
     let run = |extra: &[&str]| {
-        let mut args = vec![
-            "run",
-            exp.to_str().unwrap(),
-            "--results",
-            results.to_str().unwrap(),
-        ];
+        let mut args = common::sweep_args(&exp, &results).to_vec();
         args.extend(extra);
         let o = kvbench(dir.path(), &args);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -516,8 +511,17 @@ fn a_sweep_records_each_cell_once_and_resumes() {
     };
     let runs = read("runs");
     assert_eq!(runs.height(), 4);
+    let has_columns = |columns: &[&str]| {
+        for c in columns {
+            assert!(
+                runs.column(c).is_ok(),
+                "runs.parquet lacks {c}: {:?}",
+                runs.get_column_names()
+            );
+        }
+    };
     // The headline columns under their stable names.
-    for c in [
+    has_columns(&[
         "experiment",
         "cell_id",
         "repeat",
@@ -546,13 +550,7 @@ fn a_sweep_records_each_cell_once_and_resumes() {
         "mem_activations_peak_bytes",
         "mem_device_peak_bytes",
         "mem_host_peak_bytes",
-    ] {
-        assert!(
-            runs.column(c).is_ok(),
-            "runs.parquet lacks {c}: {:?}",
-            runs.get_column_names()
-        );
-    }
+    ]);
     assert_eq!(runs.get_column_names()[0].as_str(), "experiment");
     let exp_names = runs.column("experiment").unwrap().str().unwrap();
     assert!((0..exp_names.len()).all(|i| exp_names.get(i) == Some("sweep")));
@@ -574,7 +572,7 @@ fn a_sweep_records_each_cell_once_and_resumes() {
         runs.column("mem_device_peak_bytes").unwrap().null_count(),
         4
     );
-    for c in [
+    has_columns(&[
         "cell_index",
         "cell_key",
         "cell_engine",
@@ -586,13 +584,7 @@ fn a_sweep_records_each_cell_once_and_resumes() {
         "env_cpu_cores",
         "env_kvbench_version",
         "process_rss_peak_bytes",
-    ] {
-        assert!(
-            runs.column(c).is_ok(),
-            "runs.parquet lacks {c}: {:?}",
-            runs.get_column_names()
-        );
-    }
+    ]);
     // No GPU here: the GPU peak is null, not zero.
     assert_eq!(runs.column("gpu_used_peak_bytes").unwrap().null_count(), 4);
     let requests = read("requests");
@@ -611,13 +603,10 @@ fn a_sweep_records_each_cell_once_and_resumes() {
 
 #[test]
 fn a_concurrency_cap_sends_requests_as_others_finish_and_progress_stays_in_the_parent() {
-    let dir = tempfile::tempdir().unwrap();
-    let exp = dir.path().join("c.yaml");
-    std::fs::write(
-        &exp,
+    let (dir, exp) = common::with_experiment(
+        "c.yaml",
         "name: capped\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [4]\n  prompt_len: [16]\n  output_len: [4]\n  max_concurrency: [inf, 1]\nworkload:\n  num_requests: 3\nwarmup: 1\n",
-    )
-    .unwrap();
+    );
     let path = exp.to_str().unwrap();
     // --dry-run shows the cap.
     let o = kvbench(dir.path(), &["run", path, "--dry-run"]);
@@ -666,11 +655,7 @@ fn a_concurrency_cap_sends_requests_as_others_finish_and_progress_stays_in_the_p
         !err.contains("kvbench-progress") && !err.contains("tokens"),
         "{err}"
     );
-    let mut cells: Vec<serde_json::Value> = std::fs::read_dir(results.join("capped/cells"))
-        .unwrap()
-        .map(|f| serde_json::from_slice(&std::fs::read(f.unwrap().path()).unwrap()).unwrap())
-        .collect();
-    cells.sort_by_key(|v| v["cell"]["index"].as_u64());
+    let cells = common::recorded_cells(&results.join("capped"));
     assert_eq!(cells.len(), 2);
     let times = |v: &serde_json::Value| -> Vec<(f64, f64)> {
         let mut t: Vec<(f64, f64)> = v["requests"]
@@ -720,22 +705,14 @@ fn a_concurrency_cap_sends_requests_as_others_finish_and_progress_stays_in_the_p
 
 #[test]
 fn a_sweep_killed_in_the_middle_of_a_cell_resumes_without_loss_or_duplicates() {
-    let dir = tempfile::tempdir().unwrap();
-    let exp = dir.path().join("k.yaml");
     // Six cells of a fraction of a second each.
-    std::fs::write(
-        &exp,
+    let (dir, exp) = common::with_experiment(
+        "k.yaml",
         "name: killed\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\n  - name: h2o\nmatrix:\n  batch: [1, 2, 4]\n  prompt_len: [48]\n  output_len: [24]\n  budget: [0.5]\nworkload:\n  num_requests: 4\n",
-    )
-    .unwrap();
+    );
     let results = dir.path().join("results");
     let cells = results.join("killed/cells");
-    let args = [
-        "run",
-        exp.to_str().unwrap(),
-        "--results",
-        results.to_str().unwrap(),
-    ];
+    let args = common::sweep_args(&exp, &results);
     let all_files = || -> Vec<PathBuf> {
         let mut v: Vec<PathBuf> = std::fs::read_dir(&cells)
             .map(|d| d.map(|e| e.unwrap().path()).collect())

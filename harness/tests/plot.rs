@@ -3,8 +3,9 @@
 //! every figure as PNG and SVG, what was written and skipped on stdout, and errors
 //! that name the path.
 
+mod common;
+
 use std::path::Path;
-use std::process::Command;
 
 const EXPERIMENT: &str = "\
 name: plot-e2e
@@ -28,10 +29,7 @@ repeats: 1
 ";
 
 fn kvbench(args: &[&str], cwd: &Path) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .args(args)
-        .current_dir(cwd)
-        .env("KVBENCH_THREADS", "1")
+    common::kvbench_in(cwd, args)
         .output()
         .expect("running kvbench")
 }
@@ -51,9 +49,7 @@ fn png_size(path: &Path) -> (u32, u32) {
 
 #[test]
 fn plot_draws_every_figure_of_a_real_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let yaml = dir.path().join("plot-e2e.yaml");
-    std::fs::write(&yaml, EXPERIMENT).unwrap();
+    let (dir, yaml) = common::with_experiment("plot-e2e.yaml", EXPERIMENT);
     let run = kvbench(
         &["run", yaml.to_str().unwrap(), "--results", "results"],
         dir.path(),

@@ -1,8 +1,9 @@
 //! `kvbench report` end to end: a small real batch sweep on preset:tiny with the three
 //! strategies of the study, its figures, then report.md and report.html.
 
+mod common;
+
 use std::path::Path;
-use std::process::Command;
 
 const EXPERIMENT: &str = "\
 name: report-e2e
@@ -26,10 +27,7 @@ repeats: 1
 ";
 
 fn kvbench(args: &[&str], cwd: &Path) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .args(args)
-        .current_dir(cwd)
-        .env("KVBENCH_THREADS", "1")
+    common::kvbench_in(cwd, args)
         .env("KVBENCH_MODELS_DIR", cwd)
         .output()
         .expect("running kvbench")
@@ -37,21 +35,16 @@ fn kvbench(args: &[&str], cwd: &Path) -> std::process::Output {
 
 #[test]
 fn the_report_lists_every_figure_and_judges_the_claims_the_data_can_speak_to() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = common::with_experiment("e.yaml", EXPERIMENT);
     let d = dir.path();
-    std::fs::write(d.join("e.yaml"), EXPERIMENT).unwrap();
-    for args in [
-        &["run", "e.yaml"][..],
-        &["plot", "results/report-e2e"][..],
-        &["report", "results/report-e2e"][..],
-    ] {
-        let o = kvbench(args, d);
-        assert!(
-            o.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
+    common::run_each(
+        &[
+            &["run", "e.yaml"],
+            &["plot", "results/report-e2e"],
+            &["report", "results/report-e2e"],
+        ],
+        |args| kvbench(args, d),
+    );
     let exp = d.join("results/report-e2e");
     let md = std::fs::read_to_string(exp.join("report.md")).unwrap();
     let html = std::fs::read_to_string(exp.join("report.html")).unwrap();

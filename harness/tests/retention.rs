@@ -1,8 +1,9 @@
 //! A retention sweep end to end on `preset:tiny`: cells per engine × budget × bucket,
 //! one accuracy row per prompt, accuracy.parquet, fig8 and the report's C11 line.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 const EXPERIMENT: &str = "\
 name: retention-e2e
@@ -41,10 +42,7 @@ fn data_dir() -> PathBuf {
 }
 
 fn kvbench(args: &[&str], cwd: &Path) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .args(args)
-        .current_dir(cwd)
-        .env("KVBENCH_THREADS", "1")
+    common::kvbench_in(cwd, args)
         // An empty models directory: the preset gets the byte-level tokenizer.
         .env("KVBENCH_MODELS_DIR", cwd)
         .env("KVBENCH_DATASETS_DIR", data_dir())
@@ -54,28 +52,19 @@ fn kvbench(args: &[&str], cwd: &Path) -> std::process::Output {
 
 #[test]
 fn a_retention_sweep_records_a_row_per_prompt_and_feeds_fig8_and_c11() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = common::with_experiment("e.yaml", EXPERIMENT);
     let d = dir.path();
-    std::fs::write(d.join("e.yaml"), EXPERIMENT).unwrap();
-    for args in [
-        &["run", "e.yaml"][..],
-        &["plot", "results/retention-e2e", "--figures", "fig8"][..],
-        &["report", "results/retention-e2e"][..],
-    ] {
-        let o = kvbench(args, d);
-        assert!(
-            o.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    }
+    common::run_each(
+        &[
+            &["run", "e.yaml"],
+            &["plot", "results/retention-e2e", "--figures", "fig8"],
+            &["report", "results/retention-e2e"],
+        ],
+        |args| kvbench(args, d),
+    );
     let exp = d.join("results/retention-e2e");
     // full once, h2o and infinigen at 0.3; two buckets each.
-    let mut cells: Vec<serde_json::Value> = std::fs::read_dir(exp.join("cells"))
-        .unwrap()
-        .map(|e| serde_json::from_slice(&std::fs::read(e.unwrap().path()).unwrap()).unwrap())
-        .collect();
-    cells.sort_by_key(|c| c["cell"]["index"].as_u64());
+    let cells = common::recorded_cells(&exp);
     assert_eq!(cells.len(), 6);
     for c in &cells {
         assert_eq!(c["outcome"], "ok", "{}", c["error"]);

@@ -1,6 +1,7 @@
 #![allow(dead_code)]
 use candle_core::Device;
 use kvbench_engines::config::preset;
+use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::model::load::load_preset;
 use kvbench_engines::model::{Llama, WeightDtype};
 use std::path::PathBuf;
@@ -21,6 +22,21 @@ pub fn smollm2_path() -> PathBuf {
         p.display()
     );
     p
+}
+
+/// The greedy continuation of `prompt` through the engine: a pool of 600 blocks,
+/// invariants checked.
+pub fn engine_greedy(model: Llama, prompt: &[u32], max_new_tokens: usize) -> Vec<u32> {
+    let cfg = EngineConfig {
+        num_blocks: Some(600),
+        check_invariants: true,
+        ..Default::default()
+    };
+    let mut e = Engine::new(model, cfg).unwrap();
+    e.add_request(Request::greedy(prompt.to_vec(), max_new_tokens))
+        .unwrap();
+    e.run().unwrap();
+    e.finished()[0].output.clone()
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
