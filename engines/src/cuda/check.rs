@@ -37,6 +37,45 @@ fn upload(v: &[f32], shape: &[usize], dev: &Device) -> Result<Tensor> {
     Ok(Tensor::from_slice(v, shape, dev)?.to_dtype(DType::BF16)?)
 }
 
+/// Block tables of sequences holding `tokens[i]` tokens each, drawn from `blocks`
+/// shuffled blocks (so rows read scattered blocks, as a long-running pool's do).
+fn random_tables(rng: &mut StdRng, tokens: &[usize], blocks: usize, bs: usize) -> Vec<Vec<i32>> {
+    let mut free: Vec<i32> = (0..blocks as i32).collect();
+    free.shuffle(rng);
+    tokens
+        .iter()
+        .map(|l| free.split_off(free.len() - l.div_ceil(bs)))
+        .collect()
+}
+
+/// Pool slots of positions `0..n` of the sequence with block `table`.
+fn slots_of(table: &[i32], n: usize, bs: usize) -> Vec<i32> {
+    (0..n)
+        .map(|p| table[p / bs] * bs as i32 + (p % bs) as i32)
+        .collect()
+}
+
+/// Random bf16 K and V rows (`[slots, KVH, D]`) written to `slots` of `cache`, returned.
+fn write_random(
+    rng: &mut StdRng,
+    dev: &Device,
+    cache: &mut LayerCache,
+    slots: &[i32],
+    kvh: usize,
+    d: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let n = slots.len();
+    let k = rand_bf16(rng, n * kvh * d, 1.0);
+    let v = rand_bf16(rng, n * kvh * d, 1.0);
+    kv_write(
+        cache,
+        &upload(&k, &[n, kvh, d], dev)?,
+        &upload(&v, &[n, kvh, d], dev)?,
+        slots,
+    )?;
+    Ok((k, v))
+}
+
 fn download(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
@@ -89,13 +128,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         // Sequences with lengths at and around block and partition boundaries.
         let lens = [1usize, bs, bs + 1, part, part + 1, 3 * part + 7, 2500];
         let total_blocks: usize = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 5;
-        let mut free: Vec<i32> = (0..total_blocks as i32).collect();
-        free.shuffle(&mut rng);
-        let mut tables = Vec::new();
-        for &l in &lens {
-            let nb = l.div_ceil(bs);
-            tables.push(free.split_off(free.len() - nb));
-        }
+        let tables = random_tables(&mut rng, &lens, total_blocks, bs);
         let mut cache = LayerCache::new(&cuda, total_blocks * bs, row)?;
         // Poison the pool so a read of an unwritten slot shows.
         let poison = upload(
@@ -111,18 +144,8 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         )?;
         let mut keys = Vec::new();
         for (si, &l) in lens.iter().enumerate() {
-            let k = rand_bf16(&mut rng, l * row, 1.0);
-            let v = rand_bf16(&mut rng, l * row, 1.0);
-            let slots: Vec<i32> = (0..l)
-                .map(|p| tables[si][p / bs] * bs as i32 + (p % bs) as i32)
-                .collect();
-            kv_write(
-                &mut cache,
-                &upload(&k, &[l, kvh, d], dev)?,
-                &upload(&v, &[l, kvh, d], dev)?,
-                &slots,
-            )?;
-            keys.push((k, v));
+            let slots = slots_of(&tables[si], l, bs);
+            keys.push(write_random(&mut rng, dev, &mut cache, &slots, kvh, d)?);
         }
         // Gather: exact round trip of every sequence.
         let mut worst = 0f64;
@@ -351,25 +374,13 @@ fn evicting_checks(
     let mut out = Vec::new();
     let lens = [700usize, 130];
     let total_blocks: usize = lens.iter().map(|l| l.div_ceil(bs)).sum::<usize>() + 3;
-    let mut free: Vec<i32> = (0..total_blocks as i32).collect();
-    free.shuffle(rng);
-    let tables: Vec<Vec<i32>> = lens
-        .iter()
-        .map(|l| free.split_off(free.len() - l.div_ceil(bs)))
-        .collect();
+    let tables = random_tables(rng, &lens, total_blocks, bs);
     let phys = |si: usize, i: usize| tables[si][i / bs] * bs as i32 + (i % bs) as i32;
     let mut sl = SlotLayer::new(&cuda, total_blocks * bs, kvh, d)?;
     let mut keys = Vec::new();
     for (si, &l) in lens.iter().enumerate() {
-        let k = rand_bf16(rng, l * kvh * d, 1.0);
-        let v = rand_bf16(rng, l * kvh * d, 1.0);
-        let slots: Vec<i32> = (0..l).map(|i| phys(si, i)).collect();
-        kv_write(
-            &mut sl.kv,
-            &upload(&k, &[l, kvh, d], dev)?,
-            &upload(&v, &[l, kvh, d], dev)?,
-            &slots,
-        )?;
+        let slots = slots_of(&tables[si], l, bs);
+        let (k, v) = write_random(rng, dev, &mut sl.kv, &slots, kvh, d)?;
         keys.push((k, v, slots));
     }
     let reset = |sl: &mut SlotLayer| -> Result<()> {
@@ -778,12 +789,8 @@ fn infinigen_checks(
 
     // Partial keys in a device pool with shuffled block tables.
     let pool_blocks = host_blocks;
-    let mut free: Vec<i32> = (0..pool_blocks as i32).collect();
-    free.shuffle(rng);
-    let tables: Vec<Vec<i32>> = lens
-        .iter()
-        .map(|&l| free.split_off(free.len() - (l + 1).div_ceil(bs)))
-        .collect();
+    let with_new: Vec<usize> = lens.iter().map(|l| l + 1).collect();
+    let tables = random_tables(rng, &with_new, pool_blocks, bs);
     let a: Vec<f32> = (0..off * kvh * d * d)
         .map(|_| rng.random_range(-1.0f32..1.0) / (d as f32).sqrt())
         .collect();
@@ -1103,14 +1110,12 @@ fn rolling_check(
     ];
     let kept: Vec<usize> = cases.iter().map(|&(n, s, w)| n.min(s + w)).collect();
     let total_blocks: usize = kept.iter().map(|m| m.div_ceil(bs)).sum::<usize>() + 2;
-    let mut free: Vec<i32> = (0..total_blocks as i32).collect();
-    free.shuffle(rng);
+    let all_tables = random_tables(rng, &kept, total_blocks, bs);
     let mut cache = LayerCache::new(&cuda, total_blocks * bs, row)?;
     let mut pos = vec![0i32; total_blocks * bs * kvh];
     let (mut tables, mut params, mut keys, mut vals) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (&(n, sinks, window), &m) in cases.iter().zip(&kept) {
-        let table = free.split_off(free.len() - m.div_ceil(bs));
+    for ((&(n, sinks, window), &m), table) in cases.iter().zip(&kept).zip(all_tables) {
         // Kept positions: the sinks and the last window, the new token last.
         let mut kept_pos: Vec<usize> = if n <= sinks + window {
             (0..n).collect()
@@ -1120,17 +1125,8 @@ fn rolling_check(
         let last = kept_pos.pop().expect("n ≥ 1");
         kept_pos.shuffle(rng);
         kept_pos.push(last);
-        let k = rand_bf16(rng, m * row, 1.0);
-        let v = rand_bf16(rng, m * row, 1.0);
-        let slots: Vec<i32> = (0..m)
-            .map(|i| table[i / bs] * bs as i32 + (i % bs) as i32)
-            .collect();
-        kv_write(
-            &mut cache,
-            &upload(&k, &[m, kvh, d], dev)?,
-            &upload(&v, &[m, kvh, d], dev)?,
-            &slots,
-        )?;
+        let slots = slots_of(&table, m, bs);
+        let (k, v) = write_random(rng, dev, &mut cache, &slots, kvh, d)?;
         for (i, &slot) in slots.iter().enumerate() {
             for g in 0..kvh {
                 pos[slot as usize * kvh + g] = kept_pos[i] as i32;
