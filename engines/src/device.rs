@@ -72,11 +72,12 @@ impl DeviceKind {
     }
 }
 
-/// Total memory of a device in bytes as its driver reports it; `None` on CPU.
-pub fn device_memory(d: &candle_core::Device) -> Result<Option<u64>> {
+/// Total and free memory of a device in bytes as its driver reports them; `None` on
+/// CPU.
+pub fn device_memory(d: &candle_core::Device) -> Result<Option<(u64, u64)>> {
     match d {
         #[cfg(feature = "cuda")]
-        candle_core::Device::Cuda(c) => Ok(Some(crate::cuda::memory_info(c)?.0)),
+        candle_core::Device::Cuda(c) => Ok(Some(crate::cuda::memory_info(c)?)),
         _ => Ok(None),
     }
 }

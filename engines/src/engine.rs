@@ -24,6 +24,10 @@ pub struct EngineConfig {
     pub device_memory: Option<u64>,
     /// Fraction of the capacity the engine may use (vLLM `gpu_memory_utilization`).
     pub memory_fraction: f64,
+    /// Bytes this process can use on the device at start-up (its free memory with the
+    /// model loaded, plus the model's weights), when less than the fraction of the
+    /// capacity: the pool is planned within it. `None`: the fraction of the capacity.
+    pub device_available: Option<u64>,
     /// Fixed pool size in blocks instead of sizing from the capacity.
     pub num_blocks: Option<usize>,
     pub block_size: usize,
@@ -53,6 +57,7 @@ impl Default for EngineConfig {
             device_name: "cpu".into(),
             device_memory: None,
             memory_fraction: 0.9,
+            device_available: None,
             num_blocks: None,
             block_size: 16,
             max_model_len: None,
@@ -168,7 +173,8 @@ impl Engine {
         let kv_bytes = match (cfg.num_blocks, cfg.device_memory) {
             (Some(n), _) => n as u64 * block_bytes,
             (None, Some(cap)) => {
-                let usable = (cap as f64 * cfg.memory_fraction) as u64;
+                let fraction = (cap as f64 * cfg.memory_fraction) as u64;
+                let usable = cfg.device_available.map_or(fraction, |a| fraction.min(a));
                 let non_kv = model.weights_bytes() + profile;
                 usable.saturating_sub(non_kv) / block_bytes * block_bytes
             }

@@ -276,6 +276,30 @@ fn pool_is_sized_from_the_capacity_fraction() {
     );
 }
 
+#[test]
+fn pool_stays_within_the_memory_the_device_has_free() {
+    let model = tiny();
+    let w = model.weights_bytes();
+    let act = model.activation_bytes(8192, 256);
+    let pool_with = |available: Option<u64>| {
+        let mut cfg = base_cfg();
+        cfg.num_blocks = None;
+        cfg.device_memory = Some(256 << 20);
+        cfg.memory_fraction = 0.5;
+        cfg.device_available = available;
+        Engine::new(tiny(), cfg).unwrap().memory().kv_device
+    };
+    let full_fraction = pool_with(None);
+    // More free than the fraction: no change; less: the pool plans within it.
+    assert_eq!(pool_with(Some(200 << 20)), full_fraction);
+    let tight = (100u64 << 20) - w - act;
+    let pool = pool_with(Some(100 << 20));
+    assert!(
+        pool <= tight && tight - pool < block_bytes_tiny() && pool < full_fraction,
+        "{pool} vs {tight} (fraction alone: {full_fraction})"
+    );
+}
+
 fn block_bytes_tiny() -> u64 {
     // 2 layers × 16 tokens × 2 KV heads × 16 dims × 4 bytes × (K, V)
     2 * 16 * 2 * 16 * 4 * 2

@@ -12,7 +12,7 @@
 use crate::experiment::{Cell, Kind, Plan};
 use crate::metrics::{compute, CellMetrics, Slo};
 use crate::setup::{
-    host_memory_bytes, load_model, seeded_ids, skewing, DtypeArg, ModelArgs, Setup,
+    device_capacity, host_memory_bytes, load_model, seeded_ids, skewing, DtypeArg, ModelArgs, Setup,
 };
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -20,7 +20,7 @@ use kvbench_datasets::arrivals::{Arrivals, ConcurrencyGate};
 use kvbench_datasets::corpus::Corpus;
 use kvbench_datasets::prompts::slice_prompts;
 use kvbench_datasets::Tokenize;
-use kvbench_engines::device::{parse_bytes, DeviceKind};
+use kvbench_engines::device::parse_bytes;
 use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::ledger::MemoryReport;
 use kvbench_engines::policy::spec::PolicySpec;
@@ -274,14 +274,11 @@ pub(crate) fn policy_engine(
     if let PolicySpec::Infinigen(p) = &mut policy {
         p.skewing = Some(skewing(setup, calibration, models_dir)?);
     }
-    let capacity = match (&e.device.memory, setup.device) {
-        (Some(m), _) => parse_bytes(m).map_err(anyhow::Error::msg)?,
-        (None, DeviceKind::Cpu) => host_memory_bytes(),
-        (None, DeviceKind::Cuda(_)) => {
-            kvbench_engines::device::device_memory(setup.loaded.model.device())?
-                .context("the CUDA driver reported no memory size")?
-        }
+    let explicit = match &e.device.memory {
+        Some(m) => Some(parse_bytes(m).map_err(anyhow::Error::msg)?),
+        None => None,
     };
+    let (capacity, available) = device_capacity(setup, explicit, e.device.memory_fraction)?;
     let host = match &e.device.host_memory {
         Some(m) => parse_bytes(m).map_err(anyhow::Error::msg)?,
         None => host_memory_bytes(),
@@ -289,6 +286,7 @@ pub(crate) fn policy_engine(
     let cfg = EngineConfig {
         device_name: setup.device.to_string(),
         device_memory: Some(capacity),
+        device_available: available,
         memory_fraction: e.device.memory_fraction,
         block_size: e.scheduler.block_size,
         max_model_len: Some(plan.context),

@@ -270,6 +270,40 @@ fn parse_size(s: &str) -> std::result::Result<u64, String> {
     parse_bytes(s)
 }
 
+/// The device's capacity for the engine: `explicit`, else the machine's memory on the
+/// CPU or the card's total on CUDA; and on CUDA without an explicit size, what this
+/// process can use (free memory with the model loaded, plus its weights), said on
+/// stderr when it is less than `fraction` of the card (another process holds the rest).
+pub fn device_capacity(
+    setup: &Setup,
+    explicit: Option<u64>,
+    fraction: f64,
+) -> Result<(u64, Option<u64>)> {
+    if let Some(c) = explicit {
+        return Ok((c, None));
+    }
+    let model = &setup.loaded.model;
+    match kvbench_engines::device::device_memory(model.device())? {
+        None => Ok((host_memory_bytes(), None)),
+        Some((total, free)) => {
+            let available = free + model.weights_bytes();
+            let planned = (total as f64 * fraction) as u64;
+            if available < planned {
+                eprintln!(
+                    "{}: {:.1} GiB free with the model loaded, less than {fraction} of {:.1} \
+                     GiB: the KV pool is planned within what is free",
+                    setup.device,
+                    free as f64 / GIB,
+                    total as f64 / GIB
+                );
+            }
+            Ok((total, Some(available)))
+        }
+    }
+}
+
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// Physical memory of this machine, the CPU device's default capacity.
 pub fn host_memory_bytes() -> u64 {
     use sysinfo::{MemoryRefreshKind, RefreshKind, System};
@@ -322,17 +356,11 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
             e.memory_fraction
         );
     }
-    let capacity = match (e.device_memory, setup.device) {
-        (Some(c), _) => c,
-        (None, DeviceKind::Cpu) => host_memory_bytes(),
-        (None, DeviceKind::Cuda(_)) => {
-            kvbench_engines::device::device_memory(setup.loaded.model.device())?
-                .context("the CUDA driver reported no memory size")?
-        }
-    };
+    let (capacity, available) = device_capacity(setup, e.device_memory, e.memory_fraction)?;
     let cfg = EngineConfig {
         device_name: setup.device.to_string(),
         device_memory: Some(capacity),
+        device_available: available,
         memory_fraction: e.memory_fraction,
         num_blocks: None,
         block_size: e.block_size,
