@@ -363,7 +363,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             block_size: self.block_size,
             part_size: PART_SIZE,
         };
-        if self.rule.rolling_positions() {
+        let out = if self.rule.rolling_positions() {
             // The query at its cache's last index; the kernel rotates each key to its.
             let most = step.kept.iter().copied().max().unwrap_or(1);
             self.rope_rows(input.rope, most)?;
@@ -382,35 +382,22 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                 cos,
                 sin,
             };
-            let out = paged_decode_rolling(&self.layers[layer].kv, &qr, &step.tables, shape, roll)?;
-            self.decoded(layer, batch, &step);
-            if step.evicts {
-                let start = self.begin()?;
-                let mode = self.rule.victim_kind();
-                evict(
-                    &self.dev,
-                    &mut self.layers[layer],
-                    &step.tables,
-                    &step.params,
-                    d,
-                    self.block_size,
-                    mode,
-                )?;
-                self.end(start)?;
-            }
-            self.step = Some(step);
-            return Ok(Some(out));
-        }
-        let sl = &self.layers[layer];
-        let out = if step.probs {
+            paged_decode_rolling(&self.layers[layer].kv, &qr, &step.tables, shape, roll)?
+        } else if step.probs {
             let scores = DecodeScores {
                 lse: &mut step.lse,
                 raw: &mut step.raw,
                 stride: step.stride,
             };
-            paged_decode_with(&sl.kv, &qd, &step.tables, shape, Some(scores))?
+            paged_decode_with(
+                &self.layers[layer].kv,
+                &qd,
+                &step.tables,
+                shape,
+                Some(scores),
+            )?
         } else {
-            paged_decode_with(&sl.kv, &qd, &step.tables, shape, None)?
+            paged_decode_with(&self.layers[layer].kv, &qd, &step.tables, shape, None)?
         };
         self.decoded(layer, batch, &step);
         if step.probs || step.evicts {

@@ -1414,14 +1414,7 @@ impl KvPolicy for CudaInfinigenPolicy {
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
         if !self.seqs.contains_key(&seq) {
-            self.admit(
-                seq,
-                SeqInfo {
-                    prompt_len: total_tokens,
-                    max_new_tokens: 0,
-                    prefill_len: total_tokens,
-                },
-            );
+            self.admit(seq, SeqInfo::unannounced(total_tokens));
         }
         if !self.tables.reserve(seq, total_tokens) {
             return false;

@@ -86,11 +86,7 @@ impl SeqState {
     /// its whole length is its prompt and nothing is evicted.
     pub(crate) fn unannounced(total_tokens: usize) -> Self {
         Self {
-            info: SeqInfo {
-                prompt_len: total_tokens,
-                max_new_tokens: 0,
-                prefill_len: total_tokens,
-            },
+            info: SeqInfo::unannounced(total_tokens),
             counts: None,
             computed: 0,
         }

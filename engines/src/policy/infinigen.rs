@@ -473,14 +473,7 @@ impl KvPolicy for InfinigenPolicy {
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
         if !self.seqs.contains_key(&seq) {
-            self.admit(
-                seq,
-                SeqInfo {
-                    prompt_len: total_tokens,
-                    max_new_tokens: 0,
-                    prefill_len: total_tokens,
-                },
-            );
+            self.admit(seq, SeqInfo::unannounced(total_tokens));
         }
         // The per-sequence buffers count against the device's KV bytes.
         if self.device_used() > self.env.kv_device_bytes {

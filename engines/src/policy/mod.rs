@@ -159,6 +159,18 @@ pub struct SeqInfo {
     pub prefill_len: usize,
 }
 
+impl SeqInfo {
+    /// A sequence reserved without being admitted first (tests, direct policy use):
+    /// all of its `total_tokens` are prompt, no output.
+    pub fn unannounced(total_tokens: usize) -> Self {
+        Self {
+            prompt_len: total_tokens,
+            max_new_tokens: 0,
+            prefill_len: total_tokens,
+        }
+    }
+}
+
 /// One decode row's attention in one layer, for the budget audit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct AttendRecord {
