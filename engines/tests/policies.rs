@@ -519,6 +519,10 @@ fn parameters_are_checked_with_errors_that_name_them() {
     assert!(e.to_string().contains("fraction"), "{e}");
     let e = PolicySpec::parse("infinigen", 0.3, &[("alpha".into(), "x".into())]).unwrap_err();
     assert!(e.to_string().contains("alpha=x"), "{e}");
+    let e = PolicySpec::parse("infinigen", 0.3, &[("transfer".into(), "dma".into())]).unwrap_err();
+    assert!(e.to_string().contains("`zero_copy` or `memcpy`"), "{e}");
+    let s = PolicySpec::parse("infinigen", 0.3, &[("transfer".into(), "memcpy".into())]).unwrap();
+    assert_eq!(s.params_json()["transfer"], "memcpy");
 }
 
 #[test]

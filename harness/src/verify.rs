@@ -227,7 +227,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         AttentionImpl::Chunked,
         AttentionImpl::Flash,
     ];
-    let strategies: &[(&str, &[(&str, &str)])] = &[
+    let mut strategies: Vec<(&str, &[(&str, &str)])> = vec![
         ("full", &[]),
         ("h2o", &[]),
         ("streaming", &[]),
@@ -235,9 +235,13 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         ("infinigen", &[]),
         ("infinigen", &[("alpha", "inf")]),
     ];
+    if on_cuda {
+        // The original's transfer (host gather, copies); the CPU policy has one path.
+        strategies.push(("infinigen", &[("transfer", "memcpy")]));
+    }
     let mut combos: Vec<(PolicySpec, AttentionImpl)> = Vec::new();
     for imp in impls {
-        for (name, extra) in strategies {
+        for (name, extra) in &strategies {
             combos.push((make(name, 1.0, extra)?, imp));
         }
     }

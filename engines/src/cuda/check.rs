@@ -733,15 +733,15 @@ fn infinigen_checks(
     let nrows = lens.len();
 
     // Host tier: four blocks per chunk, so the rows span several pinned chunks.
-    let block_elems = off * 2 * bs * row;
+    let layout = crate::kv::host::TierLayout {
+        layers: off,
+        block_size: bs,
+        num_kv_heads: kvh,
+        head_dim: d,
+        per_chunk: 4,
+    };
     let host_blocks: usize = lens.iter().map(|l| (l + 1).div_ceil(bs)).sum::<usize>() + 3;
-    let mut tier = PinnedTier::new(
-        &cuda,
-        host_blocks,
-        bs,
-        block_elems,
-        (4 * block_elems * 2) as u64,
-    )?;
+    let mut tier = PinnedTier::new(&cuda, host_blocks, layout)?;
     for (si, &l) in lens.iter().enumerate() {
         if !tier.reserve(si as u64, l + 1)? {
             return Err(crate::error::Error::Config(

@@ -34,23 +34,26 @@ use super::{
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
+use crate::kv::host::{gather_selected, TierLayout};
 use crate::kv::SeqTables;
 use crate::model::{Linear, Llama};
 use crate::policy::budget::{infinigen_k_max, infinigen_selection_cap};
-use crate::policy::infinigen::{top_k, InfinigenParams, Speculation};
+use crate::policy::infinigen::{top_k, InfinigenParams, Speculation, Transfer};
 use crate::policy::spec::PolicyEnv;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
     StepSeq,
 };
+use candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async;
 use candle_core::cuda_backend::cudarc::driver::sys::{self, CUevent_flags::CU_EVENT_DEFAULT};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaViewMut, DevicePtr, LaunchConfig,
+    PinnedHostSlice, PushKernelArg,
 };
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Tensor};
 use half::bf16;
+use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -72,9 +75,7 @@ const COLABS_ROWS: usize = 8192;
 pub struct PinnedTier {
     ctx: Arc<CudaContext>,
     tables: SeqTables,
-    block_elems: usize,
-    /// Blocks per chunk.
-    bpc: usize,
+    layout: TierLayout,
     chunks: Vec<Option<PinnedHostSlice<bf16>>>,
     /// Device addresses of the chunks (0 until allocated), mirrored in `ptrs_dev`.
     ptrs: Vec<u64>,
@@ -83,23 +84,14 @@ pub struct PinnedTier {
 }
 
 impl PinnedTier {
-    /// `num_blocks` blocks of `block_elems` bf16 each, pinned `chunk_bytes` at a time
-    /// (nothing allocated yet).
-    pub fn new(
-        dev: &CudaDevice,
-        num_blocks: usize,
-        block_size: usize,
-        block_elems: usize,
-        chunk_bytes: u64,
-    ) -> Result<Self> {
-        let block_bytes = (block_elems * 2).max(1) as u64;
-        let bpc = (chunk_bytes / block_bytes).max(1) as usize;
-        let n_chunks = num_blocks.div_ceil(bpc);
+    /// `num_blocks` blocks laid out as `layout` (its `per_chunk` blocks pinned at a
+    /// time; nothing allocated yet).
+    pub fn new(dev: &CudaDevice, num_blocks: usize, layout: TierLayout) -> Result<Self> {
+        let n_chunks = num_blocks.div_ceil(layout.per_chunk.max(1));
         Ok(Self {
             ctx: dev.cuda_stream().context().clone(),
-            tables: SeqTables::new(num_blocks, block_size, None),
-            block_elems,
-            bpc,
+            tables: SeqTables::new(num_blocks, layout.block_size, None),
+            layout,
             chunks: (0..n_chunks).map(|_| None).collect(),
             ptrs: vec![0; n_chunks],
             ptrs_dev: dev.alloc_zeros::<u64>(n_chunks.max(1))?,
@@ -107,8 +99,24 @@ impl PinnedTier {
         })
     }
 
+    /// Blocks per pinned allocation for blocks of `layout` in `chunk_bytes`.
+    pub fn per_chunk(layout: &TierLayout, chunk_bytes: u64) -> usize {
+        (chunk_bytes / (layout.block_elems() * 2).max(1) as u64).max(1) as usize
+    }
+
+    /// The allocated chunks as host slices (empty where none is allocated yet).
+    fn host_views(&self) -> Result<Vec<&[bf16]>> {
+        self.chunks
+            .iter()
+            .map(|c| match c {
+                Some(c) => Ok(c.as_slice().w()?),
+                None => Ok(&[][..]),
+            })
+            .collect()
+    }
+
     fn block_bytes(&self) -> u64 {
-        (self.block_elems * 2) as u64
+        (self.layout.block_elems() * 2) as u64
     }
 
     /// Room for `tokens` of `seq`; allocates the chunks its blocks fall in.
@@ -120,7 +128,7 @@ impl PinnedTier {
             .tables
             .table(seq)
             .iter()
-            .map(|&b| b as usize / self.bpc)
+            .map(|&b| b as usize / self.layout.per_chunk)
             .filter(|&c| self.chunks[c].is_none())
             .collect();
         for c in need {
@@ -133,8 +141,9 @@ impl PinnedTier {
         if self.chunks[c].is_some() {
             return Ok(());
         }
-        let blocks = self.bpc.min(self.tables.num_blocks() - c * self.bpc);
-        let len = blocks * self.block_elems;
+        let per = self.layout.per_chunk;
+        let blocks = per.min(self.tables.num_blocks() - c * per);
+        let len = blocks * self.layout.block_elems();
         // SAFETY: the memory is only read where a kernel wrote it first (positions
         // below a sequence's length).
         let host = unsafe {
@@ -225,6 +234,8 @@ struct DecodePlan {
     kmax: CudaSlice<i32>,
     dense_tables: DecodeTables,
     host_tables: CudaSlice<i32>,
+    /// The same tables on the host (host gathers of the `memcpy` transfer).
+    host_tables_host: Vec<Vec<i32>>,
     max_hblocks: usize,
     /// Per layer parity: row r reads staging slots r·B.. with the selection's count.
     stage_tables: [DecodeTables; 2],
@@ -252,6 +263,40 @@ struct StepBuffers {
     counts: CudaSlice<i32>,
     /// Selected count per (offloaded layer, decode row) of the step.
     klog: CudaSlice<i32>,
+    /// Host side of the `memcpy` transfer.
+    pinned: Option<PinnedStaging>,
+}
+
+/// Pinned host buffers of the `memcpy` transfer, per layer parity: the selection and
+/// counts copied back, and the rows gathered on the host (the device staging's layout).
+struct PinnedStaging {
+    sel: [PinnedHostSlice<i32>; 2],
+    ks: [PinnedHostSlice<i32>; 2],
+    k: [PinnedHostSlice<bf16>; 2],
+    v: [PinnedHostSlice<bf16>; 2],
+}
+
+impl PinnedStaging {
+    fn new(ctx: &Arc<CudaContext>, sel: usize, rows: usize, stage: usize) -> Result<Self> {
+        // SAFETY: every element is written (by a copy or the host gather) before it is
+        // read.
+        let pin = |n: usize| unsafe { ctx.alloc_pinned_with_flags::<i32>(n.max(1), 0) };
+        let pin_bf16 = |n: usize| unsafe { ctx.alloc_pinned_with_flags::<bf16>(n.max(1), 0) };
+        Ok(Self {
+            sel: [pin(sel).w()?, pin(sel).w()?],
+            ks: [pin(rows).w()?, pin(rows).w()?],
+            k: [pin_bf16(stage).w()?, pin_bf16(stage).w()?],
+            v: [pin_bf16(stage).w()?, pin_bf16(stage).w()?],
+        })
+    }
+
+    fn fits(&self, sel: usize, rows: usize, stage: usize) -> bool {
+        self.sel[0].len() >= sel && self.ks[0].len() >= rows && self.k[0].len() >= stage
+    }
+
+    fn bytes(&self) -> u64 {
+        2 * (4 * (self.sel[0].len() + self.ks[0].len()) + 2 * 2 * self.k[0].len()) as u64
+    }
 }
 
 impl StepBuffers {
@@ -267,6 +312,7 @@ impl StepBuffers {
             scores: dev.alloc_zeros(1)?,
             counts: dev.alloc_zeros(1)?,
             klog: dev.alloc_zeros(1)?,
+            pinned: None,
         })
     }
 
@@ -335,6 +381,11 @@ pub struct CudaInfinigenPolicy {
     event_errors: u64,
     /// Per layer parity: the gather that filled the staging buffer.
     gathered: [Option<CudaEvent>; 2],
+    /// `memcpy` transfer, per layer parity: the selection copied back to the host, the
+    /// attention that last read the device staging, the copies out of the pinned one.
+    idx_ready: [Option<CudaEvent>; 2],
+    attn_done: [Option<CudaEvent>; 2],
+    copied: [Option<CudaEvent>; 2],
     /// A failure inside `reserve` (which can only answer yes or no), reported by the
     /// next `attend`.
     failed: Option<Error>,
@@ -362,13 +413,20 @@ impl CudaInfinigenPolicy {
         let khat = (0..off)
             .map(|_| Ok(dev.alloc_zeros::<bf16>((slots * kvh * r).max(1))?))
             .collect::<Result<Vec<_>>>()?;
-        let host_block_elems = off * 2 * bs * row;
+        let mut layout = TierLayout {
+            layers: off,
+            block_size: bs,
+            num_kv_heads: kvh,
+            head_dim: d,
+            per_chunk: 1,
+        };
+        layout.per_chunk = PinnedTier::per_chunk(&layout, CHUNK_BYTES);
         let host_blocks = if off == 0 {
             0
         } else {
-            (env.kv_host_bytes / (host_block_elems * 2) as u64) as usize
+            (env.kv_host_bytes / (layout.block_elems() * 2) as u64) as usize
         };
-        let host = PinnedTier::new(&dev, host_blocks, bs, host_block_elems, CHUNK_BYTES)?;
+        let host = PinnedTier::new(&dev, host_blocks, layout)?;
         let copy = dev.cuda_stream().context().new_stream().w()?;
         Ok(Self {
             copy,
@@ -400,6 +458,9 @@ impl CudaInfinigenPolicy {
             stall_events: Vec::new(),
             event_errors: 0,
             gathered: [None, None],
+            idx_ready: [None, None],
+            attn_done: [None, None],
+            copied: [None, None],
             failed: None,
             dev,
             params,
@@ -574,6 +635,18 @@ impl CudaInfinigenPolicy {
             grow(&self.dev, &mut self.bufs.scores, nrows * h * stride)?;
             grow(&self.dev, &mut self.bufs.counts, nrows * h)?;
             grow(&self.dev, &mut self.bufs.klog, (off * nrows).max(1))?;
+            if self.params.transfer == Transfer::Memcpy {
+                let (ns, nst) = (self.bufs.sel[0].len(), self.bufs.stage_slots * row);
+                if !self
+                    .bufs
+                    .pinned
+                    .as_ref()
+                    .is_some_and(|p| p.fits(ns, nrows, nst))
+                {
+                    let ctx = self.dev.cuda_stream().context().clone();
+                    self.bufs.pinned = Some(PinnedStaging::new(&ctx, ns, nrows, nst)?);
+                }
+            }
             let after = self.bufs.bytes(row);
             if let Some(limit) = self.scratch_limit.filter(|&l| after > l) {
                 return Err(Error::OutOfMemory {
@@ -605,6 +678,7 @@ impl CudaInfinigenPolicy {
                 kmax: upload_i32(&self.dev, &kmax)?,
                 dense_tables: DecodeTables::new(&self.dev, &tables, &ctx)?,
                 host_tables: upload_i32(&self.dev, &hflat)?,
+                host_tables_host: htables,
                 max_hblocks,
                 stage_tables: [
                     DecodeTables::with_max_ctx(&self.dev, &stage_tables, &zeros, b)?,
@@ -666,6 +740,22 @@ impl CudaInfinigenPolicy {
             &mut self.bufs.counts,
             out,
         )?;
+        if self.params.transfer == Transfer::Memcpy {
+            // The original's path: the selection goes back to the host, which gathers
+            // the rows when the layer comes ([`Self::fetch`]).
+            let pin = self.bufs.pinned.as_mut().expect("planned for memcpy");
+            let n_sel = nrows * dims.num_kv_heads * dp.kcap;
+            stream
+                .memcpy_dtoh(&self.bufs.sel[p].slice(0..n_sel), &mut pin.sel[p])
+                .w()?;
+            stream
+                .memcpy_dtoh(&self.bufs.ks[p].slice(0..nrows), &mut pin.ks[p])
+                .w()?;
+            let copied_back = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+            self.cache_events.push((start, copied_back));
+            self.idx_ready[p] = Some(stream.record_event(Some(CU_EVENT_DEFAULT)).w()?);
+            return Ok(());
+        }
         let selected = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
         // The gather waits for the selection, which the compute stream issued after
         // layer target−2's attention: the staging buffer of this parity is free.
@@ -752,12 +842,85 @@ impl CudaInfinigenPolicy {
             Some(idx) => q.index_select(idx, 0)?,
             None => q.clone(),
         };
-        paged_decode(
+        let out = paged_decode(
             &self.bufs.stage[p],
             &qd,
             &dp.stage_tables[p],
             dims.stage_shape(),
-        )
+        )?;
+        self.attn_done[p] = Some(stream.record_event(Some(CU_EVENT_DEFAULT)).w()?);
+        Ok(out)
+    }
+
+    /// The `memcpy` transfer of layer `layer`'s selection: wait for it on the host,
+    /// gather the rows from the host tier into pinned staging (rows in parallel), and
+    /// copy each row's rows to the device staging on the copy stream once the
+    /// attention that last read it (layer − 2) is done.
+    fn fetch(&mut self, layer: usize) -> Result<()> {
+        let dims = self.dims();
+        let (kvh, row) = (dims.num_kv_heads, dims.num_kv_heads * dims.head_dim);
+        let p = layer % 2;
+        let li = layer - self.dense;
+        let ready = self.idx_ready[p].take().ok_or_else(|| {
+            Error::Config(format!(
+                "infinigen: layer {layer} has no selection to fetch"
+            ))
+        })?;
+        ready.synchronize().w()?;
+        if let Some(c) = self.copied[p].take() {
+            c.synchronize().w()?;
+        }
+        let dp = self
+            .plan
+            .as_ref()
+            .and_then(|p| p.dec.as_ref())
+            .expect("decode rows");
+        let (nrows, kcap, b) = (dp.rows.len(), dp.kcap, dp.b);
+        let layout = self.host.layout;
+        let views = self.host.host_views()?;
+        let PinnedStaging { sel, ks, k, v } = self.bufs.pinned.as_mut().expect("planned");
+        let (sel, ks) = (sel[p].as_slice().w()?, ks[p].as_slice().w()?);
+        let (sk, sv) = (k[p].as_mut_slice().w()?, v[p].as_mut_slice().w()?);
+        sk.par_chunks_mut(b * row)
+            .zip(sv.par_chunks_mut(b * row))
+            .take(nrows)
+            .enumerate()
+            .for_each(|(r, (ok, ov))| {
+                gather_selected(
+                    &layout,
+                    &views,
+                    li,
+                    &dp.host_tables_host[r],
+                    &sel[r * kvh * kcap..(r + 1) * kvh * kcap],
+                    kcap,
+                    ks[r].max(0) as usize,
+                    ok,
+                    ov,
+                )
+            });
+        if let Some(a) = &self.attn_done[p] {
+            self.copy.wait(a).w()?;
+        }
+        let stage = &self.bufs.stage[p];
+        let (kp, _rk) = stage.k.device_ptr(&self.copy);
+        let (vp, _rv) = stage.v.device_ptr(&self.copy);
+        for (r, &kr) in ks.iter().enumerate().take(nrows) {
+            let (at, n) = (r * b * row, kr.max(0) as usize * row);
+            if n == 0 {
+                continue;
+            }
+            let off = (at * 2) as u64;
+            // SAFETY: the destinations lie inside the staging buffers (n ≤ b·row per
+            // row), the sources in pinned memory that is not written again before
+            // `copied[p]` completes.
+            unsafe {
+                memcpy_htod_async(kp + off, &sk[at..at + n], self.copy.cu_stream()).w()?;
+                memcpy_htod_async(vp + off, &sv[at..at + n], self.copy.cu_stream()).w()?;
+            }
+        }
+        self.gathered[p] = Some(self.copy.record_event(Some(CU_EVENT_DEFAULT)).w()?);
+        self.copied[p] = Some(self.copy.record_event(Some(CU_EVENT_DEFAULT)).w()?);
+        Ok(())
     }
 
     /// The step's new K/V of offloaded layer `li` to the host tier.
@@ -998,7 +1161,7 @@ pub fn host_write(
     );
     let (re_i, bpc_i) = (
         as_i32(dims.row(), "KV row")?,
-        as_i32(tier.bpc, "blocks per chunk")?,
+        as_i32(tier.layout.per_chunk, "blocks per chunk")?,
     );
     let f = dev.get_or_load_custom_func("ig_host_write", MODULE, PTX)?;
     let mut b = f.builder();
@@ -1043,7 +1206,7 @@ pub fn host_read(
         );
         let (re_i, bpc_i) = (
             as_i32(row, "KV row")?,
-            as_i32(tier.bpc, "blocks per chunk")?,
+            as_i32(tier.layout.per_chunk, "blocks per chunk")?,
         );
         let f = dev.get_or_load_custom_func("ig_host_read", MODULE, PTX)?;
         let mut b = f.builder();
@@ -1322,7 +1485,7 @@ pub fn gather(
         as_i32(dims.head_dim, "D")?,
     );
     let (bpc_i, b_i) = (
-        as_i32(tier.bpc, "blocks per chunk")?,
+        as_i32(tier.layout.per_chunk, "blocks per chunk")?,
         as_i32(b, "staging slots")?,
     );
     let f = dev.get_or_load_custom_func("ig_gather", MODULE, PTX)?;
@@ -1518,6 +1681,9 @@ impl KvPolicy for CudaInfinigenPolicy {
                 };
                 self.speculate(layer, &qd)?;
             }
+            if self.params.transfer == Transfer::Memcpy {
+                self.fetch(layer)?;
+            }
             Some(self.attend_staged(layer, &q, &k, &v)?)
         } else {
             let (h, kvh, d) = self.heads;
@@ -1579,6 +1745,9 @@ impl KvPolicy for CudaInfinigenPolicy {
             return Ok(());
         };
         self.gathered = [None, None];
+        self.idx_ready = [None, None];
+        self.attn_done = [None, None];
+        self.copied = [None, None];
         let (Some(dp), false) = (plan.dec.as_ref(), plan.staged.is_empty()) else {
             return Ok(());
         };
@@ -1613,7 +1782,8 @@ impl KvPolicy for CudaInfinigenPolicy {
         PolicyMemory {
             device_reserved: self.block_bytes * self.tables.num_blocks() as u64 + fixed,
             device_used: self.block_bytes * self.tables.num_used() as u64 + fixed,
-            host_reserved: self.host.allocated_bytes(),
+            host_reserved: self.host.allocated_bytes()
+                + self.bufs.pinned.as_ref().map_or(0, PinnedStaging::bytes),
             host_used: self.host.tables.num_used() as u64 * self.host.block_bytes(),
         }
     }

@@ -164,3 +164,130 @@ impl HostTier for CpuHostTier {
             .check_invariants(self.tables.values().map(|t| t.as_slice()))
     }
 }
+
+/// Layout of the pinned host tier of InfiniGen on CUDA: blocks of
+/// `[layers][K, V][block_size][KVH][D]`, `per_chunk` blocks per allocation (the
+/// `ig_*` kernels address it the same way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierLayout {
+    pub layers: usize,
+    pub block_size: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub per_chunk: usize,
+}
+
+impl TierLayout {
+    pub fn block_elems(&self) -> usize {
+        self.layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+    }
+
+    /// Chunk and element offset in it of (`slot`, `layer`, K = 0 / V = 1, KV head `g`).
+    pub fn locate(&self, slot: usize, layer: usize, kv: usize, g: usize) -> (usize, usize) {
+        let (b, o) = (slot / self.block_size, slot % self.block_size);
+        let row = self.num_kv_heads * self.head_dim;
+        let at = (((b % self.per_chunk) * self.layers + layer) * 2 + kv) * self.block_size + o;
+        (b / self.per_chunk, at * row + g * self.head_dim)
+    }
+}
+
+/// One decode row's selection gathered on the host (InfiniGen's original transfer: a
+/// host gather into pinned staging, then one copy): for KV head `g`, positions
+/// `sel[g·kcap..][..k]` of the sequence with host block `table` are read from
+/// `chunks` (the tier, laid out as `layout`) at `layer` into `out_k`/`out_v` rows
+/// `[j][g][D]`, `j < k`.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_selected<T: Copy>(
+    layout: &TierLayout,
+    chunks: &[&[T]],
+    layer: usize,
+    table: &[i32],
+    sel: &[i32],
+    kcap: usize,
+    k: usize,
+    out_k: &mut [T],
+    out_v: &mut [T],
+) {
+    let (kvh, d, bs) = (layout.num_kv_heads, layout.head_dim, layout.block_size);
+    for g in 0..kvh {
+        for (j, &p) in sel[g * kcap..g * kcap + k].iter().enumerate() {
+            let p = p as usize;
+            let slot = table[p / bs] as usize * bs + p % bs;
+            let dst = (j * kvh + g) * d;
+            let (c, at) = layout.locate(slot, layer, 0, g);
+            out_k[dst..dst + d].copy_from_slice(&chunks[c][at..at + d]);
+            let (c, at) = layout.locate(slot, layer, 1, g);
+            out_v[dst..dst + d].copy_from_slice(&chunks[c][at..at + d]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every element of the tier names itself: (block, layer, kv, offset, head, dim).
+    fn tier(layout: &TierLayout, blocks: usize) -> Vec<Vec<u64>> {
+        let (kvh, d, bs) = (layout.num_kv_heads, layout.head_dim, layout.block_size);
+        let mut chunks = vec![
+            vec![0u64; layout.per_chunk * layout.block_elems()];
+            blocks.div_ceil(layout.per_chunk)
+        ];
+        for b in 0..blocks {
+            for l in 0..layout.layers {
+                for kv in 0..2 {
+                    for o in 0..bs {
+                        for g in 0..kvh {
+                            let (c, at) = layout.locate(b * bs + o, l, kv, g);
+                            for x in 0..d {
+                                chunks[c][at + x] = (((((b * 10 + l) * 2 + kv) * 100 + o) * 10 + g)
+                                    * 1000
+                                    + x) as u64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        chunks
+    }
+
+    #[test]
+    fn the_host_gather_reads_each_heads_positions_of_one_layer() {
+        let layout = TierLayout {
+            layers: 3,
+            block_size: 4,
+            num_kv_heads: 2,
+            head_dim: 3,
+            per_chunk: 2,
+        };
+        let chunks = tier(&layout, 5);
+        let views: Vec<&[u64]> = chunks.iter().map(Vec::as_slice).collect();
+        // Positions 0..12 in blocks 4, 0, 3 (over three chunks).
+        let table = [4, 0, 3];
+        let kcap = 5;
+        let sel = [1, 4, 9, 11, -1, 0, 2, 3, 8, -1];
+        let k = 4;
+        let (kvh, d) = (2, 3);
+        let mut out_k = vec![0u64; kcap * kvh * d];
+        let mut out_v = vec![0u64; kcap * kvh * d];
+        gather_selected(
+            &layout, &views, 2, &table, &sel, kcap, k, &mut out_k, &mut out_v,
+        );
+        for g in 0..kvh {
+            for j in 0..k {
+                let p = sel[g * kcap + j] as usize;
+                let (b, o) = (table[p / 4] as usize, p % 4);
+                for x in 0..d {
+                    let want = |kv: usize| {
+                        (((((b * 10 + 2) * 2 + kv) * 100 + o) * 10 + g) * 1000 + x) as u64
+                    };
+                    assert_eq!(out_k[(j * kvh + g) * d + x], want(0), "K g{g} j{j} x{x}");
+                    assert_eq!(out_v[(j * kvh + g) * d + x], want(1), "V g{g} j{j} x{x}");
+                }
+            }
+        }
+        // Rows past the count are left alone.
+        assert!(out_k[k * kvh * d..].iter().all(|&x| x == 0));
+    }
+}

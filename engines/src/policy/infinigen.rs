@@ -37,6 +37,27 @@ pub enum Speculation {
     Oracle,
 }
 
+/// How the selected rows reach the device on CUDA (the CPU policy copies them in
+/// process either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Transfer {
+    /// A gather kernel on a second stream reads the rows from mapped host memory.
+    #[default]
+    ZeroCopy,
+    /// The original's: the selection copied back to the host, the rows gathered there
+    /// into pinned staging, then copied to the device on a second stream.
+    Memcpy,
+}
+
+impl Transfer {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transfer::ZeroCopy => "zero_copy",
+            Transfer::Memcpy => "memcpy",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct InfinigenParams {
     pub budget: f64,
@@ -49,6 +70,7 @@ pub struct InfinigenParams {
     /// Leading layers attended densely from device memory (default 2).
     pub dense_layers: usize,
     pub speculation: Speculation,
+    pub transfer: Transfer,
     /// Skewing matrices from calibration (required to build the policy).
     pub skewing: Option<Arc<Skewing>>,
 }
@@ -93,6 +115,7 @@ impl Default for InfinigenParams {
             relative_to_current: false,
             dense_layers: 2,
             speculation: Speculation::Previous,
+            transfer: Transfer::ZeroCopy,
             skewing: None,
         }
     }

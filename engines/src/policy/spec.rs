@@ -3,7 +3,7 @@
 
 use super::full::{FullOptions, FullPolicy};
 use super::h2o::{H2o, H2oParams, H2oPolicy};
-use super::infinigen::{InfinigenParams, InfinigenPolicy, Speculation};
+use super::infinigen::{InfinigenParams, InfinigenPolicy, Speculation, Transfer};
 use super::streaming::{Streaming, StreamingParams, StreamingPolicy};
 use super::{budget::H2oRatio, KvPolicy};
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
@@ -226,9 +226,16 @@ impl PolicySpec {
                         _ => return Err(bad(s, k, v, "`previous` or `oracle`")),
                     }
                 }
+                "transfer" => {
+                    p.transfer = match v {
+                        "zero_copy" => Transfer::ZeroCopy,
+                        "memcpy" => Transfer::Memcpy,
+                        _ => return Err(bad(s, k, v, "`zero_copy` or `memcpy`")),
+                    }
+                }
                 _ => {
                     return Err(Error::Config(format!(
-                        "unknown infinigen parameter `{k}`: expected alpha, partial_ratio, relative_to_current, dense_layers, speculate"
+                        "unknown infinigen parameter `{k}`: expected alpha, partial_ratio, relative_to_current, dense_layers, speculate, transfer"
                     )))
                 }
             },
@@ -256,6 +263,7 @@ impl PolicySpec {
                 "relative_to_current": p.relative_to_current,
                 "dense_layers": p.dense_layers,
                 "speculate": match p.speculation { Speculation::Previous => "previous", Speculation::Oracle => "oracle" },
+                "transfer": p.transfer.name(),
             }),
         }
     }
