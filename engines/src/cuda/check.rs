@@ -1058,6 +1058,38 @@ fn infinigen_checks(
             format!("{shape}, alpha {alpha}, {nrows} rows from pinned host memory"),
             ok,
         ));
+        // The host gather of the `memcpy` transfer reads the same tier the same way.
+        let views = tier.host_views()?;
+        let mut ok = true;
+        for ri in 0..nrows {
+            let k = ks_h[ri] as usize;
+            let (mut hk, mut hv) = (vec![bf16::ZERO; k * row], vec![bf16::ZERO; k * row]);
+            crate::kv::host::gather_selected(
+                &layout,
+                &views,
+                li,
+                &host_tables[ri],
+                &sel_h[ri * kvh * kcap..(ri + 1) * kvh * kcap],
+                kcap,
+                k,
+                &mut hk,
+                &mut hv,
+            );
+            let at = ri * b * row;
+            ok &= hk
+                .iter()
+                .map(|x| x.to_f32())
+                .eq(sk[at..at + k * row].iter().copied())
+                && hv
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .eq(sv[at..at + k * row].iter().copied());
+        }
+        out.push(exact_check(
+            "host gather (transfer: memcpy)",
+            format!("{shape}, alpha {alpha}, as ig_gather"),
+            ok,
+        ));
         let o = paged_decode(&stage, &q_t, &stage_tables, dims.stage_shape())?;
         let o = download(&o)?;
         let (mut got, mut want) = (Vec::new(), Vec::new());

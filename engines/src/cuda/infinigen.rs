@@ -105,7 +105,7 @@ impl PinnedTier {
     }
 
     /// The allocated chunks as host slices (empty where none is allocated yet).
-    fn host_views(&self) -> Result<Vec<&[bf16]>> {
+    pub fn host_views(&self) -> Result<Vec<&[bf16]>> {
         self.chunks
             .iter()
             .map(|c| match c {
