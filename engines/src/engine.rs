@@ -271,6 +271,13 @@ impl Engine {
         self.start.elapsed().as_secs_f64()
     }
 
+    /// Allocate ahead what the policy would otherwise allocate inside timed steps, for
+    /// about `tokens` tokens held at once by `seqs` sequences (see
+    /// [`KvPolicy::prepare`]).
+    pub fn prepare(&mut self, tokens: usize, seqs: usize) -> Result<()> {
+        self.policy.prepare(tokens, seqs)
+    }
+
     /// Restart the engine clock (call just before submitting a workload).
     pub fn reset_clock(&mut self) {
         self.start = Instant::now();

@@ -433,6 +433,15 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
     let mut run = || -> Result<(Engine, usize, usize)> {
         let mut eng = engine(plan, cell, &setup, models_dir)?;
+        // At most `batch` requests are held at once: room for the longest ones is
+        // allocated before anything is timed.
+        let mut lengths: Vec<usize> = requests
+            .iter()
+            .map(|r| r.prompt.len() + r.max_new_tokens)
+            .collect();
+        lengths.sort_unstable_by(|a, b| b.cmp(a));
+        let held = cell.batch.min(lengths.len());
+        eng.prepare(lengths[..held].iter().sum(), held)?;
         let (warm, measured) = requests.split_at(e.warmup);
         // Warm-up requests all go at once, whatever the cap.
         drive(&mut eng, warm, None, &mut progress)?;

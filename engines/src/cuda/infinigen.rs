@@ -171,6 +171,18 @@ impl PinnedTier {
         Ok(())
     }
 
+    /// Pin the chunks that the first `blocks` blocks fall in (a fresh pool hands out
+    /// the lowest block ids first).
+    pub fn pin_ahead(&mut self, blocks: usize) -> Result<()> {
+        let chunks = blocks
+            .div_ceil(self.layout.per_chunk)
+            .min(self.chunks.len());
+        for c in 0..chunks {
+            self.allocate(c)?;
+        }
+        Ok(())
+    }
+
     /// Upload the chunk addresses if a chunk was added since the last upload.
     pub fn sync_ptrs(&mut self, stream: &Arc<CudaStream>) -> Result<()> {
         if self.dirty && !self.ptrs.is_empty() {
@@ -1573,6 +1585,15 @@ impl KvPolicy for CudaInfinigenPolicy {
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {
         self.scratch_limit = limit;
+    }
+
+    /// Pin the host tier for the workload ahead: pinning takes tens of milliseconds per
+    /// chunk, which would otherwise land in the steps that first reach it.
+    fn prepare(&mut self, tokens: usize, seqs: usize) -> Result<()> {
+        if self.off() == 0 {
+            return Ok(());
+        }
+        self.host.pin_ahead(tokens.div_ceil(self.block_size) + seqs)
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {

@@ -190,6 +190,13 @@ pub trait KvPolicy: Send {
     /// A sequence is (re-)admitted; called before its first `reserve`.
     fn admit(&mut self, _seq: SeqId, _info: SeqInfo) {}
 
+    /// Before a workload: make room ahead for about `tokens` tokens held at once by
+    /// `seqs` sequences, so that one-off allocations (pinning an offloading policy's
+    /// host memory) do not fall inside timed steps.
+    fn prepare(&mut self, _tokens: usize, _seqs: usize) -> Result<()> {
+        Ok(())
+    }
+
     /// Bytes the next step's attention may allocate for scratch (score matrices);
     /// `None`: unlimited. Past it, `attend` fails with the typed out-of-memory error.
     fn set_scratch_limit(&mut self, _limit: Option<u64>) {}
