@@ -272,10 +272,9 @@ impl Engine {
     }
 
     /// Allocate ahead what the policy would otherwise allocate inside timed steps, for
-    /// about `tokens` tokens held at once by `seqs` sequences (see
-    /// [`KvPolicy::prepare`]).
-    pub fn prepare(&mut self, tokens: usize, seqs: usize) -> Result<()> {
-        self.policy.prepare(tokens, seqs)
+    /// sequences of `held` tokens each held at once (see [`KvPolicy::prepare`]).
+    pub fn prepare(&mut self, held: &[usize]) -> Result<()> {
+        self.policy.prepare(held)
     }
 
     /// Restart the engine clock (call just before submitting a workload).

@@ -440,8 +440,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
             .map(|r| r.prompt.len() + r.max_new_tokens)
             .collect();
         lengths.sort_unstable_by(|a, b| b.cmp(a));
-        let held = cell.batch.min(lengths.len());
-        eng.prepare(lengths[..held].iter().sum(), held)?;
+        eng.prepare(&lengths[..cell.batch.min(lengths.len())])?;
         let (warm, measured) = requests.split_at(e.warmup);
         // Warm-up requests all go at once, whatever the cap.
         drive(&mut eng, warm, None, &mut progress)?;

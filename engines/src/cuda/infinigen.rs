@@ -569,9 +569,45 @@ impl CudaInfinigenPolicy {
         .min(s.cap)
     }
 
+    /// Step buffers for `nrows` decode rows selecting up to `kcap` tokens (staging rows
+    /// of `b` slots) among up to `stride` positions; grown, never shrunk.
+    fn ensure_buffers(&mut self, nrows: usize, kcap: usize, b: usize, stride: usize) -> Result<()> {
+        let (h, kvh, d) = self.heads;
+        let row = kvh * d;
+        let need_stage = nrows * b;
+        if need_stage > self.bufs.stage_slots {
+            self.bufs.stage = [
+                LayerCache::new(&self.dev, need_stage, row)?,
+                LayerCache::new(&self.dev, need_stage, row)?,
+            ];
+            self.bufs.stage_slots = need_stage;
+        }
+        for p in 0..2 {
+            grow(&self.dev, &mut self.bufs.sel[p], nrows * kvh * kcap)?;
+            grow(&self.dev, &mut self.bufs.ks[p], nrows)?;
+        }
+        grow(&self.dev, &mut self.bufs.scores, nrows * h * stride)?;
+        grow(&self.dev, &mut self.bufs.counts, nrows * h)?;
+        let klog = (self.off() * nrows).max(1);
+        grow(&self.dev, &mut self.bufs.klog, klog)?;
+        if self.params.transfer == Transfer::Memcpy {
+            let (ns, nst) = (self.bufs.sel[0].len(), self.bufs.stage_slots * row);
+            if !self
+                .bufs
+                .pinned
+                .as_ref()
+                .is_some_and(|p| p.fits(ns, nrows, nst))
+            {
+                let ctx = self.dev.cuda_stream().context().clone();
+                self.bufs.pinned = Some(PinnedStaging::new(&ctx, ns, nrows, nst)?);
+            }
+        }
+        Ok(())
+    }
+
     /// Everything the step's layers share, uploaded once.
     fn plan(&mut self, batch: &StepBatch) -> Result<Plan> {
-        let (h, kvh, d) = self.heads;
+        let (_, kvh, d) = self.heads;
         let stream = self.dev.cuda_stream();
         self.host.sync_ptrs(&stream)?;
         let mut dense_slots = Vec::with_capacity(batch.num_tokens);
@@ -631,34 +667,7 @@ impl CudaInfinigenPolicy {
             // Buffers for the largest step so far (kept between steps), within the
             // step's scratch room.
             let row = kvh * d;
-            let off = self.off();
-            let need_stage = nrows * b;
-            if need_stage > self.bufs.stage_slots {
-                self.bufs.stage = [
-                    LayerCache::new(&self.dev, need_stage, row)?,
-                    LayerCache::new(&self.dev, need_stage, row)?,
-                ];
-                self.bufs.stage_slots = need_stage;
-            }
-            for p in 0..2 {
-                grow(&self.dev, &mut self.bufs.sel[p], nrows * kvh * kcap)?;
-                grow(&self.dev, &mut self.bufs.ks[p], nrows)?;
-            }
-            grow(&self.dev, &mut self.bufs.scores, nrows * h * stride)?;
-            grow(&self.dev, &mut self.bufs.counts, nrows * h)?;
-            grow(&self.dev, &mut self.bufs.klog, (off * nrows).max(1))?;
-            if self.params.transfer == Transfer::Memcpy {
-                let (ns, nst) = (self.bufs.sel[0].len(), self.bufs.stage_slots * row);
-                if !self
-                    .bufs
-                    .pinned
-                    .as_ref()
-                    .is_some_and(|p| p.fits(ns, nrows, nst))
-                {
-                    let ctx = self.dev.cuda_stream().context().clone();
-                    self.bufs.pinned = Some(PinnedStaging::new(&ctx, ns, nrows, nst)?);
-                }
-            }
+            self.ensure_buffers(nrows, kcap, b, stride)?;
             let after = self.bufs.bytes(row);
             if let Some(limit) = self.scratch_limit.filter(|&l| after > l) {
                 return Err(Error::OutOfMemory {
@@ -1587,13 +1596,26 @@ impl KvPolicy for CudaInfinigenPolicy {
         self.scratch_limit = limit;
     }
 
-    /// Pin the host tier for the workload ahead: pinning takes tens of milliseconds per
-    /// chunk, which would otherwise land in the steps that first reach it.
-    fn prepare(&mut self, tokens: usize, seqs: usize) -> Result<()> {
-        if self.off() == 0 {
+    /// Pin the host tier and size the step buffers for the workload ahead: pinning
+    /// takes tens of milliseconds per chunk, which would otherwise land in the steps
+    /// that first reach it.
+    fn prepare(&mut self, held: &[usize]) -> Result<()> {
+        if self.off() == 0 || held.is_empty() {
             return Ok(());
         }
-        self.host.pin_ahead(tokens.div_ceil(self.block_size) + seqs)
+        let tokens: usize = held.iter().sum();
+        self.host
+            .pin_ahead(tokens.div_ceil(self.block_size) + held.len())?;
+        // A selection holds at most k_max at the full length (budget × length).
+        let longest = held.iter().copied().max().unwrap_or(1);
+        let kcap = held
+            .iter()
+            .map(|&n| ((self.params.budget * n as f64).ceil() as usize).min(n))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let b = (kcap + 1).div_ceil(STAGE_BLOCK) * STAGE_BLOCK;
+        self.ensure_buffers(held.len(), kcap, b, longest)
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {

@@ -190,10 +190,10 @@ pub trait KvPolicy: Send {
     /// A sequence is (re-)admitted; called before its first `reserve`.
     fn admit(&mut self, _seq: SeqId, _info: SeqInfo) {}
 
-    /// Before a workload: make room ahead for about `tokens` tokens held at once by
-    /// `seqs` sequences, so that one-off allocations (pinning an offloading policy's
-    /// host memory) do not fall inside timed steps.
-    fn prepare(&mut self, _tokens: usize, _seqs: usize) -> Result<()> {
+    /// Before a workload: make room ahead for sequences of `held` tokens each (prompt
+    /// and output) held at once, so that one-off allocations (pinning an offloading
+    /// policy's host memory, its transfer buffers) do not fall inside timed steps.
+    fn prepare(&mut self, _held: &[usize]) -> Result<()> {
         Ok(())
     }
 
