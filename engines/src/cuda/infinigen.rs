@@ -1407,11 +1407,11 @@ pub fn speculate_select(
     let cfg = LaunchConfig {
         grid_dim: (
             nrows as u32,
-            h as u32,
+            kvh as u32,
             rows.stride.div_ceil(IG_THREADS as usize) as u32,
         ),
         block_dim: (IG_THREADS, 1, 1),
-        shared_mem_bytes: ((d + dims.r) * 4) as u32,
+        shared_mem_bytes: ((h / kvh) * (d + dims.r) * 4) as u32,
     };
     unsafe { b.launch(cfg) }.w()?;
 

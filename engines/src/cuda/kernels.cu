@@ -824,9 +824,10 @@ extern "C" __global__ void ig_khat_write(const __nv_bfloat16* __restrict__ k,
     }
 }
 
-// Speculated scaled scores of decode row `row`, query head h, over positions
-// 0..nctx[row]: q̂ = q_h · A_g[:, cols], s_j = scale * q̂ · K̂_j. q [R, H, D] rotated.
-// s [R, H, stride] f32. grid (R, H, ceil(max n / blockDim)), shared (D + r) floats.
+// Speculated scaled scores of decode row `row` over positions 0..nctx[row], for the G
+// query heads of KV head g together (each K̂ row is read once for all of them):
+// q̂_h = q_h · A_g[:, cols], s_hj = scale * q̂_h · K̂_j. q [R, H, D] rotated; s [R, H,
+// stride] f32. grid (R, KVH, ceil(max n / blockDim)), shared G * (D + r) floats.
 extern "C" __global__ void ig_spec_scores(
     const __nv_bfloat16* __restrict__ q, const float* __restrict__ A,
     const int32_t* __restrict__ cols, const int32_t* __restrict__ row_seq, int li,
@@ -834,23 +835,23 @@ extern "C" __global__ void ig_spec_scores(
     int max_blocks, const int32_t* __restrict__ nctx, float* __restrict__ s, int stride,
     int num_heads, int num_kv_heads, int head_dim, int r, int block_size, float scale) {
     extern __shared__ float sp[];
-    float* sq = sp;             // [D]
-    float* qh = sp + head_dim;  // [r]
-    const int row = blockIdx.x, h = blockIdx.y, D = head_dim;
-    const int g = h / (num_heads / num_kv_heads);
+    const int G = num_heads / num_kv_heads, D = head_dim;
+    float* sq = sp;             // [G, D]
+    float* qh = sp + G * D;     // [G, r]
+    const int row = blockIdx.x, g = blockIdx.y;
     const int n = nctx[row];
     const int j0 = blockIdx.z * blockDim.x;
     if (j0 >= n) return;  // uniform over the block
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-        sq[d] = __bfloat162float(q[((int64_t)row * num_heads + h) * D + d]);
+    for (int e = threadIdx.x; e < G * D; e += blockDim.x)
+        sq[e] = __bfloat162float(q[((int64_t)row * num_heads + g * G) * D + e]);
     __syncthreads();
     const int32_t* cg = cols + (((int64_t)row_seq[row] * off_layers + li) * num_kv_heads + g) * r;
     const float* Ag = A + (int64_t)g * D * D;
-    for (int c = threadIdx.x; c < r; c += blockDim.x) {
-        const int col = cg[c];
+    for (int e = threadIdx.x; e < G * r; e += blockDim.x) {
+        const int i = e / r, col = cg[e % r];
         float acc = 0.f;
-        for (int d = 0; d < D; ++d) acc += sq[d] * Ag[d * D + col];
-        qh[c] = acc;
+        for (int d = 0; d < D; ++d) acc += sq[i * D + d] * Ag[d * D + col];
+        qh[e] = acc;
     }
     __syncthreads();
     const int j = j0 + threadIdx.x;
@@ -858,9 +859,11 @@ extern "C" __global__ void ig_spec_scores(
     const int32_t* table = tables + (int64_t)row * max_blocks;
     const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
     const __nv_bfloat16* kr = khat + (slot * num_kv_heads + g) * r;
-    float acc = 0.f;
-    for (int c = 0; c < r; ++c) acc += qh[c] * __bfloat162float(kr[c]);
-    s[((int64_t)row * num_heads + h) * stride + j] = acc * scale;
+    for (int i = 0; i < G; ++i) {
+        float acc = 0.f;
+        for (int c = 0; c < r; ++c) acc += qh[i * r + c] * __bfloat162float(kr[c]);
+        s[((int64_t)row * num_heads + g * G + i) * stride + j] = acc * scale;
+    }
 }
 
 #define IG_THREADS 256
