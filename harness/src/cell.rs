@@ -112,6 +112,12 @@ pub struct RunCellArgs {
     #[arg(long)]
     pub cell: usize,
 
+    /// The identity of the cell to run (the orchestrator passes it; `--cell` then only
+    /// names it in messages): when the YAML no longer has a cell of this identity, the
+    /// run is refused with exit status 3 instead of running something else.
+    #[arg(long)]
+    pub id: Option<String>,
+
     /// Directory of fetched weights.
     #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
     pub models_dir: PathBuf,
@@ -132,6 +138,8 @@ pub enum Outcome {
 
 #[derive(Debug, Serialize)]
 pub struct CellResult {
+    /// The cell's identity ([`crate::experiment::identity`]).
+    pub id: String,
     pub key: String,
     pub cell: Cell,
     pub outcome: Outcome,
@@ -414,6 +422,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     let gpu = setup.gpu_index();
     let mut result = CellResult {
         env: crate::environment::Environment::collect(&setup.device.to_string(), gpu),
+        id: cell.id.clone(),
         key: cell.key(),
         cell: cell.clone(),
         outcome: Outcome::Ok,
@@ -484,14 +493,29 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
 
 pub fn run(a: RunCellArgs) -> Result<()> {
     let plan = Plan::load(&a.experiment, &a.models_dir)?;
-    let cell = plan.cells.get(a.cell).with_context(|| {
-        format!(
-            "--cell {}: {} has cells 0..{}",
-            a.cell,
-            a.experiment.display(),
-            plan.cells.len()
-        )
-    })?;
+    let cell = match a.id.as_deref() {
+        // By identity: the index only says where it was when the sweep started.
+        Some(id) => match plan.cells.iter().find(|c| c.id == id) {
+            Some(c) => c,
+            None => {
+                eprintln!(
+                    "{}: no cell has the identity {id} the sweep asked for (cell {}): the \
+                     experiment changed while the sweep ran",
+                    a.experiment.display(),
+                    a.cell
+                );
+                std::process::exit(crate::run::EXIT_STALE_CELL);
+            }
+        },
+        None => plan.cells.get(a.cell).with_context(|| {
+            format!(
+                "--cell {}: {} has cells 0..{}",
+                a.cell,
+                a.experiment.display(),
+                plan.cells.len()
+            )
+        })?,
+    };
     let r = match plan.exp.kind {
         Kind::Performance => serde_json::to_value(run_cell(&plan, cell, &a.models_dir)?)?,
         Kind::Accuracy => {
@@ -529,6 +553,7 @@ pub fn scored_cell_record(
     samples: &[crate::sampler::Sample],
 ) -> serde_json::Value {
     serde_json::json!({
+        "id": cell.id,
         "key": cell.key(),
         "cell": cell,
         "outcome": "ok",

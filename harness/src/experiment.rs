@@ -17,6 +17,7 @@ use kvbench_engines::source::{LoadOptions, ModelSource};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use xxhash_rust::xxh3::xxh3_128;
 
 /// What an experiment measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
@@ -79,7 +80,7 @@ pub struct Experiment {
     pub warmup: usize,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Device {
     /// cpu, cuda or cuda:N.
@@ -212,7 +213,7 @@ pub struct Matrix {
     pub max_concurrency: Vec<Concurrency>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Workload {
     /// A UTF-8 text file or a directory of them, prompts are sliced from; absent:
@@ -303,7 +304,7 @@ pub struct AccuracySpec {
 }
 
 /// Parameters of the retention task (run by `crate::retention`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct RetentionSpec {
     /// Context-length buckets in tokens, such as `1K-2K`.
@@ -343,7 +344,7 @@ pub fn parse_bucket(s: &str) -> std::result::Result<(usize, usize), String> {
     }
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scheduler {
     #[serde(default = "batched_tokens")]
@@ -433,7 +434,16 @@ fn block() -> usize {
 /// One point of the matrix, one repeat.
 #[derive(Debug, Clone, Serialize)]
 pub struct Cell {
+    /// Position in the plan's expansion (what `--dry-run` lists); not part of the
+    /// cell's identity, so inserting an engine or an axis value renumbers cells
+    /// without re-running them.
     pub index: usize,
+    /// Hash of everything that can change the cell's result ([`identity`]): names
+    /// its result file and ties the result to the spec.
+    pub id: String,
+    /// The same hash without the repeat: the cells of one matrix point share it, so
+    /// repeats are averaged over exactly the runs of one setting.
+    pub point: String,
     pub engine: String,
     pub params: BTreeMap<String, String>,
     pub batch: usize,
@@ -513,6 +523,53 @@ impl Cell {
             self.repeat
         )
     }
+}
+
+/// Version of what [`identity`] hashes: bumped when its meaning changes, so results
+/// recorded under another meaning are not taken for this one's.
+const IDENTITY_VERSION: u32 = 1;
+
+/// A cell's identity: a hash of everything that can change its result. That is the
+/// cell's own values (engine, parameters, axes, repeat) and the settings the whole
+/// experiment shares (model, dtype, seed, device and memory, workload, warm-up,
+/// scheduler, the retention task's form, facts and turns) and the CPU worker threads.
+/// Left out: the cell's index, the experiment's name, the other cells (so adding an
+/// engine or an axis value keeps every other cell's identity) and where the data
+/// lives (a path differs between machines that share a sweep).
+pub fn identity(exp: &Experiment, cell: &Cell, threads: usize) -> String {
+    settings_hash(exp, cell, threads, true)
+}
+
+/// [`identity`], with or without the repeat.
+fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) -> String {
+    let mut own = serde_json::to_value(cell).unwrap_or_default();
+    if let serde_json::Value::Object(m) = &mut own {
+        m.remove("index");
+        m.remove("id");
+        m.remove("point");
+        if !repeat {
+            m.remove("repeat");
+        }
+    }
+    let retention = exp.retention.as_ref().map(|r| {
+        // Buckets, budgets, limit, batch and attention are the cell's own values.
+        serde_json::json!({"form": r.form, "facts": r.facts, "turns": r.turns})
+    });
+    let all = serde_json::json!({
+        "identity": IDENTITY_VERSION,
+        "kind": exp.kind,
+        "cell": own,
+        "model": exp.model,
+        "dtype": exp.dtype,
+        "seed": exp.seed,
+        "device": exp.device,
+        "workload": exp.workload,
+        "warmup": exp.warmup,
+        "scheduler": exp.scheduler,
+        "retention": retention,
+        "threads": threads,
+    });
+    format!("{:032x}", xxh3_128(all.to_string().as_bytes()))
 }
 
 /// A parsed, checked experiment and where it came from.
@@ -613,7 +670,10 @@ impl Plan {
             anyhow::anyhow!("{file}{at}: {e}")
         })?;
         let err = |key: &str, msg: String| key_error(path, text, key, msg);
+        // The name is a directory under results/: `.`, `..` or a separator would
+        // write elsewhere.
         if exp.name.trim().is_empty()
+            || exp.name.chars().all(|c| c == '.')
             || !exp
                 .name
                 .chars()
@@ -621,7 +681,7 @@ impl Plan {
         {
             return Err(err(
                 "name",
-                format!("`{}`: expected a non-empty name of letters, digits, `-`, `_`, `.` (it names results/<name>/)", exp.name),
+                format!("`{}`: expected a name of letters, digits, `-`, `_`, `.`, not only dots (it names the directory results/<name>/)", exp.name),
             ));
         }
         if !["auto", "quantized", "f32", "f16", "bf16"].contains(&exp.dtype.as_str()) {
@@ -714,11 +774,16 @@ impl Plan {
                 ));
             }
         }
-        let cells = match kind {
+        let mut cells = match kind {
             Kind::Performance => Self::performance_cells(&exp, text, path, context)?,
             Kind::Accuracy => Self::accuracy_cells(&exp, text, path, context)?,
             Kind::Retention => Self::retention_cells(&exp, text, path)?,
         };
+        let threads = candle_core::utils::get_num_threads();
+        for c in &mut cells {
+            c.id = identity(&exp, c, threads);
+            c.point = settings_hash(&exp, c, threads, false);
+        }
         Ok(Plan {
             exp,
             cells,
@@ -846,6 +911,8 @@ impl Plan {
                         for repeat in 0..exp.repeats {
                             cells.push(Cell {
                                 index: cells.len(),
+                                id: String::new(),
+                                point: String::new(),
                                 engine: name.clone(),
                                 params: params.clone(),
                                 batch: a.batch,
@@ -942,6 +1009,8 @@ impl Plan {
                     for repeat in 0..exp.repeats {
                         cells.push(Cell {
                             index: cells.len(),
+                            id: String::new(),
+                            point: String::new(),
                             engine: name.clone(),
                             params: params.clone(),
                             batch: r.batch,
@@ -1107,6 +1176,8 @@ impl Plan {
                                                 for repeat in 0..exp.repeats {
                                                     cells.push(Cell {
                                                         index: cells.len(),
+                                                        id: String::new(),
+                                                        point: String::new(),
                                                         engine: name.clone(),
                                                         params: params.clone(),
                                                         batch,
@@ -1439,5 +1510,135 @@ retention:
         assert!(e.starts_with("exp.yaml:9: `retention.facts`"), "{e}");
         assert_eq!(parse_bucket("1K-2K"), Ok((1024, 2048)));
         assert!(parse_bucket("2K").is_err());
+    }
+
+    /// Identities of a plan's cells by readable key.
+    fn ids(text: &str) -> BTreeMap<String, String> {
+        parse(text)
+            .unwrap()
+            .cells
+            .iter()
+            .map(|c| (c.key(), c.id.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn a_cell_identity_covers_every_setting_that_changes_its_result() {
+        let base = ids(GOOD);
+        assert_eq!(base.len(), 72);
+        let distinct: std::collections::HashSet<&String> = base.values().collect();
+        assert_eq!(
+            distinct.len(),
+            72,
+            "every cell (repeats too) has its own identity"
+        );
+        // Each edit leaves the readable keys alone and must change every identity.
+        for edit in [
+            GOOD.replace("model: preset:tiny", "model: preset:smollm2-135m"),
+            GOOD.replace("name: t\n", "name: t\ndtype: f32\n"),
+            GOOD.replace("name: t\n", "name: t\nseed: 7\n"),
+            GOOD.replace("name: t\n", "name: t\ndevice:\n  memory: 2GiB\n"),
+            GOOD.replace("name: t\n", "name: t\ndevice:\n  memory_fraction: 0.5\n"),
+            GOOD.replace("name: t\n", "name: t\ndevice:\n  host_memory: 4GiB\n"),
+            GOOD.replace("num_requests: 4", "num_requests: 5"),
+            GOOD.replace("num_requests: 4", "num_requests: 4\n  source: Cargo.toml"),
+            GOOD.replace("num_requests: 4", "batches: 4"),
+            GOOD.replace("repeats: 2", "repeats: 2\nwarmup: 1"),
+            GOOD.replace(
+                "repeats: 2",
+                "repeats: 2\nscheduler:\n  max_batched_tokens: 64",
+            ),
+            GOOD.replace(
+                "repeats: 2",
+                "repeats: 2\nscheduler:\n  prefill: sequential",
+            ),
+            GOOD.replace("repeats: 2", "repeats: 2\nscheduler:\n  block_size: 32"),
+            GOOD.replace("repeats: 2", "repeats: 2\nscheduler:\n  max_model_len: 512"),
+        ] {
+            let after = ids(&edit);
+            assert_eq!(after.len(), 72, "{edit}");
+            for (key, id) in &base {
+                assert_ne!(
+                    after.get(key),
+                    Some(id),
+                    "{key} kept its identity after:\n{edit}"
+                );
+            }
+        }
+        // Repeats share their point, and only repeats do.
+        let p = parse(GOOD).unwrap();
+        let points: std::collections::HashSet<&str> =
+            p.cells.iter().map(|c| c.point.as_str()).collect();
+        assert_eq!(points.len(), 36);
+        for c in &p.cells {
+            let twin = p.cells.iter().filter(|d| d.point == c.point).count();
+            assert_eq!(twin, 2, "{}", c.key());
+            assert_ne!(c.point, c.id);
+        }
+        // The thread count is part of it.
+        let c = &p.cells[0];
+        assert_ne!(identity(&p.exp, c, 1), identity(&p.exp, c, 2));
+        assert_eq!(identity(&p.exp, c, 3), identity(&p.exp, c, 3));
+    }
+
+    #[test]
+    fn inserting_an_engine_or_renaming_keeps_the_other_cells_identities() {
+        let base = ids(GOOD);
+        let more = ids(&GOOD.replace(
+            "engines:\n",
+            "engines:\n  - name: streaming\n    params: {sinks: 2}\n",
+        ));
+        assert!(more.len() > base.len());
+        for (key, id) in &base {
+            assert_eq!(more.get(key), Some(id), "{key}");
+        }
+        // Indices move, identities do not; the name and comments are not results.
+        let renamed = ids(&format!(
+            "# a comment\n{}",
+            GOOD.replace("name: t", "name: u")
+        ));
+        assert_eq!(renamed, base);
+        let p = parse(GOOD).unwrap();
+        let mut c = p.cells[5].clone();
+        c.index = 99;
+        assert_eq!(identity(&p.exp, &c, 1), identity(&p.exp, &p.cells[5], 1));
+    }
+
+    #[test]
+    fn a_retention_cell_identity_covers_form_facts_and_turns() {
+        let ret = "\
+name: r
+kind: retention
+model: preset:tiny
+engines:
+  - name: full
+retention:
+  buckets: [512-1K]
+  facts: 4
+  form: chat
+";
+        let base = ids(ret);
+        for edit in [
+            ret.replace("facts: 4", "facts: 2"),
+            ret.replace("form: chat", "form: chat\n  turns: [2, 4]"),
+            ret.replace(
+                "facts: 4\n  form: chat",
+                "facts: 1\n  form: passkey\n  turns: [1]",
+            ),
+        ] {
+            let after = ids(&edit);
+            assert_eq!(after.len(), 1);
+            assert_ne!(after.values().next(), base.values().next(), "{edit}");
+        }
+    }
+
+    #[test]
+    fn a_name_that_would_leave_the_results_directory_is_rejected() {
+        for bad in [".", "..", "...", "a/b", "../x", "a\\\\b", ""] {
+            let e = err(&GOOD.replace("name: t", &format!("name: \"{bad}\"")));
+            assert!(e.contains("exp.yaml:1: `name`"), "{bad}: {e}");
+            assert!(e.contains("not only dots"), "{bad}: {e}");
+        }
+        assert_eq!(err(&GOOD.replace("name: t", "name: v1.2_x-y")), "");
     }
 }

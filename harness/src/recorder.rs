@@ -101,15 +101,25 @@ pub fn frame(rows: &[Map<String, Value>]) -> Result<DataFrame> {
     Ok(DataFrame::new(rows.len(), cols)?)
 }
 
-/// Write a data frame as Parquet through a temporary file and a rename.
+/// Write a data frame as Parquet through a uniquely named temporary file, flushed,
+/// then renamed into place (removed on failure).
 pub fn write_parquet(df: &mut DataFrame, path: &Path) -> Result<()> {
-    let tmp = path.with_extension("parquet.tmp");
-    let f = std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    ParquetWriter::new(f)
+    let dir = path
+        .parent()
+        .with_context(|| format!("{}: no parent directory", path.display()))?;
+    let tmp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    ParquetWriter::new(tmp.as_file())
         .finish(df)
         .map_err(anyhow::Error::from)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", tmp.display()))
+        .and_then(|_| tmp.as_file().sync_all().map_err(anyhow::Error::from))
+        .with_context(|| format!("writing {}", tmp.path().display()))?;
+    tmp.persist(path)
+        .map_err(|e| e.error)
+        .with_context(|| format!("renaming a temporary file to {}", path.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -261,7 +271,7 @@ pub fn cell_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .filter(|p| p.extension().is_some_and(|x| x == "json") && p.is_file())
         .collect();
     files.sort();
     Ok(files)
@@ -281,21 +291,61 @@ fn experiment_name(exp_dir: &Path) -> String {
         })
 }
 
+/// What [`write_tables`] wrote and what it left out.
+#[derive(Debug, Default)]
+pub struct Tables {
+    /// Rows per table written.
+    pub counts: BTreeMap<&'static str, usize>,
+    /// Cell files of no cell of the plan (another version of the YAML, or recorded
+    /// before cells had identities).
+    pub foreign: Vec<PathBuf>,
+    /// Files that could not be read as a cell result, with why.
+    pub unreadable: Vec<(PathBuf, String)>,
+}
+
 /// Rebuild `runs`, `requests`, `steps` and `samples` Parquet tables of
-/// `results/<name>/` from its `cells/` files. Returns the rows per table.
-pub fn write_tables(exp_dir: &Path) -> Result<BTreeMap<&'static str, usize>> {
+/// `results/<name>/` from the results in `cells/` of the plan's `cells` (matched by
+/// identity; each row carries the cell's index in this plan). Other files are listed,
+/// not used; an unreadable one does not stop the others.
+pub fn write_tables(exp_dir: &Path, cells: &[crate::experiment::Cell]) -> Result<Tables> {
     let mut tables: BTreeMap<&'static str, Vec<Map<String, Value>>> = BTreeMap::new();
+    let mut out = Tables::default();
     let experiment = experiment_name(exp_dir);
+    let index: std::collections::HashMap<&str, usize> =
+        cells.iter().map(|c| (c.id.as_str(), c.index)).collect();
+    let mut ours = Vec::new();
     for f in cell_files(&exp_dir.join("cells"))? {
-        let bytes = std::fs::read(&f).with_context(|| format!("reading {}", f.display()))?;
-        let v: Value = serde_json::from_slice(&bytes)
-            .with_context(|| format!("{}: not a cell result", f.display()))?;
-        let id = f
-            .file_stem()
-            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
-        rows_of(&v, &experiment, &id, &mut tables);
+        let v = std::fs::read(&f)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()))
+            .and_then(|v| {
+                if v.is_object() && v.get("cell").is_some() {
+                    Ok(v)
+                } else {
+                    Err("expected a JSON object with a `cell`".to_string())
+                }
+            });
+        let mut v = match v {
+            Ok(v) => v,
+            Err(why) => {
+                out.unreadable.push((f, why));
+                continue;
+            }
+        };
+        let Some(&i) = v["id"].as_str().and_then(|id| index.get(id)) else {
+            out.foreign.push(f);
+            continue;
+        };
+        v["cell"]["index"] = i.into();
+        ours.push((i, v));
     }
-    let mut counts = BTreeMap::new();
+    // Rows in the plan's order, whatever the files are called.
+    ours.sort_by_key(|(i, _)| *i);
+    for (_, v) in &ours {
+        let id = v["id"].as_str().unwrap_or_default();
+        rows_of(v, &experiment, id, &mut tables);
+    }
+    let counts = &mut out.counts;
     for name in ["runs", "requests", "steps", "samples", "accuracy"] {
         let rows = tables.remove(name).unwrap_or_default();
         // accuracy.parquet exists only where accuracy was measured (its absence is
@@ -330,7 +380,7 @@ pub fn write_tables(exp_dir: &Path) -> Result<BTreeMap<&'static str, usize>> {
         }
         write_parquet(&mut df, &exp_dir.join(format!("{name}.parquet")))?;
     }
-    Ok(counts)
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -365,6 +415,11 @@ mod tests {
         assert_eq!(p99.get(0), Some(2.0));
         assert_eq!(p99.get(1), None, "a missing measurement stays null");
         assert_eq!(back.column("n").unwrap().null_count(), 2);
-        assert!(!dir.path().join("t.parquet.tmp").exists());
+        // Only the table is left: no temporary file.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["t.parquet"]);
     }
 }

@@ -60,31 +60,121 @@ pub struct RunArgs {
     /// experiment's `data_dir`, else ../shared/datasets from the repository root.
     #[arg(long, env = "KVBENCH_DATASETS_DIR")]
     pub data_dir: Option<PathBuf>,
+
+    /// Keep cells whose outcome is `error` (a crash) as recorded; by default the next
+    /// run retries them (an `oom` is a result and is never retried).
+    #[arg(long)]
+    pub no_retry: bool,
+
+    /// Move the files of cells/ that belong to no cell of this experiment (an older
+    /// version of its YAML, another experiment) to pruned/ beside it.
+    #[arg(long, conflicts_with = "dry_run")]
+    pub prune: bool,
+
+    /// Take cells recorded by kvbench before cell identities existed (files without
+    /// an `id`) as this experiment's cells where their key matches one: only when you
+    /// know they were run from this YAML, model and settings.
+    #[arg(long, conflicts_with = "dry_run")]
+    pub adopt_legacy: bool,
 }
 
-/// File of a cell's result: its index and a hash of its key.
+/// File of a cell's result: named by the cell's identity alone, so that inserting an
+/// engine or an axis value in the YAML renames nothing.
 fn cell_file(dir: &Path, c: &Cell) -> PathBuf {
-    dir.join(format!(
-        "{:05}-{:016x}.json",
-        c.index,
-        xxh3_64(c.key().as_bytes())
-    ))
+    dir.join(format!("{}.json", c.id))
 }
 
-/// Whether `path` holds a result recorded for exactly this key.
-fn recorded(path: &Path, key: &str) -> bool {
+/// The result recorded at `path` for exactly this cell (same identity), if any.
+fn recorded(path: &Path, c: &Cell) -> Option<serde_json::Value> {
     std::fs::read(path)
         .ok()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .is_some_and(|v| v["key"] == key)
+        .filter(|v| v["id"] == c.id.as_str())
 }
 
-/// Write `bytes` to `path` through a temporary file in the same directory.
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} into place", tmp.display()))
+/// Write `bytes` to `path` durably: a uniquely named temporary file in the same
+/// directory (two writers never share one), flushed to disk, then renamed into place;
+/// on failure nothing is left behind.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path
+        .parent()
+        .with_context(|| format!("{}: no parent directory", path.display()))?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".tmp-")
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    tmp.write_all(bytes)
+        .and_then(|_| tmp.as_file().sync_all())
+        .with_context(|| format!("writing {}", tmp.path().display()))?;
+    tmp.persist(path)
+        .map_err(|e| e.error)
+        .with_context(|| format!("renaming a temporary file to {}", path.display()))?;
+    // The rename itself is durable once the directory is.
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
+
+/// Temporary files a killed sweep left in `dir` (nobody else writes there while the
+/// lock is held).
+fn remove_stale_temporaries(dir: &Path) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if e.file_name().to_string_lossy().starts_with(".tmp-") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// An exclusive lock on an experiment's results directory, held while a sweep writes
+/// to it: a second `kvbench run` on the same directory is refused instead of running
+/// the same cells at once and recording contended timings. Released when dropped or
+/// when the process dies.
+pub struct ResultsLock {
+    _file: std::fs::File,
+}
+
+impl ResultsLock {
+    pub fn take(exp_dir: &Path) -> Result<Self> {
+        use std::io::{Seek, Write};
+        std::fs::create_dir_all(exp_dir)
+            .with_context(|| format!("creating {}", exp_dir.display()))?;
+        let path = exp_dir.join(".lock");
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                let holder = holder.trim();
+                bail!(
+                    "{}: another kvbench run (pid {}) is writing to this results directory; \
+                     wait for it to end or stop it, or pass another --results",
+                    exp_dir.display(),
+                    if holder.is_empty() { "unknown" } else { holder }
+                );
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(e).with_context(|| format!("locking {}", path.display()))
+            }
+        }
+        file.set_len(0)
+            .and_then(|_| file.rewind())
+            .and_then(|_| writeln!(file, "{}", std::process::id()))
+            .with_context(|| format!("writing {}", path.display()))?;
+        Ok(Self { _file: file })
+    }
+}
+
+/// The exit status with which `run-cell` says that the experiment no longer has the
+/// cell it was asked for (the YAML changed under a running sweep).
+pub const EXIT_STALE_CELL: i32 = 3;
 
 /// Characters of a dead child's stderr kept for its error message.
 const TAIL_CHARS: usize = 2000;
@@ -167,6 +257,34 @@ impl Bars {
     }
 }
 
+/// Make the child cell die with this process: a sweep killed with `kill -9` must not
+/// leave its cell running, competing with the resumed sweep for cores and memory
+/// (and on a GPU, causing a spurious out-of-memory). The signal fires when the thread
+/// that spawned the child ends; cells are spawned from the sweep's main thread.
+#[cfg(target_os = "linux")]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: between fork and exec only async-signal-safe calls (prctl, getppid).
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent may have died before the prctl: then nobody waits for us.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other(
+                    "the sweep ended before its cell started",
+                ));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_cmd: &mut Command) {}
+
 /// Run one cell in a child process; a child that dies without a result is recorded
 /// as an `error` with the end of its stderr.
 fn run_child(
@@ -177,11 +295,13 @@ fn run_child(
     bars: &Bars,
 ) -> Result<serde_json::Value> {
     let exe = std::env::current_exe().context("locating the kvbench binary")?;
-    let mut child = Command::new(exe)
-        .arg("run-cell")
+    let mut cmd = Command::new(exe);
+    cmd.arg("run-cell")
         .arg(exp)
         .arg("--cell")
         .arg(c.index.to_string())
+        .arg("--id")
+        .arg(&c.id)
         .arg("--models-dir")
         .arg(models_dir)
         .arg("--data-dir")
@@ -189,9 +309,9 @@ fn run_child(
         .env(PROGRESS_ENV, "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting kvbench run-cell")?;
+        .stderr(Stdio::piped());
+    die_with_parent(&mut cmd);
+    let mut child = cmd.spawn().context("starting kvbench run-cell")?;
     // stdout on its own thread, so that neither pipe can fill while the other is read.
     let mut stdout = child.stdout.take().context("the child's stdout")?;
     let reader = std::thread::spawn(move || {
@@ -219,7 +339,12 @@ fn run_child(
             return Ok(v);
         }
     }
+    if status.code() == Some(EXIT_STALE_CELL) {
+        // Not a result of this cell: the sweep stops rather than record one.
+        bail!("{}", tail.trim());
+    }
     Ok(serde_json::json!({
+        "id": c.id,
         "key": c.key(),
         "cell": c,
         "outcome": "error",
@@ -240,7 +365,9 @@ pub fn run(a: RunArgs) -> Result<()> {
                 exp_dir.join("cells").display()
             );
         }
-        return print_tables(&exp_dir);
+        let _lock = ResultsLock::take(&exp_dir)?;
+        tidy_cells(&a, &plan, &exp_dir)?;
+        return print_tables(&exp_dir, &plan);
     }
     if !a.dry_run {
         return sweep(&a, &plan, &cells);
@@ -354,36 +481,67 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             crate::retention::check_data(&r.form, &data_dir)?;
         }
     }
-    let dir = a.results.join(&plan.exp.name).join("cells");
+    let exp_dir = a.results.join(&plan.exp.name);
+    let _lock = ResultsLock::take(&exp_dir)?;
+    let dir = exp_dir.join("cells");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    // The experiment as run, next to its results.
+    remove_stale_temporaries(&dir);
+    // Every distinct YAML a cell was run from, by hash (the cell records it), and the
+    // latest as experiment.yaml for the figures and the report.
     let file = Plan::resolve(&a.experiment);
     let spec = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
-    write_atomic(
-        &a.results.join(&plan.exp.name).join("experiment.yaml"),
-        &spec,
-    )?;
+    let spec_hash = format!("{:016x}", xxh3_64(&spec));
+    let specs = exp_dir.join("specs");
+    std::fs::create_dir_all(&specs).with_context(|| format!("creating {}", specs.display()))?;
+    let kept = specs.join(format!("{spec_hash}.yaml"));
+    if !kept.is_file() {
+        write_atomic(&kept, &spec)?;
+    }
+    write_atomic(&exp_dir.join("experiment.yaml"), &spec)?;
+    tidy_cells(a, plan, &exp_dir)?;
     let bars = Bars::new(cells.len());
     let bar = &bars.cells;
     let mut rows = Vec::new();
-    let (mut skipped, mut ran) = (0, 0);
+    let (mut skipped, mut ran, mut retried) = (0, 0, 0);
     for c in cells {
         let path = cell_file(&dir, c);
-        if !a.force && recorded(&path, &c.key()) {
-            skipped += 1;
-            bar.inc(1);
-            let v = std::fs::read(&path)
-                .ok()
-                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
-            rows.extend(v);
-            continue;
+        if let Some(v) = recorded(&path, c).filter(|_| !a.force) {
+            if a.no_retry || v["outcome"] != "error" {
+                let mut v = v;
+                // Shown under its place in today's plan.
+                v["cell"]["index"] = c.index.into();
+                skipped += 1;
+                bar.inc(1);
+                rows.push(v);
+                continue;
+            }
+            retried += 1;
+        }
+        // The YAML must still be the one the plan came from: a cell run from an
+        // edited file would be recorded under an identity that is not its own.
+        if std::fs::read(&file).ok().as_deref() != Some(&spec[..]) {
+            bail!(
+                "{} changed while the sweep ran; {ran} cells were recorded and are kept; \
+                 run again to continue with the new version",
+                file.display()
+            );
         }
         bar.set_message(format!(
             "cell {} {} b{} budget {}",
             c.index, c.engine, c.batch, c.budget
         ));
-        let v = run_child(&a.experiment, c, &a.models_dir, &data_dir, &bars)?;
-        write_atomic(&path, serde_json::to_string(&v)?.as_bytes())?;
+        let mut v = run_child(&a.experiment, c, &a.models_dir, &data_dir, &bars)?;
+        v["spec"] = spec_hash.clone().into();
+        let json = serde_json::to_string(&v)?;
+        if let Err(e) = write_atomic(&path, json.as_bytes()) {
+            // The measurement is not lost with the write (a full disk, say).
+            bars.println(&format!(
+                "could not record cell {} ({e:#}); its result follows, to be saved as {}:\n{json}",
+                c.index,
+                path.display()
+            ));
+            return Err(e);
+        }
         ran += 1;
         rows.push(v);
         bar.inc(1);
@@ -391,14 +549,18 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     bars.tokens.finish_and_clear();
     bar.finish_and_clear();
     println!(
-        "{}: {} cells run, {} already recorded (under {})",
+        "{}: {} cells run{}, {} already recorded (under {})",
         plan.exp.name,
         ran,
+        if retried > 0 {
+            format!(" ({retried} retried after an error)")
+        } else {
+            String::new()
+        },
         skipped,
         dir.display()
     );
-    let exp_dir = a.results.join(&plan.exp.name);
-    print_tables(&exp_dir)?;
+    print_tables(&exp_dir, plan)?;
     if plan.exp.kind == Kind::Accuracy {
         print_accuracy(&rows);
         println!(
@@ -498,18 +660,105 @@ fn print_accuracy(rows: &[serde_json::Value]) {
     }
 }
 
-/// Rebuild the experiment's Parquet tables from its cell files and say what they hold.
-fn print_tables(exp_dir: &Path) -> Result<()> {
-    let counts = crate::recorder::write_tables(exp_dir)?;
+/// Rebuild the experiment's Parquet tables from the recorded results of the plan's
+/// cells and say what they hold, which files were left out and why.
+fn print_tables(exp_dir: &Path, plan: &Plan) -> Result<()> {
+    let t = crate::recorder::write_tables(exp_dir, &plan.cells)?;
     println!(
         "tables in {}: {}",
         exp_dir.display(),
-        counts
+        t.counts
             .iter()
             .map(|(t, n)| format!("{t}.parquet ({n} rows)"))
             .collect::<Vec<_>>()
             .join(", ")
     );
+    for (f, why) in &t.unreadable {
+        eprintln!(
+            "warning: {}: skipped, not a cell result: {why}",
+            f.display()
+        );
+    }
+    if !t.foreign.is_empty() {
+        const SHOWN: usize = 5;
+        let names: Vec<String> = t
+            .foreign
+            .iter()
+            .take(SHOWN)
+            .map(|f| {
+                f.file_name()
+                    .map_or(String::new(), |n| n.to_string_lossy().into_owned())
+            })
+            .collect();
+        eprintln!(
+            "note: {} file(s) in {} belong to no cell of this experiment (an older version \
+             of its YAML, or recorded by an older kvbench) and are not in the tables: {}{}; \
+             `kvbench run {} --prune` moves them to pruned/",
+            t.foreign.len(),
+            exp_dir.join("cells").display(),
+            names.join(", "),
+            if t.foreign.len() > SHOWN { ", ..." } else { "" },
+            plan.exp.name,
+        );
+    }
+    Ok(())
+}
+
+/// `--adopt-legacy` and `--prune`: cell files recorded before cell identities existed
+/// take the identity of the plan's cell with their key; files of no plan cell move to
+/// pruned/.
+fn tidy_cells(a: &RunArgs, plan: &Plan, exp_dir: &Path) -> Result<()> {
+    if !a.adopt_legacy && !a.prune {
+        return Ok(());
+    }
+    let dir = exp_dir.join("cells");
+    let by_key: std::collections::HashMap<String, &Cell> =
+        plan.cells.iter().map(|c| (c.key(), c)).collect();
+    let ids: std::collections::HashSet<&str> = plan.cells.iter().map(|c| c.id.as_str()).collect();
+    let (mut adopted, mut pruned) = (0, 0);
+    for f in crate::recorder::cell_files(&dir)? {
+        let v = std::fs::read(&f)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+        if let Some(v) = &v {
+            if v["id"].as_str().is_some_and(|id| ids.contains(id)) {
+                continue;
+            }
+            if a.adopt_legacy && v.get("id").is_none() {
+                if let Some(c) = v["key"].as_str().and_then(|k| by_key.get(k)) {
+                    let to = cell_file(&dir, c);
+                    if !to.exists() {
+                        let mut v = v.clone();
+                        v["id"] = c.id.clone().into();
+                        v["adopted_legacy"] = true.into();
+                        write_atomic(&to, serde_json::to_string(&v)?.as_bytes())?;
+                        std::fs::remove_file(&f)
+                            .with_context(|| format!("removing {}", f.display()))?;
+                        adopted += 1;
+                        continue;
+                    }
+                }
+            }
+        }
+        if a.prune {
+            let aside = exp_dir.join("pruned");
+            std::fs::create_dir_all(&aside)
+                .with_context(|| format!("creating {}", aside.display()))?;
+            let to = aside.join(f.file_name().context("a cell file's name")?);
+            std::fs::rename(&f, &to)
+                .with_context(|| format!("moving {} to {}", f.display(), to.display()))?;
+            pruned += 1;
+        }
+    }
+    if a.adopt_legacy {
+        println!("{adopted} cell(s) recorded by an older kvbench adopted by their key");
+    }
+    if a.prune {
+        println!(
+            "{pruned} file(s) of no cell of this experiment moved to {}",
+            exp_dir.join("pruned").display()
+        );
+    }
     Ok(())
 }
 

@@ -1,0 +1,371 @@
+//! A recorded result is always the result of the experiment as written: the ways a
+//! user can run a sweep (editing its YAML between runs, two sweeps on one directory,
+//! killing one, a crash, a corrupt or unwritable cell file) never record or tabulate
+//! a result that does not belong to it, and never lose one that does.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::time::{Duration, Instant};
+
+/// `kvbench ARGS` on one thread, from `dir` (preset models need no weights).
+fn kvbench(dir: &Path, args: &[&str]) -> Output {
+    common::kvbench_in(dir, args)
+        .env("KVBENCH_MODELS_DIR", dir)
+        .output()
+        .expect("kvbench runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A sweep of `exp` into `results` that must succeed; its stdout and stderr.
+fn sweep(dir: &Path, exp: &Path, results: &Path, extra: &[&str]) -> (String, String) {
+    let mut args = common::sweep_args(exp, results).to_vec();
+    args.extend(extra);
+    let o = kvbench(dir, &args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    (stdout(&o), stderr(&o))
+}
+
+fn runs_rows(exp_dir: &Path) -> usize {
+    use polars::prelude::*;
+    let f = std::fs::File::open(exp_dir.join("runs.parquet")).unwrap();
+    ParquetReader::new(f).finish().unwrap().height()
+}
+
+fn files_in(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|d| d.map(|e| e.unwrap().path()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// The cells of `exp` as `run --dry-run --json` lists them.
+fn planned(dir: &Path, exp: &Path) -> Vec<serde_json::Value> {
+    let o = kvbench(dir, &["run", exp.to_str().unwrap(), "--dry-run", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_slice::<Vec<serde_json::Value>>(&o.stdout).unwrap()
+}
+
+const ONE_CELL: &str = "name: edits\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [1]\n  prompt_len: [24]\n  output_len: [4]\n  budget: [0.5]\nworkload:\n  num_requests: 2\n";
+
+#[test]
+fn editing_the_yaml_reruns_exactly_the_cells_it_changes_and_tables_hold_only_the_plan() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let exp_dir = results.join("edits");
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+
+    // An engine inserted before the recorded one: only the new cell runs.
+    let two = ONE_CELL.replace("engines:\n", "engines:\n  - name: h2o\n");
+    std::fs::write(&exp, &two).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 cells run, 1 already recorded"), "{out}");
+    assert_eq!(runs_rows(&exp_dir), 2);
+
+    // A setting outside the matrix (the seed) changes every cell: both run again, the
+    // tables hold the two new results only, and the old files are named.
+    std::fs::write(&exp, two.replace("dtype: f32\n", "dtype: f32\nseed: 7\n")).unwrap();
+    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("2 cells run, 0 already recorded"), "{out}");
+    assert_eq!(runs_rows(&exp_dir), 2);
+    assert!(err.contains("2 file(s) in"), "{err}");
+    assert!(
+        err.contains("belong to no cell of this experiment"),
+        "{err}"
+    );
+    assert!(err.contains("--prune"), "{err}");
+
+    // Each YAML that produced a cell is kept, and each cell names its own.
+    let specs = files_in(&exp_dir.join("specs"));
+    assert_eq!(specs.len(), 3, "{specs:?}");
+    let seeded = std::fs::read_to_string(&exp).unwrap();
+    let current: Vec<serde_json::Value> = planned(dir.path(), &exp)
+        .iter()
+        .map(|c| c["id"].clone())
+        .collect();
+    let recorded = common::recorded_cells(&exp_dir);
+    assert_eq!(recorded.len(), 4);
+    for c in recorded {
+        let spec = exp_dir
+            .join("specs")
+            .join(format!("{}.yaml", c["spec"].as_str().unwrap()));
+        let text = std::fs::read_to_string(&spec).unwrap();
+        // The new cells point at today's YAML, the old ones at the one they came from.
+        assert_eq!(
+            current.contains(&c["id"]),
+            text == seeded,
+            "{}",
+            spec.display()
+        );
+        assert_eq!(current.contains(&c["id"]), text.contains("seed: 7"));
+    }
+
+    // --prune moves the two stale files aside; the tables are unchanged.
+    let (out, err) = sweep(dir.path(), &exp, &results, &["--prune"]);
+    assert!(
+        out.contains("2 file(s) of no cell of this experiment moved to"),
+        "{out}"
+    );
+    assert!(out.contains("0 cells run, 2 already recorded"), "{out}");
+    assert!(!err.contains("belong to no cell"), "{err}");
+    assert_eq!(files_in(&exp_dir.join("pruned")).len(), 2);
+    assert_eq!(files_in(&exp_dir.join("cells")).len(), 2);
+    assert_eq!(runs_rows(&exp_dir), 2);
+}
+
+#[test]
+fn a_second_sweep_on_a_locked_results_directory_is_refused_with_the_holder() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let exp_dir = results.join("edits");
+    std::fs::create_dir_all(exp_dir.join("cells")).unwrap();
+    // Another sweep holds the directory (as kvbench does: the lock file, and its pid).
+    let lock = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(exp_dir.join(".lock"))
+        .unwrap();
+    lock.try_lock().unwrap();
+    std::fs::write(exp_dir.join(".lock"), "4242\n").unwrap();
+    for extra in [&[][..], &["--tables-only"][..]] {
+        let mut args = common::sweep_args(&exp, &results).to_vec();
+        args.extend(extra);
+        let o = kvbench(dir.path(), &args);
+        assert!(!o.status.success(), "{extra:?}: {}", stdout(&o));
+        assert!(
+            stderr(&o).contains("another kvbench run (pid 4242)"),
+            "{extra:?}: {}",
+            stderr(&o)
+        );
+    }
+    assert!(files_in(&exp_dir.join("cells")).is_empty());
+    // Released: the sweep runs.
+    drop(lock);
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 cells run"), "{out}");
+}
+
+/// Pids of live `kvbench run-cell` processes of the experiment file `exp`.
+fn cell_processes(exp: &Path) -> Vec<u32> {
+    let exp = exp.to_string_lossy().into_owned();
+    files_in(Path::new("/proc"))
+        .into_iter()
+        .filter_map(|p| {
+            let pid: u32 = p.file_name()?.to_str()?.parse().ok()?;
+            let cmd = std::fs::read(p.join("cmdline")).ok()?;
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let stat = std::fs::read_to_string(p.join("stat")).ok()?;
+            // A zombie has exited; it only waits to be reaped.
+            let zombie = stat.rsplit(')').next()?.trim_start().starts_with('Z');
+            (!zombie && args.iter().any(|a| a == "run-cell") && args.contains(&exp)).then_some(pid)
+        })
+        .collect()
+}
+
+#[test]
+#[cfg(target_os = "linux")]
+fn a_sweep_killed_with_sigkill_leaves_no_cell_running() {
+    // One cell far longer than the test waits: it must end with its sweep.
+    let (dir, exp) = common::with_experiment(
+        "long.yaml",
+        "name: long\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [1]\n  prompt_len: [16]\n  output_len: [256]\nworkload:\n  num_requests: 100000\n",
+    );
+    let results = dir.path().join("results");
+    let mut child = common::kvbench_in(dir.path(), &common::sweep_args(&exp, &results))
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while cell_processes(&exp).is_empty() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cells = cell_processes(&exp);
+    assert_eq!(cells.len(), 1, "the cell never started");
+    child.kill().unwrap(); // SIGKILL: no handler of the sweep runs
+    child.wait().unwrap();
+    let start = Instant::now();
+    while !cell_processes(&exp).is_empty() && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let left = cell_processes(&exp);
+    if !left.is_empty() {
+        for pid in &left {
+            let _ = std::process::Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status();
+        }
+        panic!("cell process(es) {left:?} outlived their sweep");
+    }
+    assert!(files_in(&results.join("long/cells")).is_empty());
+}
+
+/// The JSON record of a cell that `planned` lists, with `outcome`.
+fn record(cell: &serde_json::Value, outcome: &str) -> String {
+    serde_json::json!({
+        "id": cell["id"],
+        "key": cell["key"],
+        "cell": cell,
+        "outcome": outcome,
+        "error": format!("recorded as {outcome} by the test"),
+        "metrics": null,
+    })
+    .to_string()
+}
+
+#[test]
+fn a_crashed_cell_is_retried_unless_asked_not_to_and_an_oom_stays_a_result() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let cells = results.join("edits/cells");
+    let plan = planned(dir.path(), &exp);
+    assert_eq!(plan.len(), 1);
+    let id = plan[0]["id"].as_str().unwrap();
+    assert_eq!(id.len(), 32, "{id}");
+    std::fs::create_dir_all(&cells).unwrap();
+    let file = cells.join(format!("{id}.json"));
+    std::fs::write(&file, record(&plan[0], "error")).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &["--no-retry"]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(
+        out.contains("1 cells run (1 retried after an error), 0 already recorded"),
+        "{out}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    assert_eq!(v["outcome"], "ok", "{v}");
+    assert_eq!(v["id"], id);
+    std::fs::write(&file, record(&plan[0], "oom")).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+}
+
+#[test]
+fn a_corrupt_cell_file_is_named_and_skipped_and_an_unwritable_result_is_printed() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let exp_dir = results.join("edits");
+    sweep(dir.path(), &exp, &results, &[]);
+    std::fs::write(exp_dir.join("cells/broken.json"), "{\"id\": \"ab").unwrap();
+    std::fs::write(exp_dir.join("cells/list.json"), "[1, 2]").unwrap();
+    let (out, err) = sweep(dir.path(), &exp, &results, &["--tables-only"]);
+    assert!(out.contains("runs.parquet (1 rows)"), "{out}");
+    for f in ["broken.json", "list.json"] {
+        assert!(
+            err.lines()
+                .any(|l| l.starts_with("warning:") && l.contains(f) && l.contains("skipped")),
+            "{f}: {err}"
+        );
+    }
+    assert_eq!(runs_rows(&exp_dir), 1);
+
+    // The result cannot be written (its path is taken by a directory, as a full disk
+    // would fail it): the sweep fails, and the measured result is on stderr.
+    let id = planned(dir.path(), &exp)[0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let file = exp_dir.join(format!("cells/{id}.json"));
+    std::fs::remove_file(&file).unwrap();
+    std::fs::create_dir(&file).unwrap();
+    let o = kvbench(dir.path(), &common::sweep_args(&exp, &results));
+    assert!(!o.status.success(), "{}", stdout(&o));
+    let err = stderr(&o);
+    assert!(err.contains("could not record cell 0"), "{err}");
+    let json = err
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no result on stderr: {err}"));
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(v["id"], id.as_str());
+    assert_eq!(v["outcome"], "ok");
+    assert_eq!(v["metrics"]["num_requests"], 2);
+    // No temporary file is left behind.
+    assert!(files_in(&exp_dir.join("cells")).iter().all(|p| !p
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .starts_with(".tmp")));
+}
+
+#[test]
+fn a_cell_asked_for_by_an_identity_the_yaml_no_longer_has_is_refused() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let plan = planned(dir.path(), &exp);
+    let id = plan[0]["id"].as_str().unwrap();
+    let cell = |id: &str| {
+        kvbench(
+            dir.path(),
+            &["run-cell", exp.to_str().unwrap(), "--cell", "0", "--id", id],
+        )
+    };
+    let o = cell(id);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["id"], id);
+    assert_eq!(v["cell"]["id"], id);
+    // The YAML edited after the sweep listed its cells: the old identity is gone.
+    std::fs::write(&exp, ONE_CELL.replace("num_requests: 2", "num_requests: 3")).unwrap();
+    let o = cell(id);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(o.stdout.is_empty());
+    assert!(
+        stderr(&o).contains("the experiment changed while the sweep ran"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn a_yaml_edited_while_its_sweep_runs_stops_the_sweep_and_keeps_what_it_recorded() {
+    // Cells of a second or so each, so that the edit lands while the sweep runs.
+    let yaml = "name: moving\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [1, 2, 3, 4, 5, 6]\n  prompt_len: [32]\n  output_len: [64]\nworkload:\n  num_requests: 24\n";
+    let (dir, exp) = common::with_experiment("m.yaml", yaml);
+    let results = dir.path().join("results");
+    let cells = results.join("moving/cells");
+    let json = |p: &PathBuf| p.extension().is_some_and(|x| x == "json");
+    let child = common::kvbench_in(dir.path(), &common::sweep_args(&exp, &results))
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !files_in(&cells).iter().any(json) && start.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::fs::write(&exp, format!("{yaml}# edited\n")).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let recorded = files_in(&cells).into_iter().filter(json).count();
+    assert!(recorded >= 1, "nothing recorded");
+    assert!(
+        recorded < 6,
+        "the sweep ended before the edit; make its cells longer"
+    );
+    assert!(!o.status.success(), "{}", stdout(&o));
+    assert!(
+        stderr(&o).contains("changed while the sweep ran"),
+        "{}",
+        stderr(&o)
+    );
+    // The edit changed no setting: the next run keeps the recorded cells.
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    let expect = format!("{} cells run, {recorded} already recorded", 6 - recorded);
+    assert!(out.contains(&expect), "{out}");
+}
