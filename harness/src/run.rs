@@ -367,7 +367,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
         let _lock = ResultsLock::take(&exp_dir)?;
         tidy_cells(&a, &plan, &exp_dir)?;
-        return print_tables(&exp_dir, &plan);
+        return print_tables(&exp_dir, &plan, &a.experiment);
     }
     if !a.dry_run {
         return sweep(&a, &plan, &cells);
@@ -560,7 +560,7 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         skipped,
         dir.display()
     );
-    print_tables(&exp_dir, plan)?;
+    print_tables(&exp_dir, plan, &a.experiment)?;
     if plan.exp.kind == Kind::Accuracy {
         print_accuracy(&rows);
         println!(
@@ -662,7 +662,7 @@ fn print_accuracy(rows: &[serde_json::Value]) {
 
 /// Rebuild the experiment's Parquet tables from the recorded results of the plan's
 /// cells and say what they hold, which files were left out and why.
-fn print_tables(exp_dir: &Path, plan: &Plan) -> Result<()> {
+fn print_tables(exp_dir: &Path, plan: &Plan, yaml: &Path) -> Result<()> {
     let t = crate::recorder::write_tables(exp_dir, &plan.cells)?;
     println!(
         "tables in {}: {}",
@@ -698,7 +698,7 @@ fn print_tables(exp_dir: &Path, plan: &Plan) -> Result<()> {
             exp_dir.join("cells").display(),
             names.join(", "),
             if t.foreign.len() > SHOWN { ", ..." } else { "" },
-            plan.exp.name,
+            yaml.display(),
         );
     }
     Ok(())
