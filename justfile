@@ -45,6 +45,10 @@ bench which="decode" *args: (fetch-model "smollm2")
 build-cuda:
     scripts/build-cuda.sh
 
+# The GPU plan as resumable steps of under 9 minutes (verify, then the sweeps): on the GPU machine `just gpu-campaign OUTDIR`; anywhere `just gpu-campaign --dry-run` lists the steps and checks their YAML.
+gpu-campaign *args:
+    scripts/gpu-campaign.sh "$@"
+
 # On the GPU machine: run the CUDA kvbench from its archive, e.g. just gpu-run verify --device cuda --model preset:llama-3.1-8b
 gpu-run *args:
     scripts/gpu-run.sh target/cuda/kvbench-cuda.tar.xz results "$@"

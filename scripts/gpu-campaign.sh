@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU plan of the study as resumable steps: each call runs the next unfinished
+# steps until its time is up (default 510 s, under a 10-minute command limit), then
+# packs what it recorded into OUTDIR/campaign.tar.gz. Unpack that archive in the
+# repository root before the next call; sweeps resume by cell, finished steps are
+# skipped (results/baselines/<card>/campaign/<step>.done).
+#
+#   scripts/gpu-campaign.sh OUTDIR              on the GPU machine
+#   scripts/gpu-campaign.sh --dry-run [OUTDIR]  anywhere: list the steps, check each YAML
+#
+# Needs target/cuda/kvbench-cuda.tar.xz (`just build-cuda`) beside the repository, and
+# models/skewing/ from earlier calls when there were any (InfiniGen's calibration).
+# Environment: KVBENCH_CAMPAIGN_SECONDS (time for this call), KVBENCH_CAMPAIGN_STEPS
+# (space-separated step names to run instead of all).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
+out="${1:-}"
+if [ "$dry" = 0 ] && [ -z "$out" ]; then
+  echo "usage: scripts/gpu-campaign.sh [--dry-run] OUTDIR" >&2
+  exit 2
+fi
+
+# Steps in the order the plan needs them: correctness first (nothing is measured on a
+# build whose kernels fail their checks), then the cells that decide C6-C9, then TTFT
+# (C1, C3), then the rest of the grids. A step is `name|kvbench arguments`; $RES is the
+# card's results directory.
+steps=(
+  "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
+  "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
+  "batch-infinigen|run experiments/gpu/batch-scaling-infinigen.yaml --results \$RES --adopt-legacy"
+  "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
+  "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"
+  "batch-scaling|run experiments/gpu/batch-scaling.yaml --results \$RES --adopt-legacy"
+)
+
+if [ "$dry" = 1 ]; then
+  kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"
+  [ -x "$kvbench" ] || { echo "gpu-campaign: $kvbench not built (just build)" >&2; exit 1; }
+  for s in "${steps[@]}"; do
+    name="${s%%|*}"; args="${s#*|}"
+    echo "== $name: kvbench ${args//\$RES/results/baselines/<card>}"
+    if [[ "$args" == run\ * ]]; then
+      yaml="$(awk '{print $2}' <<<"$args")"
+      "$kvbench" run "$yaml" --dry-run | tail -1
+    fi
+  done
+  exit 0
+fi
+
+archive=target/cuda/kvbench-cuda.tar.xz
+[ -f "$archive" ] || { echo "gpu-campaign: $archive missing (just build-cuda, then carry it)" >&2; exit 1; }
+card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+case "$card" in
+  *H200*) res=results/baselines/h200 ;;
+  *H100*) res=results/baselines/h100 ;;
+  *) echo "gpu-campaign: unexpected card '$card' (expected an H100 or H200)" >&2; exit 1 ;;
+esac
+mkdir -p "$res/campaign" "$out"
+nvidia-smi > "$res/nvidia-smi.txt"
+export KVBENCH_MODELS_DIR="${KVBENCH_MODELS_DIR:-models}"
+deadline=$(( $(date +%s) + ${KVBENCH_CAMPAIGN_SECONDS:-510} ))
+only=" ${KVBENCH_CAMPAIGN_STEPS:-} "
+status=0
+for s in "${steps[@]}"; do
+  name="${s%%|*}"; args="${s#*|}"; args="${args//\$RES/$res}"
+  [ -f "$res/campaign/$name.done" ] && continue
+  if [ -n "${KVBENCH_CAMPAIGN_STEPS:-}" ] && [[ "$only" != *" $name "* ]]; then continue; fi
+  left=$(( deadline - $(date +%s) ))
+  if [ "$left" -lt 30 ]; then echo "== out of time before $name"; break; fi
+  echo "== $name ($left s left): kvbench $args"
+  log="$res/campaign/$name.log"
+  # shellcheck disable=SC2086 # the step's arguments are words
+  set +e
+  timeout --signal=KILL "$left" scripts/gpu-run.sh "$archive" "$res/campaign" $args >"$log" 2>&1
+  rc=$?
+  set -e
+  tail -5 "$log"
+  if [ "$rc" = 0 ]; then
+    date -u +%FT%TZ > "$res/campaign/$name.done"
+    case "$name" in verify-*) cp "$log" "$res/$name.txt" ;; esac
+  elif [ "$rc" = 137 ] || [ "$rc" = 124 ]; then
+    echo "== $name stopped at the time limit; the next call resumes it"
+    break
+  else
+    echo "== $name failed (exit $rc): see $log; fix it before the steps after it" >&2
+    status=1
+    break
+  fi
+done
+
+# What comes back: the card's results and InfiniGen's calibration cache.
+paths=("$res")
+[ -d "$KVBENCH_MODELS_DIR/skewing" ] && paths+=("$KVBENCH_MODELS_DIR/skewing")
+tar -czf "$out/campaign.tar.gz" "${paths[@]}"
+echo "== packed $(du -h "$out/campaign.tar.gz" | cut -f1) into $out/campaign.tar.gz; done: $(ls "$res/campaign" | grep -c '\.done$' || true) of ${#steps[@]} steps"
+exit "$status"
