@@ -59,6 +59,7 @@ case "$card" in
   *) echo "gpu-campaign: unexpected card '$card' (expected an H100 or H200)" >&2; exit 1 ;;
 esac
 mkdir -p "$res/campaign" "$out"
+started="$(mktemp)"
 nvidia-smi > "$res/nvidia-smi.txt"
 export KVBENCH_MODELS_DIR="${KVBENCH_MODELS_DIR:-models}"
 deadline=$(( $(date +%s) + ${KVBENCH_CAMPAIGN_SECONDS:-510} ))
@@ -78,6 +79,17 @@ for s in "${steps[@]}"; do
   rc=$?
   set -e
   tail -5 "$log"
+  # A sweep exits 0 with crashed cells recorded as `error`: such a step is not done
+  # (the next call retries those cells).
+  if [ "$rc" = 0 ] && [[ "$args" == run\ * ]]; then
+    exp_name="$(awk '/^name:/ {print $2; exit}' "$(awk '{print $2}' <<<"$args")")"
+    crashed="$(grep -l '"outcome":"error"' "$res/$exp_name"/cells/*.json 2>/dev/null | wc -l)"
+    if [ "$crashed" -gt 0 ]; then
+      echo "== $name: $crashed cell(s) ended in an error (see $log); not marked done" >&2
+      status=1
+      break
+    fi
+  fi
   if [ "$rc" = 0 ]; then
     date -u +%FT%TZ > "$res/campaign/$name.done"
     case "$name" in verify-*) cp "$log" "$res/$name.txt" ;; esac
@@ -91,9 +103,11 @@ for s in "${steps[@]}"; do
   fi
 done
 
-# What comes back: the card's results and InfiniGen's calibration cache.
+# What comes back: what this call wrote under the card's results and InfiniGen's
+# calibration cache (earlier calls' files are already in the repository), so the
+# archive stays under the 16 MiB a returned file may have.
 paths=("$res")
 [ -d "$KVBENCH_MODELS_DIR/skewing" ] && paths+=("$KVBENCH_MODELS_DIR/skewing")
-tar -czf "$out/campaign.tar.gz" "${paths[@]}"
+find "${paths[@]}" -type f -newer "$started" -print0 | tar -czf "$out/campaign.tar.gz" --null -T -
 echo "== packed $(du -h "$out/campaign.tar.gz" | cut -f1) into $out/campaign.tar.gz; done: $(ls "$res/campaign" | grep -c '\.done$' || true) of ${#steps[@]} steps"
 exit "$status"
