@@ -12,6 +12,10 @@ default:
 fetch-model name="smollm2":
     scripts/fetch-model.sh "$1"
 
+# Fetch the full evaluation data into data/ (or $KVBENCH_DATASETS_DIR) from its public sources, every file checked by sha256 (idempotent; --from DIR installs from an offline copy, --check only checks).
+fetch-data *args:
+    python3 scripts/fetch-data.py "$@"
+
 # Build the kvbench binary in release mode.
 build:
     cargo build --release -p kvbench
@@ -29,6 +33,11 @@ test: (fetch-model "smollm2")
     cargo fmt --all --check
     cargo clippy --all-targets -- -D warnings
     cargo test --release --workspace
+
+# Tests on the full evaluation data (`just test` reads only the committed fixtures); fails, naming what is missing, before `just fetch-data`.
+test-full-data:
+    python3 scripts/fetch-data.py --check
+    cargo test --release -p kvbench-datasets --test full_data --test fetch_data -- --ignored
 
 # Run an experiment: NAME under experiments/ without .yaml (cpu/quickstart) or a YAML path; each cell in its own process, results in results/<name>/ (resumable; --dry-run, --shard i/n, --force, --tables-only).
 run-experiment name *args: build

@@ -1,6 +1,6 @@
-//! A long English text to slice prompts from (../shared/datasets/prose or any UTF-8
-//! file), cleaned as that README says: no BOM, LF line ends, and for Project Gutenberg
-//! books only the text between the `*** START OF` and `*** END OF` lines.
+//! A long English text to slice prompts from (`prose/` of the evaluation data directory
+//! or any UTF-8 file), cleaned: no BOM, LF line ends, and for Project Gutenberg books
+//! only the text between the `*** START OF` and `*** END OF` lines.
 
 use crate::{Error, Result, Tokenize};
 use std::path::{Path, PathBuf};

@@ -13,6 +13,10 @@ pub mod tasks;
 
 use std::path::PathBuf;
 
+/// How to get the evaluation data: the end of every error about a missing data file.
+pub const FETCH_HINT: &str = "fetch the evaluation data with `just fetch-data` (into data/ by \
+     default), or point --data-dir, KVBENCH_DATASETS_DIR or the experiment's data_dir at a copy";
+
 /// Text → token ids, as the model's tokenizer does it.
 pub trait Tokenize {
     fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String>;
@@ -26,6 +30,10 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// A data file that is not there (the data directory was never filled, or points
+    /// elsewhere).
+    #[error("{path} not found: {hint}", hint = FETCH_HINT)]
+    Missing { path: PathBuf },
     #[error("{path}: {message}")]
     Format { path: PathBuf, message: String },
     #[error("{path}:{line}: {message}")]

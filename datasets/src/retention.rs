@@ -105,9 +105,13 @@ impl Conversation {
 /// alternating user/assistant from user. Blank lines are skipped; anything else that
 /// does not fit is an error naming the file and the line.
 pub fn load_conversations(path: &Path) -> Result<Vec<Conversation>> {
-    let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+    let bytes = crate::tasks::read_data_file(path)?;
+    let text = String::from_utf8(bytes).map_err(|e| Error::Format {
         path: path.into(),
-        source: e,
+        message: format!(
+            "not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        ),
     })?;
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {

@@ -8,19 +8,15 @@ use kvbench_datasets::retention::{
     build_chat, build_passkey, facts, is_correct, load_conversations, passkey, Bucket, BuildSpec,
     Form, Message, Role, ACKNOWLEDGMENT, PASSKEY_INTRO, PASSKEY_QUESTION,
 };
-use kvbench_datasets::tasks::default_data_dir;
 use kvbench_datasets::Error;
 use std::collections::HashSet;
 use std::path::PathBuf;
 
+/// A file of the committed fixtures (`datasets/fixtures/`, the evaluation data's layout).
 fn data(rel: &str) -> PathBuf {
-    let p = default_data_dir(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")).join(rel);
-    assert!(
-        p.is_file(),
-        "{} is missing: the retention tests read the evaluation data (set KVBENCH_DATASETS_DIR to its folder)",
-        p.display()
-    );
-    p
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(rel)
 }
 
 /// Words of the ChatML rendering, generation prompt included.
@@ -146,11 +142,17 @@ fn a_malformed_chat_file_is_rejected_naming_file_and_line() {
 }
 
 #[test]
-fn the_shipped_chat_file_loads() {
+fn the_chat_fixture_loads() {
+    // The first 100 conversations of the chat file (ids are its line numbers, 0-based;
+    // none of the first 100 was dropped when the file was built).
     let c = load_conversations(&data("chat/hh-rlhf_harmless-base_test_messages.jsonl")).unwrap();
-    assert_eq!(c.len(), 2304);
+    assert_eq!(c.len(), 100);
+    assert!(c.iter().enumerate().all(|(i, c)| c.id == i.to_string()));
     assert!(c.iter().all(|c| c.messages.len() % 2 == 0));
-    assert!(c.iter().filter(|c| c.messages.len() >= 4).count() >= 1600);
+    assert_eq!(c.iter().filter(|c| c.messages.len() >= 4).count(), 78);
+    let e = load_conversations(&data("chat/missing.jsonl")).unwrap_err();
+    assert!(matches!(e, Error::Missing { .. }), "{e:?}");
+    assert!(e.to_string().contains("just fetch-data"), "{e}");
 }
 
 #[test]

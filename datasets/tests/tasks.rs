@@ -1,24 +1,19 @@
-//! The multiple-choice loaders against the evaluation data: contexts and continuations
-//! as lm-eval's task definitions build them (the expected strings were produced by a
-//! separate Python transcription of lm-eval's `utils.py`/YAML templates), labels,
-//! limits, and malformed files rejected with their file and line.
+//! The multiple-choice loaders against the committed fixtures (the first 40 records of
+//! each split, `datasets/fixtures/`): contexts and continuations as lm-eval's task
+//! definitions build them (the expected strings were produced by a separate Python
+//! transcription of lm-eval's `utils.py`/YAML templates), labels, limits, and malformed
+//! or missing files rejected with their file (and line). Properties of the whole splits
+//! are checked by `tests/full_data.rs`.
 
 use kvbench_datasets::tasks::{Item, Task};
 use kvbench_datasets::Error;
 use std::path::{Path, PathBuf};
 
-/// The datasets directory; a test that needs it fails (never skips) without it.
+/// Records in each task's fixture (the first lines of the split).
+const FIXTURE_ITEMS: usize = 40;
+
 fn data_dir() -> PathBuf {
-    let dir = kvbench_datasets::tasks::default_data_dir(
-        &PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".."),
-    );
-    assert!(
-        dir.join("piqa/valid.jsonl").is_file(),
-        "evaluation data not found under {}: set KVBENCH_DATASETS_DIR to the datasets directory \
-         (expected ../shared/datasets next to the repository)",
-        dir.display()
-    );
-    dir
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
 fn load(task: Task, limit: Option<usize>) -> Vec<Item> {
@@ -35,17 +30,17 @@ fn cont(i: &Item) -> Vec<&str> {
 }
 
 #[test]
-fn every_task_loads_its_whole_split() {
-    for (task, n, choices) in [
-        (Task::Piqa, 1838, 2),
-        (Task::Copa, 100, 2),
-        (Task::Winogrande, 1267, 2),
-        (Task::Hellaswag, 10042, 4),
-        (Task::Openbookqa, 500, 4),
-        (Task::Boolq, 3270, 2),
+fn every_task_loads_its_fixture() {
+    for (task, choices) in [
+        (Task::Piqa, 2),
+        (Task::Copa, 2),
+        (Task::Winogrande, 2),
+        (Task::Hellaswag, 4),
+        (Task::Openbookqa, 4),
+        (Task::Boolq, 2),
     ] {
         let items = load(task, None);
-        assert_eq!(items.len(), n, "{task}");
+        assert_eq!(items.len(), FIXTURE_ITEMS, "{task}");
         assert!(items
             .iter()
             .all(|i| i.choices.len() == choices && i.gold < choices));
@@ -58,6 +53,16 @@ fn every_task_loads_its_whole_split() {
         assert!(items.iter().any(|i| i.gold == 0) && items.iter().any(|i| i.gold == 1));
     }
     assert_eq!(load(Task::Hellaswag, Some(7)).len(), 7);
+}
+
+#[test]
+fn winogrande_answers_agree_with_the_official_labels() {
+    // The JSONL comes from another release than dev-labels.lst: its `answer` must give
+    // the same gold for every item.
+    let labels = std::fs::read_to_string(data_dir().join("winogrande/dev-labels.lst")).unwrap();
+    let items = load(Task::Winogrande, None);
+    let golds: Vec<String> = items.iter().map(|i| (i.gold + 1).to_string()).collect();
+    assert_eq!(golds, labels.lines().collect::<Vec<_>>());
 }
 
 #[test]
@@ -115,8 +120,9 @@ fn winogrande_scores_one_continuation_under_two_contexts() {
 
 #[test]
 fn hellaswag_is_preprocessed_and_capitalized() {
-    let items = load(Task::Hellaswag, Some(3244));
-    let i = &items[0];
+    // An ActivityNet row; the first WikiHow row (bracket tags) is item 3243, beyond the
+    // fixture: tests/full_data.rs checks it, hellaswag.rs's unit test the tag rules.
+    let i = &load(Task::Hellaswag, Some(1))[0];
     assert_eq!(
         ctx(i)[0],
         "Roof shingle removal: A man is sitting on a roof. He"
@@ -130,23 +136,6 @@ fn hellaswag_is_preprocessed_and_capitalized() {
             " starts pulling up roofing on a roof."
         ]
     );
-    assert_eq!(i.gold, 3);
-    let i = &items[3243];
-    assert_eq!(
-        ctx(i)[0],
-        "Personal Care and Style: How to become a fashion consultant. Obtain your high school \
-         diploma or ged. This job requires a high school diploma or equivalent, so make sure to \
-         apply yourself and finish school. If your high school offers these classes, take art, \
-         design, and sewing to familiarize yourself with foundational concepts in fashion."
-    );
-    assert_eq!(
-        cont(i)[3],
-        "  Earn a bachelor's degree in a fashion-related field. Degrees for the fashion industry \
-         include art, fashion merchandising, and marketing."
-    );
-    assert!(cont(i)[0].ends_with(
-        "find a job in your field.. Search for entry-level positions in fashion industries."
-    ));
     assert_eq!(i.gold, 3);
 }
 
@@ -269,7 +258,11 @@ fn malformed_files_are_rejected_naming_the_file_and_line() {
     );
     let e = Task::Copa
         .load(Path::new("/nonexistent"), None)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("copa/val.jsonl"), "{e}");
+        .unwrap_err();
+    assert!(matches!(e, Error::Missing { .. }), "{e:?}");
+    let e = e.to_string();
+    assert!(
+        e.contains("/nonexistent/copa/val.jsonl not found") && e.contains("just fetch-data"),
+        "{e}"
+    );
 }

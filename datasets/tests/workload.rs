@@ -21,17 +21,11 @@ impl Tokenize for Words {
     }
 }
 
+/// A prose file of the committed fixtures.
 fn prose(name: &str) -> PathBuf {
-    let dir = std::env::var_os("KVBENCH_DATASETS")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/datasets"));
-    let p = dir.join("prose").join(name);
-    assert!(
-        p.is_file(),
-        "{} is missing (set KVBENCH_DATASETS to the datasets folder)",
-        p.display()
-    );
-    p
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/prose")
+        .join(name)
 }
 
 #[test]
@@ -44,14 +38,23 @@ fn gutenberg_header_footer_bom_and_crlf_are_removed() {
 }
 
 #[test]
-fn real_books_are_cleaned() {
-    let c = Corpus::from_file(&prose("war_and_peace_pg2600.txt")).unwrap();
-    assert!(!c.text.contains("*** START OF") && !c.text.contains("*** END OF"));
-    assert!(!c.text.contains('\r') && !c.text.starts_with('\u{feff}'));
-    assert!(c.text.contains("Well, Prince, so Genoa and Lucca"));
-    assert!(c.text.len() > 3_000_000, "{}", c.text.len());
-    let b = Corpus::from_file(&prose("oliver_twist_pg730.txt")).unwrap();
-    assert!(!b.text.contains("START OF") && !b.text.contains('\r'));
+fn the_book_fixture_is_cleaned() {
+    // Chapters I–VI verbatim (BOM-less, CRLF, no Gutenberg header or footer: those are
+    // checked on the whole books by tests/full_data.rs).
+    let raw = std::fs::read_to_string(prose("pride_and_prejudice_pg42671.txt")).unwrap();
+    assert!(raw.contains("\r\n"));
+    let c = Corpus::from_file(&prose("pride_and_prejudice_pg42671.txt")).unwrap();
+    assert!(!c.text.contains('\r'));
+    assert!(c
+        .text
+        .starts_with("CHAPTER I.\n\n\nIt is a truth universally acknowledged, that a single man"));
+    assert!(
+        c.text.ends_with("her wit flowed long."),
+        "{:?}",
+        &c.text[c.text.len() - 40..]
+    );
+    assert_eq!(c.text, raw.replace("\r\n", "\n").trim());
+    assert!(c.text.split_whitespace().count() > 7000);
 }
 
 #[test]

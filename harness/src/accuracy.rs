@@ -152,7 +152,7 @@ pub fn score(
 pub fn load_items(data_dir: &Path, task: Task, limit: Option<usize>) -> Result<Vec<Item>> {
     task.load(data_dir, limit).with_context(|| {
         format!(
-            "loading {task} from {} (set --data-dir, KVBENCH_DATASETS_DIR or the experiment's data_dir)",
+            "loading {task} from the evaluation data in {}",
             data_dir.display()
         )
     })
@@ -409,18 +409,9 @@ mod tests {
             .sum()
     }
 
-    /// The evaluation data; a test that needs it fails (never skips) without it.
+    /// The evaluation data's committed fixtures (the first 40 items of each task).
     fn data_dir() -> PathBuf {
-        let dir = kvbench_datasets::tasks::default_data_dir(
-            &Path::new(env!("CARGO_MANIFEST_DIR")).join(".."),
-        );
-        assert!(
-            dir.join("piqa/valid.jsonl").is_file(),
-            "evaluation data not found under {}: set KVBENCH_DATASETS_DIR (expected \
-             ../shared/datasets next to the repository)",
-            dir.display()
-        );
-        dir
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/fixtures")
     }
 
     /// SmolLM2-135M-Instruct (f32) on the first items of three tasks: the engine's

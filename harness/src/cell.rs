@@ -122,8 +122,8 @@ pub struct RunCellArgs {
     #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
     pub models_dir: PathBuf,
 
-    /// Evaluation data (accuracy and retention cells); default: the experiment's
-    /// `data_dir`, else ../shared/datasets from the repository root.
+    /// Evaluation data directory (accuracy and retention cells); default: the
+    /// experiment's `data_dir`, else data/ (filled by `just fetch-data`).
     #[arg(long, env = "KVBENCH_DATASETS_DIR")]
     pub data_dir: Option<PathBuf>,
 }

@@ -67,8 +67,8 @@ pub struct Experiment {
     pub accuracy: Option<AccuracySpec>,
     /// Buckets, turns, facts and form of a retention experiment.
     pub retention: Option<RetentionSpec>,
-    /// Evaluation data (accuracy, retention). Default: `$KVBENCH_DATASETS_DIR`, else
-    /// `../shared/datasets` from the repository root; `--data-dir` overrides both.
+    /// Evaluation data directory (accuracy, retention). `--data-dir` (or
+    /// `$KVBENCH_DATASETS_DIR`) overrides it; default `data/`, filled by `just fetch-data`.
     pub data_dir: Option<PathBuf>,
     #[serde(default)]
     pub scheduler: Scheduler,
@@ -1210,8 +1210,8 @@ impl Plan {
     }
 
     /// The evaluation data directory: `flag` (`--data-dir`, or `$KVBENCH_DATASETS_DIR`
-    /// through it), else the YAML's `data_dir`, else `../shared/datasets` from the
-    /// repository root (the working directory the recipes run in).
+    /// through it), else the YAML's `data_dir`, else `data/` under the working directory
+    /// (the repository root, where the recipes run; `just fetch-data` fills it).
     pub fn data_dir(&self, flag: Option<&Path>) -> PathBuf {
         match (flag, &self.exp.data_dir) {
             (Some(f), _) => f.to_path_buf(),
@@ -1444,6 +1444,11 @@ accuracy:
         let with = parse(&format!("{ACC}data_dir: /d\n")).unwrap();
         assert_eq!(with.data_dir(None), PathBuf::from("/d"));
         assert_eq!(with.data_dir(Some(Path::new("/f"))), PathBuf::from("/f"));
+        // The default is data/ in the working directory (the environment variable
+        // reaches it only through the flag, or when a test run sets it).
+        if std::env::var_os("KVBENCH_DATASETS_DIR").is_none() {
+            assert_eq!(p.data_dir(None), Path::new("./data"));
+        }
     }
 
     #[test]

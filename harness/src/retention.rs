@@ -12,6 +12,7 @@ use kvbench_datasets::retention::{
     build_chat, build_passkey, is_correct, load_conversations, Bucket, BuildSpec, Form, Message,
     RetentionPrompt,
 };
+use kvbench_datasets::FETCH_HINT;
 use kvbench_engines::engine::{Engine, Request};
 use kvbench_engines::tokenizer::{ChatTemplate, TextTokenizer};
 use serde::Serialize;
@@ -219,8 +220,7 @@ pub fn check_data(form: &str, data_dir: &Path) -> Result<()> {
     let p = data_dir.join(file);
     ensure!(
         p.is_file(),
-        "retention ({form}): {} not found: expected the evaluation data under {} \
-         (--data-dir, KVBENCH_DATASETS_DIR or the experiment's data_dir)",
+        "retention ({form}): {} not found in the evaluation data directory {}: {FETCH_HINT}",
         p.display(),
         data_dir.display()
     );
@@ -340,14 +340,9 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
     }
 
+    /// The evaluation data's committed fixtures (100 conversations, a slice of the book).
     fn data_dir() -> PathBuf {
-        let d = kvbench_datasets::tasks::default_data_dir(&repo());
-        assert!(
-            d.join(CHAT_FILE).is_file() && d.join(PASSKEY_PROSE).is_file(),
-            "{} lacks {CHAT_FILE} or {PASSKEY_PROSE}: the retention tests read the evaluation data (set KVBENCH_DATASETS_DIR)",
-            d.display()
-        );
-        d
+        repo().join("datasets/fixtures")
     }
 
     /// The SmolLM2 GGUF; tests that need it fail when it is missing.

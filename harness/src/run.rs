@@ -56,8 +56,8 @@ pub struct RunArgs {
     #[arg(long, env = "KVBENCH_RESULTS", default_value = "results")]
     pub results: PathBuf,
 
-    /// Evaluation data (accuracy and retention experiments); default: the
-    /// experiment's `data_dir`, else ../shared/datasets from the repository root.
+    /// Evaluation data directory (accuracy and retention experiments); default: the
+    /// experiment's `data_dir`, else data/ (filled by `just fetch-data`).
     #[arg(long, env = "KVBENCH_DATASETS_DIR")]
     pub data_dir: Option<PathBuf>,
 
@@ -463,10 +463,10 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
                     let p = data_dir.join(f);
                     if !p.is_file() {
                         bail!(
-                            "{task}: {} not found: expected the evaluation data under {} \
-                             (--data-dir, KVBENCH_DATASETS_DIR or the experiment's data_dir)",
+                            "{task}: {} not found in the evaluation data directory {}: {}",
                             p.display(),
-                            data_dir.display()
+                            data_dir.display(),
+                            kvbench_datasets::FETCH_HINT
                         );
                     }
                 }

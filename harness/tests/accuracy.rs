@@ -1,7 +1,7 @@
-//! An accuracy experiment end to end on preset:tiny with the real task files: the
-//! sweep writes accuracy.parquet (per item and per task) and runs.parquet, fig7 is
-//! drawn from it, the report judges C10 from it; a missing data directory is an error
-//! that says where the data was expected.
+//! An accuracy experiment end to end on preset:tiny with the task files of the committed
+//! fixtures: the sweep writes accuracy.parquet (per item and per task) and runs.parquet,
+//! fig7 is drawn from it, the report judges C10 from it; a missing data directory is an
+//! error that names the missing file and how to fetch the data.
 
 mod common;
 
@@ -27,17 +27,9 @@ accuracy:
   batch: 4
 ";
 
+/// The committed fixtures: the first 40 items of each task.
 fn data_dir() -> PathBuf {
-    let dir = std::env::var_os("KVBENCH_DATASETS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/datasets"));
-    assert!(
-        dir.join("copa/val.jsonl").is_file(),
-        "evaluation data not found under {}: set KVBENCH_DATASETS_DIR (expected \
-         ../shared/datasets next to the repository)",
-        dir.display()
-    );
-    dir
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/fixtures")
 }
 
 fn kvbench(args: &[&str], cwd: &Path) -> Output {
@@ -123,7 +115,23 @@ fn a_missing_data_directory_is_named() {
     assert!(!run.status.success());
     let out = text(&run);
     assert!(
-        out.contains("copa/val.jsonl not found") && out.contains(&missing.display().to_string()),
+        out.contains(&format!(
+            "{} not found",
+            missing.join("copa/val.jsonl").display()
+        )) && out.contains("just fetch-data"),
         "{out}"
+    );
+    // Without --data-dir, KVBENCH_DATASETS_DIR or the YAML's data_dir: data/ in the
+    // working directory, never a directory outside it.
+    let run = kvbench(&["run", yaml.to_str().unwrap()], dir.path());
+    assert!(!run.status.success());
+    let out = text(&run);
+    assert!(
+        out.contains("./data/copa/val.jsonl not found") && out.contains("just fetch-data"),
+        "{out}"
+    );
+    assert!(
+        !dir.path().join("results/acc-e2e/cells").exists(),
+        "no cell ran"
     );
 }

@@ -1,6 +1,7 @@
 //! Multiple-choice log-likelihood tasks in lm-evaluation-harness's zero-shot formats:
-//! PIQA, COPA, WinoGrande, HellaSwag, OpenBookQA and BoolQ, read from the files of
-//! `../shared/datasets` (see its README for the splits lm-eval scores).
+//! PIQA, COPA, WinoGrande, HellaSwag, OpenBookQA and BoolQ, read from the evaluation
+//! data directory ([`default_data_dir`]; `scripts/fetch-data.py` lists the files and the
+//! splits lm-eval scores). `datasets/fixtures/` holds the first 40 items of each.
 //!
 //! An [`Item`] holds, per answer choice, the context and the continuation exactly as
 //! lm-eval builds its `loglikelihood` requests (the target delimiter, a space, already
@@ -195,12 +196,23 @@ pub fn mean_stderr(values: &[f64]) -> (Option<f64>, Option<f64>) {
     (Some(mean), Some((var / n as f64).sqrt()))
 }
 
-/// The datasets directory: `$KVBENCH_DATASETS_DIR`, else `../shared/datasets` relative
-/// to `repo_root`.
+/// The evaluation data directory: `$KVBENCH_DATASETS_DIR`, else `data/` under
+/// `repo_root` (git-ignored; `just fetch-data` fills it).
 pub fn default_data_dir(repo_root: &Path) -> PathBuf {
     std::env::var_os("KVBENCH_DATASETS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root.join("../shared/datasets"))
+        .unwrap_or_else(|| repo_root.join("data"))
+}
+
+/// A data file's bytes; a missing one is [`Error::Missing`] (it says how to fetch it).
+pub(crate) fn read_data_file(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::Missing { path: path.into() },
+        _ => Error::Io {
+            path: path.into(),
+            source: e,
+        },
+    })
 }
 
 /// A JSON record of a JSONL file: its fields, the file and line for errors.
@@ -235,10 +247,7 @@ impl Record<'_> {
 }
 
 fn read_text(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).map_err(|e| Error::Io {
-        path: path.into(),
-        source: e,
-    })?;
+    let bytes = read_data_file(path)?;
     String::from_utf8(bytes).map_err(|e| Error::Format {
         path: path.into(),
         message: format!(
