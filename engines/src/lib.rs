@@ -3,6 +3,7 @@
 //! step traces and the memory ledger.
 
 pub mod attention;
+pub mod compare;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;

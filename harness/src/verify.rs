@@ -200,6 +200,10 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         }
         _ => None,
     };
+    if let Some(f) = noise_floor.filter(|f| !f.is_finite()) {
+        // A NaN or infinite logit in the model itself would widen the tolerance to ∞.
+        anyhow::bail!("the dense forward of the model has non-finite logits (noise floor {f}): nothing can be verified against it");
+    }
     let tolerance = a.tolerance.unwrap_or(match model.weight_dtype {
         WeightDtype::F32 => 1e-3,
         WeightDtype::Quantized => 1e-2,
@@ -217,7 +221,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         max_abs_logit_diff: Some(d),
         kv_device_bytes: 0,
         kv_device_allowed_bytes: None,
-        pass: complete && d <= tolerance,
+        pass: complete && passes(d, tolerance),
         error: None,
     });
     // Every strategy at budget 1.0 with each attention implementation (the same list
@@ -249,13 +253,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         let (engine, params) = (spec.name(), spec.params_json());
         let row = match run_one(spec, imp, Some(&forced)) {
             Ok(o) => {
-                let d = reference
-                    .logits
-                    .iter()
-                    .flatten()
-                    .zip(o.logits.iter().flatten())
-                    .flat_map(|(x, y)| x.iter().zip(y).map(|(a, b)| (a - b).abs()))
-                    .fold(0f32, f32::max);
+                let d = max_abs_diff(&reference.logits, &o.logits);
                 let complete = o.logits.iter().map(Vec::len).sum::<usize>()
                     == reference.logits.iter().map(Vec::len).sum::<usize>();
                 Row {
@@ -266,7 +264,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
                     max_abs_logit_diff: Some(d),
                     kv_device_bytes: o.kv_device_bytes,
                     kv_device_allowed_bytes: None,
-                    pass: complete && d <= tolerance,
+                    pass: complete && passes(d, tolerance),
                     error: None,
                 }
             }
@@ -459,7 +457,14 @@ fn dense_logits(
     Ok(all)
 }
 
-/// Largest |a − b| over matching logits (infinite when the shapes differ).
+/// Whether a difference passes: finite and within a finite tolerance (a NaN logit
+/// makes the difference +∞, which no tolerance admits).
+fn passes(d: f32, tolerance: f32) -> bool {
+    d.is_finite() && tolerance.is_finite() && d <= tolerance
+}
+
+/// Largest |a − b| over matching logits (infinite when the shapes differ or any value
+/// is not finite).
 fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
     let same = a.len() == b.len()
         && a.iter()
@@ -468,11 +473,12 @@ fn max_abs_diff(a: &[Vec<Vec<f32>>], b: &[Vec<Vec<f32>>]) -> f32 {
     if !same {
         return f32::INFINITY;
     }
-    a.iter()
-        .flatten()
-        .zip(b.iter().flatten())
-        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
-        .fold(0f32, f32::max)
+    kvbench_engines::compare::max_abs_diff(
+        a.iter()
+            .flatten()
+            .zip(b.iter().flatten())
+            .flat_map(|(x, y)| x.iter().copied().zip(y.iter().copied())),
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -496,4 +502,42 @@ use kvbench_engines::cuda::check::KernelCheck;
 #[derive(Debug, Serialize)]
 struct KernelCheck {
     pass: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nan_or_infinite_logits_fail_verification() {
+        let reference = vec![vec![vec![0.5f32, -1.0, 2.0]; 3]; 2];
+        let close: Vec<Vec<Vec<f32>>> = reference
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .map(|l| l.iter().map(|x| x + 1e-4).collect())
+                    .collect()
+            })
+            .collect();
+        let d = max_abs_diff(&reference, &close);
+        assert!(passes(d, 1e-3), "{d}");
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut broken = close.clone();
+            broken[1][2][1] = bad;
+            let d = max_abs_diff(&reference, &broken);
+            assert!(!passes(d, 1e-3), "{bad}: {d}");
+            assert!(!passes(d, f32::MAX), "{bad}: {d}");
+            // On the reference's side too.
+            assert!(!passes(max_abs_diff(&broken, &close), 1e3));
+        }
+        // Every logit NaN: the old fold reported 0 and passed.
+        let all_nan: Vec<Vec<Vec<f32>>> = reference
+            .iter()
+            .map(|r| r.iter().map(|l| vec![f32::NAN; l.len()]).collect())
+            .collect();
+        assert!(!passes(max_abs_diff(&reference, &all_nan), 1.0));
+        // A shape mismatch fails too, and a non-finite tolerance admits nothing.
+        assert!(!passes(max_abs_diff(&reference, &reference[..1]), 1.0));
+        assert!(!passes(0.0, f32::INFINITY));
+    }
 }

@@ -39,12 +39,10 @@ pub fn engine_greedy(model: Llama, prompt: &[u32], max_new_tokens: usize) -> Vec
     e.finished()[0].output.clone()
 }
 
+/// Largest |a − b|; +∞ when any value is not finite (a NaN fails every tolerance).
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    kvbench_engines::compare::max_abs_diff(a.iter().copied().zip(b.iter().copied()))
 }
 
 pub fn lcg(seed: &mut u64) -> u64 {
