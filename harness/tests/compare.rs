@@ -358,7 +358,7 @@ fn bad_paths_and_flags_are_named_with_what_was_expected() {
 }
 
 #[test]
-fn the_committed_ci_baseline_has_every_cell_of_the_ci_sweep_and_passes_against_itself() {
+fn the_committed_ci_baseline_has_every_cell_of_the_ci_sweep_and_compare_judges_copies_of_it() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let dir = tempfile::tempdir().unwrap();
     let exp = root.join("experiments/ci/sweep.yaml");
@@ -403,6 +403,66 @@ fn the_committed_ci_baseline_has_every_cell_of_the_ci_sweep_and_passes_against_i
             .count(),
         keys.len()
     );
-    let o = compare(dir.path(), &base, &base, &["--relative-to", "full"]);
+    // An identical copy passes.
+    let copied = copy(&base, dir.path(), "copy");
+    let o = compare(dir.path(), &base, &copied, &["--relative-to", "full"]);
     assert!(o.status.success(), "{}", err(&o));
+    assert!(out(&o).contains("no regressions"), "{}", out(&o));
+    // The copy with one point planted slower (h2o under flash decoding at half speed in
+    // every repeat) fails relative to full, naming that point and no other.
+    let path = copied.join("runs.parquet");
+    let mut df = ParquetReader::new(std::fs::File::open(&path).unwrap())
+        .finish()
+        .unwrap();
+    let text = |c: &str| -> Vec<Option<String>> {
+        df.column(c)
+            .unwrap()
+            .str()
+            .unwrap()
+            .iter()
+            .map(|s| s.map(str::to_owned))
+            .collect()
+    };
+    let (engine, attention) = (text("engine"), text("attention"));
+    let tok = df
+        .column("decode_tok_s")
+        .unwrap()
+        .cast(&DataType::Float64)
+        .unwrap();
+    let slowed: Vec<Option<f64>> = tok
+        .f64()
+        .unwrap()
+        .iter()
+        .zip(engine.iter().zip(&attention))
+        .map(|(t, (e, a))| {
+            let planted = e.as_deref() == Some("h2o") && a.as_deref() == Some("flash");
+            t.map(|t| if planted { t / 2.0 } else { t })
+        })
+        .collect();
+    assert!(engine
+        .iter()
+        .zip(&attention)
+        .any(|(e, a)| { e.as_deref() == Some("h2o") && a.as_deref() == Some("flash") }));
+    df.replace(
+        "decode_tok_s",
+        Series::new("decode_tok_s".into(), slowed).into(),
+    )
+    .unwrap();
+    ParquetWriter::new(std::fs::File::create(&path).unwrap())
+        .finish(&mut df)
+        .unwrap();
+    let o = compare(dir.path(), &base, &copied, &["--relative-to", "full"]);
+    assert!(!o.status.success(), "{}", out(&o));
+    let e = err(&o);
+    let named: Vec<&str> = e
+        .lines()
+        .filter(|l| l.contains("decode_tok_s relative to `full`"))
+        .collect();
+    assert!(!named.is_empty(), "{e}");
+    for l in named {
+        assert!(
+            l.contains("engine=h2o") && l.contains("attention=flash"),
+            "{l}"
+        );
+    }
 }

@@ -135,6 +135,9 @@ pub struct AccRow {
     pub value: f64,
     pub bucket: Option<String>,
     pub turn: Option<f64>,
+    /// The key of the cell the row came from (`cell_key`): what tells variants of one
+    /// engine apart (parameters, attention, scoring mode).
+    pub cell_key: Option<String>,
 }
 
 /// The tables of one experiment's results directory.
@@ -457,6 +460,7 @@ impl Tables {
         let repeat = f64s(df, "repeat").unwrap_or_else(|| vec![None; n]);
         let bucket = strs(df, "bucket").unwrap_or_else(|| vec![None; n]);
         let turn = f64s(df, "turn").unwrap_or_else(|| vec![None; n]);
+        let cell_key = strs(df, "cell_key").unwrap_or_else(|| vec![None; n]);
         Ok((0..n)
             .filter_map(|i| {
                 Some(AccRow {
@@ -467,6 +471,7 @@ impl Tables {
                     value: value[i]?,
                     bucket: bucket[i].clone(),
                     turn: turn[i],
+                    cell_key: cell_key[i].clone(),
                 })
             })
             .collect())

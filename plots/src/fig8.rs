@@ -245,6 +245,7 @@ mod tests {
             value: 1.0,
             bucket: Some("1K-2K".into()),
             turn: Some(1.0),
+            cell_key: None,
         };
         let rows = [
             row("full", 1.0),

@@ -970,9 +970,47 @@ mod tests {
     }
 
     #[test]
-    fn engines_keep_their_colours() {
-        assert_eq!(engine_color("full"), engine_color("full"));
-        assert_ne!(engine_color("full"), engine_color("h2o"));
-        assert_ne!(engine_color("infinigen"), engine_color("streaming"));
+    fn engines_keep_their_documented_colours() {
+        // The hue a colour reads as: its strongest channel, orange a red with half the green.
+        let hue = |c: RGBColor| {
+            let (r, g, b) = (c.0 as u32, c.1 as u32, c.2 as u32);
+            if b > r && b > g {
+                "blue"
+            } else if g > r && g > b {
+                "green"
+            } else if r > g && g > b && 3 * g > r {
+                "orange"
+            } else if r > g && r > b {
+                "red"
+            } else {
+                "other"
+            }
+        };
+        // README: full blue, h2o orange, infinigen green, streaming red.
+        let documented = [
+            ("full", "blue"),
+            ("h2o", "orange"),
+            ("infinigen", "green"),
+            ("streaming", "red"),
+        ];
+        for (engine, want) in documented {
+            let c = engine_color(engine);
+            assert_eq!(hue(c), want, "{engine}: {c:?}");
+        }
+        // Every listed engine has its own colour, and an engine not listed gets none of
+        // theirs.
+        let listed = ["full", "h2o", "infinigen", "streaming", "snapkv", "quest"];
+        let colours: Vec<RGBColor> = listed.iter().map(|e| engine_color(e)).collect();
+        for (i, a) in colours.iter().enumerate() {
+            for (j, b) in colours.iter().enumerate().skip(i + 1) {
+                assert_ne!(a, b, "{} and {}", listed[i], listed[j]);
+            }
+        }
+        let other = engine_color("my-policy");
+        assert!(!colours.contains(&other), "{other:?}");
+        // Variants are darker shades of the same hue.
+        let dark = shade(engine_color("h2o"), 1);
+        assert_eq!(hue(dark), "orange");
+        assert!(dark.0 < engine_color("h2o").0);
     }
 }
