@@ -511,6 +511,8 @@ fn selections<'a>(
     engines: &[&'static str],
 ) -> (Vec<Sel<'a>>, Vec<String>) {
     type Series<'a> = BTreeMap<&'static str, Vec<(f64, &'a Run)>>;
+    /// Runs of one variant of an engine: its label and its points on the axis.
+    type Variant<'a> = (String, Vec<(f64, &'a Run)>);
     let mine: Vec<&Run> = pts
         .iter()
         .copied()
@@ -532,7 +534,7 @@ fn selections<'a>(
                 notes.extend(note);
                 kept
             };
-            let mut variants: BTreeMap<String, (String, Vec<(f64, &Run)>)> = BTreeMap::new();
+            let mut variants: BTreeMap<String, Variant<'a>> = BTreeMap::new();
             for r in of_e.into_iter().filter(|r| r.ok()) {
                 if let Some(x) = axis.of(r) {
                     let v = variants
