@@ -354,6 +354,17 @@ impl Engine {
             Some("max_new_tokens must be at least 1".to_string())
         } else if let Some(t) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
             Some(format!("token id {t} is outside the vocabulary of {vocab}"))
+        } else if let Some(t) = req.forced_output.iter().find(|&&t| t as usize >= vocab) {
+            // A forced token is emitted as-is and fed back as the next input: checked
+            // like the prompt so it cannot index past the embedding table.
+            Some(format!(
+                "forced output token id {t} is outside the vocabulary of {vocab}"
+            ))
+        } else if !(req.arrival_s.is_finite() && req.arrival_s >= 0.0) {
+            Some(format!(
+                "arrival time {} s must be finite and non-negative",
+                req.arrival_s
+            ))
         } else if total > self.max_model_len {
             Some(format!(
                 "prompt {} + output {} tokens exceed max_model_len {}",
@@ -368,9 +379,15 @@ impl Engine {
         } else {
             None
         };
-        self.event(id, EventKind::Arrived, req.arrival_s);
+        // Events keep finite times even for a request rejected for its arrival time.
+        let arrived = if req.arrival_s.is_finite() {
+            req.arrival_s.max(0.0)
+        } else {
+            self.now()
+        };
+        self.event(id, EventKind::Arrived, arrived);
         if let Some(reason) = reason {
-            let t = self.now().max(req.arrival_s);
+            let t = self.now().max(arrived);
             self.event(id, EventKind::Rejected, t);
             return Err(Error::RequestRejected { id, reason });
         }

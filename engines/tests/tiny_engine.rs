@@ -216,13 +216,33 @@ fn impossible_requests_are_rejected_not_looped() {
     assert!(matches!(bad_token, Err(Error::RequestRejected { .. })));
     let empty = e.add_request(Request::greedy(vec![], 1));
     assert!(matches!(empty, Err(Error::RequestRejected { .. })));
+    let bad_forced = e.add_request(Request {
+        forced_output: vec![3, 49_152],
+        ..Request::greedy(vec![1, 2], 2)
+    });
+    match bad_forced {
+        Err(Error::RequestRejected { reason, .. }) => {
+            assert!(reason.contains("forced output token id 49152"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    for arrival_s in [f64::NAN, -1.0, f64::INFINITY] {
+        let bad_arrival = e.add_request(Request {
+            arrival_s,
+            ..Request::greedy(vec![1, 2], 2)
+        });
+        assert!(
+            matches!(bad_arrival, Err(Error::RequestRejected { .. })),
+            "arrival {arrival_s}"
+        );
+    }
     assert!(!e.has_unfinished());
     assert_eq!(
         e.events()
             .iter()
             .filter(|ev| ev.kind == EventKind::Rejected)
             .count(),
-        3
+        7
     );
 }
 

@@ -213,72 +213,153 @@ impl GgufFile {
         })?;
         let content = gguf_file::Content::read(&mut f)
             .map_err(|e| Error::model(path.display(), format!("not a readable GGUF file: {e}")))?;
-        Ok(Self {
+        let file = Self {
             path: path.into(),
             content,
-        })
+        };
+        file.check_length()?;
+        Ok(file)
+    }
+
+    fn err(&self, message: impl Into<String>) -> Error {
+        Error::model(self.path.display(), message)
     }
 
     fn md(&self, key: &str) -> Result<&gguf_file::Value> {
-        self.content.metadata.get(key).ok_or_else(|| {
-            Error::model(self.path.display(), format!("GGUF metadata has no `{key}`"))
-        })
+        self.content
+            .metadata
+            .get(key)
+            .ok_or_else(|| self.err(format!("GGUF metadata has no `{key}`")))
+    }
+
+    /// An unsigned integer key of any GGUF integer type; absent is `None`, any other
+    /// type or a negative value is an error naming the key (never a silent default).
+    fn md_uint(&self, key: &str) -> Result<Option<usize>> {
+        use gguf_file::Value as V;
+        let Some(v) = self.content.metadata.get(key) else {
+            return Ok(None);
+        };
+        let n: Option<u64> = match *v {
+            V::U8(x) => Some(x.into()),
+            V::U16(x) => Some(x.into()),
+            V::U32(x) => Some(x.into()),
+            V::U64(x) => Some(x),
+            V::I8(x) => u64::try_from(x).ok(),
+            V::I16(x) => u64::try_from(x).ok(),
+            V::I32(x) => u64::try_from(x).ok(),
+            V::I64(x) => u64::try_from(x).ok(),
+            _ => None,
+        };
+        n.and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                self.err(format!(
+                    "GGUF metadata `{key}` must be a non-negative integer, found {v:?}"
+                ))
+            })
     }
 
     fn md_u32(&self, key: &str) -> Result<usize> {
-        Ok(self
-            .md(key)?
-            .to_u32()
-            .map_err(|e| Error::model(self.path.display(), format!("`{key}`: {e}")))?
-            as usize)
+        self.md_uint(key)?
+            .ok_or_else(|| self.err(format!("GGUF metadata has no `{key}`")))
+    }
+
+    /// A float key (f32 or f64); absent is `None`, any other type an error.
+    fn md_float(&self, key: &str) -> Result<Option<f64>> {
+        use gguf_file::Value as V;
+        match self.content.metadata.get(key) {
+            None => Ok(None),
+            Some(V::F32(x)) => Ok(Some(f64::from(*x))),
+            Some(V::F64(x)) => Ok(Some(*x)),
+            Some(v) => Err(self.err(format!(
+                "GGUF metadata `{key}` must be a float, found {v:?}"
+            ))),
+        }
+    }
+
+    /// A string key; absent is `None`, any other type an error.
+    fn md_str(&self, key: &str) -> Result<Option<&str>> {
+        match self.content.metadata.get(key) {
+            None => Ok(None),
+            Some(gguf_file::Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(self.err(format!(
+                "GGUF metadata `{key}` must be a string, found {v:?}"
+            ))),
+        }
+    }
+
+    /// The tensors' data must lie within the file: a truncated download is named here
+    /// rather than as a read error in the middle of loading.
+    fn check_length(&self) -> Result<()> {
+        let len = std::fs::metadata(&self.path)
+            .map_err(|e| Error::Io {
+                path: self.path.clone(),
+                source: e,
+            })?
+            .len();
+        let end = self
+            .content
+            .tensor_infos
+            .values()
+            .map(|t| {
+                let dt = t.ggml_dtype;
+                let bytes = (t.shape.elem_count() / dt.block_size() * dt.type_size()) as u64;
+                self.content.tensor_data_offset + t.offset + bytes
+            })
+            .max()
+            .unwrap_or(self.content.tensor_data_offset);
+        if end > len {
+            return Err(self.err(format!(
+                "truncated GGUF file: its tensors end at byte {end}, the file has {len} bytes"
+            )));
+        }
+        Ok(())
     }
 
     /// Architecture numbers from the GGUF metadata (llama.cpp keys).
     pub fn config(&self) -> Result<ModelConfig> {
         let arch = self
-            .md("general.architecture")?
-            .to_string()
-            .map_err(|e| Error::model(self.path.display(), e.to_string()))?
-            .clone();
+            .md_str("general.architecture")?
+            .ok_or_else(|| self.err("GGUF metadata has no `general.architecture`"))?;
         if arch != "llama" {
-            return Err(Error::model(
-                self.path.display(),
-                format!("architecture `{arch}` is not supported (expected `llama`)"),
-            ));
+            return Err(self.err(format!(
+                "architecture `{arch}` is not supported (expected `llama`)"
+            )));
         }
         let heads = self.md_u32("llama.attention.head_count")?;
         let hidden = self.md_u32("llama.embedding_length")?;
         let head_dim = self
-            .md_u32("llama.rope.dimension_count")
+            .md_uint("llama.rope.dimension_count")?
             .unwrap_or(hidden / heads.max(1));
-        let vocab = match self.md_u32("llama.vocab_size") {
-            Ok(v) => v,
-            Err(_) => self
+        let vocab = match self.md_uint("llama.vocab_size")? {
+            Some(v) => v,
+            None => self
                 .md("tokenizer.ggml.tokens")?
                 .to_vec()
-                .map_err(|e| Error::model(self.path.display(), e.to_string()))?
+                .map_err(|e| self.err(format!("`tokenizer.ggml.tokens`: {e}")))?
                 .len(),
         };
-        let f32_or = |k: &str, d: f32| self.md(k).and_then(|v| Ok(v.to_f32()?)).unwrap_or(d);
-        let scaling = match self
-            .md("llama.rope.scaling.type")
-            .map(|v| v.to_string().cloned())
-        {
-            Ok(Ok(t)) if t == "llama3" => Some(Llama3RopeScaling {
-                factor: f32_or("llama.rope.scaling.factor", 8.0),
-                low_freq_factor: f32_or("llama.rope.scaling.low_freq_factor", 1.0),
-                high_freq_factor: f32_or("llama.rope.scaling.high_freq_factor", 4.0),
+        let float_or = |k: &str, d: f64| -> Result<f64> { Ok(self.md_float(k)?.unwrap_or(d)) };
+        let scaling = match self.md_str("llama.rope.scaling.type")? {
+            Some("llama3") => Some(Llama3RopeScaling {
+                factor: float_or("llama.rope.scaling.factor", 8.0)? as f32,
+                low_freq_factor: float_or("llama.rope.scaling.low_freq_factor", 1.0)? as f32,
+                high_freq_factor: float_or("llama.rope.scaling.high_freq_factor", 4.0)? as f32,
                 original_max_position_embeddings: self
-                    .md_u32("llama.rope.scaling.original_context_length")
+                    .md_uint("llama.rope.scaling.original_context_length")?
                     .unwrap_or(8192),
             }),
-            _ => None,
+            None | Some("none") => None,
+            Some(other) => {
+                return Err(self.err(format!(
+                    "`llama.rope.scaling.type` `{other}` is not supported (expected llama3 or none)"
+                )))
+            }
         };
-        let name = self
-            .md("general.name")
-            .ok()
-            .and_then(|v| v.to_string().ok().cloned())
-            .unwrap_or_else(|| self.path.display().to_string());
+        let name = match self.md_str("general.name")? {
+            Some(n) => n.to_string(),
+            None => self.path.display().to_string(),
+        };
         Ok(ModelConfig {
             name,
             num_layers: self.md_u32("llama.block_count")?,
@@ -286,23 +367,21 @@ impl GgufFile {
             intermediate_size: self.md_u32("llama.feed_forward_length")?,
             num_heads: heads,
             num_kv_heads: self
-                .md_u32("llama.attention.head_count_kv")
+                .md_uint("llama.attention.head_count_kv")?
                 .unwrap_or(heads),
             head_dim,
             vocab_size: vocab,
-            max_position_embeddings: self.md_u32("llama.context_length").unwrap_or(4096),
-            rope_theta: f32_or("llama.rope.freq_base", 10_000.0),
+            max_position_embeddings: self.md_uint("llama.context_length")?.unwrap_or(4096),
+            rope_theta: float_or("llama.rope.freq_base", 10_000.0)? as f32,
             rope_scaling: scaling,
-            rms_norm_eps: f32_or("llama.attention.layer_norm_rms_epsilon", 1e-5) as f64,
+            rms_norm_eps: float_or("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
             tie_word_embeddings: !self.content.tensor_infos.contains_key("output.weight"),
             rope_interleaved: true,
             bos_token_id: self
-                .md_u32("tokenizer.ggml.bos_token_id")
-                .ok()
+                .md_uint("tokenizer.ggml.bos_token_id")?
                 .map(|x| x as u32),
             eos_token_ids: self
-                .md_u32("tokenizer.ggml.eos_token_id")
-                .ok()
+                .md_uint("tokenizer.ggml.eos_token_id")?
                 .map(|x| vec![x as u32])
                 .unwrap_or_default(),
         })
@@ -467,26 +546,43 @@ impl HfConfig {
                         format!("rope_scaling type `{ty}` is not supported (expected llama3)"),
                     ));
                 }
-                let f = |k: &str, d: f64| v.get(k).and_then(|x| x.as_f64()).unwrap_or(d);
+                // Absent: the Llama 3.1 value; present with another type: an error.
+                let f = |k: &str, d: f64| -> Result<f64> {
+                    match v.get(k) {
+                        None => Ok(d),
+                        Some(x) => x.as_f64().ok_or_else(|| {
+                            Error::model(
+                                name,
+                                format!(
+                                    "config.json `rope_scaling.{k}` must be a number, found {x}"
+                                ),
+                            )
+                        }),
+                    }
+                };
                 Some(Llama3RopeScaling {
-                    factor: f("factor", 8.0) as f32,
-                    low_freq_factor: f("low_freq_factor", 1.0) as f32,
-                    high_freq_factor: f("high_freq_factor", 4.0) as f32,
-                    original_max_position_embeddings: f("original_max_position_embeddings", 8192.0)
+                    factor: f("factor", 8.0)? as f32,
+                    low_freq_factor: f("low_freq_factor", 1.0)? as f32,
+                    high_freq_factor: f("high_freq_factor", 4.0)? as f32,
+                    original_max_position_embeddings: f("original_max_position_embeddings", 8192.0)?
                         as usize,
                 })
             }
         };
+        let token_id = |x: &serde_json::Value| {
+            x.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| {
+                    Error::model(
+                        name,
+                        format!("config.json `eos_token_id` must hold token ids, found {x}"),
+                    )
+                })
+        };
         let eos = match &self.eos_token_id {
-            Some(serde_json::Value::Number(n)) => {
-                n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-            }
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .filter_map(|x| x.as_u64())
-                .map(|x| x as u32)
-                .collect(),
-            _ => vec![],
+            None | Some(serde_json::Value::Null) => vec![],
+            Some(serde_json::Value::Array(a)) => a.iter().map(token_id).collect::<Result<_>>()?,
+            Some(x) => vec![token_id(x)?],
         };
         Ok(ModelConfig {
             name: name.to_string(),
@@ -544,9 +640,18 @@ pub fn read_hf_config(path: &Path, name: &str) -> Result<ModelConfig> {
         path: path.into(),
         source: e,
     })?;
-    let hf: HfConfig = serde_json::from_str(&text)
-        .map_err(|e| Error::model(path.display(), format!("invalid config.json: {e}")))?;
-    hf.to_model_config(name)
+    let de = &mut serde_json::Deserializer::from_str(&text);
+    let hf: HfConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+        Error::model(
+            path.display(),
+            format!("invalid config.json at `{}`: {}", e.path(), e.inner()),
+        )
+    })?;
+    // Errors name the file rather than the model: it is the file the user must fix.
+    hf.to_model_config(name).map_err(|e| match e {
+        Error::Model { message, .. } => Error::model(path.display(), message),
+        e => e,
+    })
 }
 
 struct SafetensorsSource {
@@ -585,8 +690,15 @@ pub fn load_safetensors(
             "quantized weights need a GGUF file; use f32, f16 or bf16 for safetensors",
         ));
     }
-    // SAFETY: the files are memory-mapped read-only; kvbench does not modify them while
-    // the model is loaded (the usual caveat of mmap applies to other writers).
+    // SAFETY (both blocks): the files are memory-mapped read-only; kvbench does not
+    // modify them while the model is loaded (the usual caveat of mmap applies to other
+    // writers).
+    // Each file alone first, so a truncated or corrupt one is named.
+    for f in files {
+        unsafe { candle_core::safetensors::MmapedSafetensors::new(f) }.map_err(|e| {
+            Error::model(f.display(), format!("not a readable safetensors file: {e}"))
+        })?;
+    }
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }
         .map_err(|e| Error::model(&cfg.name, format!("cannot read safetensors: {e}")))?;
     let mut src = SafetensorsSource {
