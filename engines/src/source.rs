@@ -278,6 +278,11 @@ impl ModelSource {
         }
     }
 
+    /// Weights in a GGUF file (a named model or a `.gguf` path).
+    pub fn is_gguf(&self) -> bool {
+        matches!(self, ModelSource::Named(_) | ModelSource::Gguf(_))
+    }
+
     pub fn load(&self, device: &Device, opts: &LoadOptions) -> Result<Loaded> {
         match self {
             ModelSource::Preset(p) => {

@@ -14,7 +14,9 @@ use std::sync::Arc;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum DtypeArg {
-    /// Quantized for GGUF files; f32 on CPU and bf16 on CUDA otherwise.
+    /// On CPU: f32 (GGUF dequantized, several times faster to decode with candle)
+    /// when the f32 weights take at most half the host memory, else quantized for GGUF;
+    /// f32 for other sources. On CUDA: quantized for GGUF, bf16 otherwise.
     Auto,
     /// Keep GGUF matrices quantized (candle QMatMul).
     Quantized,
@@ -304,6 +306,18 @@ pub fn device_capacity(
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// `--dtype auto` for a GGUF file on the CPU: f32 (dequantized) when its f32 weights
+/// take at most half the host's memory, the rest left for the cache and activations;
+/// quantized otherwise. On CPU candle's f32 matmuls decode several times faster than
+/// its quantized ones (docs/correctness-and-performance.md).
+pub fn auto_gguf_dtype_on_cpu(num_params: u64, host_memory: u64) -> WeightDtype {
+    if num_params.saturating_mul(4) <= host_memory / 2 {
+        WeightDtype::F32
+    } else {
+        WeightDtype::Quantized
+    }
+}
+
 /// Physical memory of this machine, the CPU device's default capacity.
 pub fn host_memory_bytes() -> u64 {
     use sysinfo::{MemoryRefreshKind, RefreshKind, System};
@@ -333,12 +347,21 @@ pub fn load_model(m: &ModelArgs, device: &str) -> Result<Setup> {
     let device: DeviceKind = device.parse()?;
     let cd = device.candle()?;
     let src = ModelSource::parse(&m.model)?;
-    let opts = LoadOptions {
+    let mut opts = LoadOptions {
         dtype: m.dtype.weight_dtype(),
         seed: m.seed,
         models_dir: m.models_dir.clone(),
         ..Default::default()
     };
+    if m.dtype == DtypeArg::Auto && device == DeviceKind::Cpu && src.is_gguf() {
+        let cfg = src
+            .config(&opts)
+            .with_context(|| format!("reading model `{}`", m.model))?;
+        opts.dtype = Some(auto_gguf_dtype_on_cpu(
+            cfg.num_params(),
+            host_memory_bytes(),
+        ));
+    }
     let loaded = src
         .load(&cd, &opts)
         .with_context(|| format!("loading model `{}`", m.model))?;
@@ -382,4 +405,27 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
         audit: !e.no_audit,
     };
     Engine::new(setup.loaded.model.clone(), cfg).context("starting the engine")
+}
+
+#[cfg(test)]
+mod dtype_tests {
+    use super::*;
+
+    #[test]
+    fn auto_takes_f32_on_cpu_only_when_it_fits_in_half_the_host() {
+        let smol = 134_515_008u64; // SmolLM2-135M: 538 MB in f32
+        assert_eq!(auto_gguf_dtype_on_cpu(smol, 24 << 30), WeightDtype::F32);
+        let llama8b = 8_030_261_248u64; // 32 GB in f32
+        assert_eq!(
+            auto_gguf_dtype_on_cpu(llama8b, 24 << 30),
+            WeightDtype::Quantized
+        );
+        assert_eq!(auto_gguf_dtype_on_cpu(llama8b, 128 << 30), WeightDtype::F32);
+        // The boundary: exactly half the host is f32, one parameter more is not.
+        assert_eq!(auto_gguf_dtype_on_cpu(1 << 20, 8 << 20), WeightDtype::F32);
+        assert_eq!(
+            auto_gguf_dtype_on_cpu((1 << 20) + 1, 8 << 20),
+            WeightDtype::Quantized
+        );
+    }
 }
