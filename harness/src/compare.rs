@@ -29,7 +29,7 @@ use polars::prelude::{DataFrame, DataType, ParquetReader, SerReader};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// Default tolerance on timing ratios (see the README: the spread of within-run
+/// Default tolerance on timing ratios (see docs/experiments.md: the spread of within-run
 /// ratios over repeated CI sweeps on the development machine, with margin).
 pub const DEFAULT_TOLERANCE: &str = "75%";
 

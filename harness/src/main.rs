@@ -3,6 +3,8 @@
 mod accuracy;
 mod cell;
 mod compare;
+#[cfg(test)]
+mod docs_check;
 mod environment;
 mod experiment;
 mod generate;

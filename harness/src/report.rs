@@ -1,7 +1,7 @@
 //! `kvbench report results/EXP`: report.md and a self-contained report.html (figures
 //! inline) with the environment, the grid, a summary table per cell and, for each of
-//! the study's claims C1–C11 (../shared/design/paper-notes.md), what our data says:
-//! agrees, disagrees, or cannot tell (and why).
+//! the study's claims C1–C11 (docs/figures-and-report.md lists them), what our
+//! data says: agrees, disagrees, or cannot tell (and why).
 
 use anyhow::{bail, Context, Result};
 use base64::Engine as _;

@@ -390,7 +390,7 @@ fn the_committed_ci_baseline_has_every_cell_of_the_ci_sweep_and_compare_judges_c
     recorded.sort();
     assert_eq!(
         keys, recorded,
-        "experiments/ci/sweep.yaml changed: re-record results/baselines/ci/ci-sweep (README)"
+        "experiments/ci/sweep.yaml changed: re-record results/baselines/ci/ci-sweep (docs/experiments.md)"
     );
     assert_eq!(cell_files(&base).len(), keys.len());
     let outcomes = runs.column("outcome").unwrap();

@@ -986,7 +986,7 @@ mod tests {
                 "other"
             }
         };
-        // README: full blue, h2o orange, infinigen green, streaming red.
+        // docs/figures-and-report.md: full blue, h2o orange, infinigen green, streaming red.
         let documented = [
             ("full", "blue"),
             ("h2o", "orange"),
