@@ -50,7 +50,11 @@ bench which="decode" *args: (fetch-model "smollm2")
     shift
     cargo bench -p kvbench-engines --bench "{{which}}" -- "$@"
 
-# Build the CUDA kvbench (sm_90) here, without a GPU: target/cuda/kvbench-cuda.tar.xz (see README, CUDA).
+# Lint the code behind the `cuda` feature without a GPU (clippy with nvcc from the Python registry; no link): what CI runs after `just test`.
+check-cuda:
+    scripts/check-cuda.sh
+
+# Build the CUDA kvbench (sm_90) here, without a GPU: target/cuda/kvbench-cuda.tar.xz (docs/cuda.md).
 build-cuda:
     scripts/build-cuda.sh
 

@@ -3,8 +3,7 @@
 # CUDA toolkit, and pack what must travel to the GPU machine into one archive.
 #
 # - NVIDIA's compiler comes from the Python package registry, pinned to CUDA 13.0
-#   (nvcc's own requirements are unpinned and pull a newer release whose output a
-#   CUDA 13.0 driver cannot load).
+#   (scripts/cuda-toolchain.sh, shared with check-cuda.sh).
 # - candle-core 0.11.1 asks cudarc for `dynamic-linking` (-lcuda -lcublas ... at link
 #   time, libraries this machine does not have). The build uses a copy of that crate
 #   whose manifest asks for `dynamic-loading` instead: the libraries are opened at first
@@ -17,20 +16,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 root="$PWD/target/cuda"
-venv="$root/toolchain"
 mkdir -p "$root"
 
-if [ ! -x "$venv/bin/python" ]; then
-  echo "== CUDA 13.0 compiler packages into $venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    nvidia-cuda-nvcc==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-crt==13.0.88 \
-    nvidia-cuda-cccl==13.0.85 nvidia-nvvm==13.0.88
-fi
-cu13="$(ls -d "$venv"/lib/python3*/site-packages/nvidia/cu13)"
-export PATH="$cu13/bin:$PATH"
-export CUDA_COMPUTE_CAP=90
-nvcc --version | tail -2
+# shellcheck source=scripts/cuda-toolchain.sh
+source scripts/cuda-toolchain.sh
 
 # candle-core with cudarc's dynamic loading.
 src="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/candle-core-0.11.1 2>/dev/null | head -1)"
