@@ -3112,11 +3112,7 @@ mod tests {
             mixed.contains("TTFT ≤ 500 ms, E2E ≤ 2000 ms, none"),
             "{mixed}"
         );
-        let last = mixed
-            .lines()
-            .filter(|l| l.starts_with("| full"))
-            .last()
-            .unwrap();
+        let last = mixed.lines().rfind(|l| l.starts_with("| full")).unwrap();
         assert!(last.ends_with("| – |"), "{last}");
     }
 
