@@ -152,3 +152,35 @@ fn gamma_arrivals_have_the_requested_rate_and_burstiness() {
     .times(1, 0)
     .is_err());
 }
+
+#[test]
+fn the_last_arrival_is_at_n_over_rate_as_vllm_rescales_the_gaps() {
+    for (n, rate, burstiness, seed) in [(10, 2.0, 1.0, 0), (37, 0.5, 0.3, 5), (1, 4.0, 2.0, 9)] {
+        let t = Arrivals::Poisson { rate, burstiness }
+            .times(n, seed)
+            .unwrap();
+        let want = n as f64 / rate;
+        let last = *t.last().unwrap();
+        assert!(
+            (last - want).abs() <= 1e-12 * want,
+            "{n} at {rate}/s: last {last}"
+        );
+        // The first request still waits one gap; the order and the seed stand.
+        assert!(t[0] > 0.0 && t.windows(2).all(|w| w[0] <= w[1]), "{t:?}");
+        assert_eq!(
+            t,
+            Arrivals::Poisson { rate, burstiness }
+                .times(n, seed)
+                .unwrap()
+        );
+    }
+    let a = Arrivals::Poisson {
+        rate: 2.0,
+        burstiness: 1.0,
+    };
+    // Seeds change the gaps, not where the last one lands.
+    let (x, y) = (a.times(10, 1).unwrap(), a.times(10, 2).unwrap());
+    assert_ne!(x, y);
+    assert!((x[9] - y[9]).abs() < 1e-12);
+    assert!(a.times(0, 1).unwrap().is_empty());
+}

@@ -9,8 +9,8 @@
 //! `kvbench-progress tokens=N total=M`: N tokens the engine has computed (prefill and
 //! decode) of the M its requests need (Σ prompt + output − 1, warm-up included).
 
-use crate::experiment::{Cell, Kind, Plan};
-use crate::metrics::{compute, CellMetrics, Slo};
+use crate::experiment::{Cell, Kind, Plan, SloSpec};
+use crate::metrics::{compute, CellMetrics};
 use crate::setup::{
     device_capacity, host_memory_bytes, load_model, seeded_ids, skewing, DtypeArg, ModelArgs, Setup,
 };
@@ -126,6 +126,10 @@ pub struct RunCellArgs {
     /// experiment's `data_dir`, else data/ (filled by `just fetch-data`).
     #[arg(long, env = "KVBENCH_DATASETS_DIR")]
     pub data_dir: Option<PathBuf>,
+
+    /// Service-level objectives in place of the YAML's, as `kvbench run --slo`.
+    #[arg(long, value_name = "ttft:MS,tpot:MS,e2e:MS", value_parser = SloSpec::parse)]
+    pub slo: Option<SloSpec>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -468,7 +472,9 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         Ok((eng, skip_out, skip_steps)) => {
             let outs = &eng.finished()[skip_out..];
             let steps = &eng.traces()[skip_steps..];
-            result.metrics = Some(compute(outs, steps, Slo::default()));
+            // The clock was reset at the benchmark's start: 0 on it.
+            let slo = cell.slo.map(|s| s.seconds()).unwrap_or_default();
+            result.metrics = Some(compute(outs, steps, slo, 0.0));
             result.memory = Some(eng.memory());
             result.h2d_bytes = Some(steps.iter().map(|t| t.h2d_bytes).sum());
             result.d2h_bytes = Some(steps.iter().map(|t| t.d2h_bytes).sum());
@@ -492,7 +498,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
 }
 
 pub fn run(a: RunCellArgs) -> Result<()> {
-    let plan = Plan::load(&a.experiment, &a.models_dir)?;
+    let plan = Plan::load_with(&a.experiment, &a.models_dir, a.slo)?;
     let cell = match a.id.as_deref() {
         // By identity: the index only says where it was when the sweep started.
         Some(id) => match plan.cells.iter().find(|c| c.id == id) {

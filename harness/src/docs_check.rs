@@ -102,6 +102,17 @@ fn check_yaml(page: &Path, line: usize, body: &str) {
             map.insert(k.into(), serde_yaml::from_str(d).expect("default"));
         }
     }
+    // A fragment of a performance experiment (no `kind`) needs a grid and a workload.
+    if !map.contains_key("kind") {
+        for (k, d) in [
+            ("matrix", "{batch: [1], prompt_len: [8], output_len: [2]}"),
+            ("workload", "{num_requests: 1}"),
+        ] {
+            if !map.contains_key(k) {
+                map.insert(k.into(), serde_yaml::from_str(d).expect("default"));
+            }
+        }
+    }
     if let Some(src) = map
         .get_mut("workload")
         .and_then(|w| w.get_mut("source"))

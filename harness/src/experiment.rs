@@ -78,6 +78,102 @@ pub struct Experiment {
     /// Requests run and discarded before each cell's measured requests.
     #[serde(default)]
     pub warmup: usize,
+    /// Service-level objectives for goodput (performance experiments); `kvbench run
+    /// --slo` replaces them.
+    pub slo: Option<SloSpec>,
+}
+
+/// Service-level objectives in milliseconds, vLLM's `--goodput ttft:… tpot:… e2el:…`:
+/// a request is good when it meets every objective given. Each is optional.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SloSpec {
+    pub ttft_ms: Option<f64>,
+    pub tpot_ms: Option<f64>,
+    pub e2e_ms: Option<f64>,
+}
+
+impl SloSpec {
+    /// The objectives in seconds, for [`crate::metrics::compute`].
+    pub fn seconds(&self) -> crate::metrics::Slo {
+        crate::metrics::Slo {
+            ttft_s: self.ttft_ms.map(|x| x / 1000.0),
+            tpot_s: self.tpot_ms.map(|x| x / 1000.0),
+            e2e_s: self.e2e_ms.map(|x| x / 1000.0),
+        }
+    }
+
+    /// The objectives by YAML key, in order.
+    fn keys(&self) -> [(&'static str, Option<f64>); 3] {
+        [
+            ("ttft_ms", self.ttft_ms),
+            ("tpot_ms", self.tpot_ms),
+            ("e2e_ms", self.e2e_ms),
+        ]
+    }
+
+    /// The first bad objective as (YAML key, why): each given one a positive finite
+    /// number of milliseconds, at least one given.
+    pub fn check(&self) -> std::result::Result<(), (&'static str, String)> {
+        if self.keys().iter().all(|(_, v)| v.is_none()) {
+            return Err((
+                "",
+                "expected at least one of ttft_ms, tpot_ms, e2e_ms (milliseconds)".into(),
+            ));
+        }
+        for (k, v) in self.keys() {
+            if let Some(x) = v.filter(|x| !(x.is_finite() && *x > 0.0)) {
+                return Err((
+                    k,
+                    format!("{x}: expected a positive number of milliseconds"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `--slo ttft:500,tpot:50,e2e:2000`: vLLM's `--goodput` pairs in milliseconds
+    /// (`e2el` is taken for `e2e`), separated by commas or spaces.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        let usage = "expected KEY:MS pairs such as ttft:500,tpot:50,e2e:2000 (keys ttft, \
+                     tpot, e2e or e2el; milliseconds > 0)";
+        let mut slo = SloSpec::default();
+        for pair in s.split([',', ' ']).filter(|p| !p.trim().is_empty()) {
+            let (k, v) = pair
+                .split_once(':')
+                .ok_or_else(|| format!("`{pair}`: {usage}"))?;
+            let v: f64 = v
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{pair}`: `{v}` is not a number; {usage}"))?;
+            let slot = match k.trim() {
+                "ttft" => &mut slo.ttft_ms,
+                "tpot" => &mut slo.tpot_ms,
+                "e2e" | "e2el" => &mut slo.e2e_ms,
+                other => return Err(format!("`{pair}`: unknown objective `{other}`; {usage}")),
+            };
+            if slot.replace(v).is_some() {
+                return Err(format!("`{pair}`: `{}` is given twice", k.trim()));
+            }
+        }
+        slo.check().map_err(|(_, why)| format!("`{s}`: {why}"))?;
+        Ok(slo)
+    }
+}
+
+impl std::fmt::Display for SloSpec {
+    /// The `--slo` form ([`SloSpec::parse`] reads it back exactly).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = [
+            ("ttft", self.ttft_ms),
+            ("tpot", self.tpot_ms),
+            ("e2e", self.e2e_ms),
+        ]
+        .iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k}:{v}")))
+        .collect();
+        f.write_str(&parts.join(","))
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -458,6 +554,10 @@ pub struct Cell {
     pub burstiness: f64,
     /// Most requests in flight; `None`: no cap.
     pub max_concurrency: Option<usize>,
+    /// Performance cells with objectives: goodput is measured against them. Absent
+    /// otherwise, so the identities of cells recorded before SLOs existed stand.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slo: Option<SloSpec>,
     pub repeat: usize,
     /// Accuracy cells: the task, the scoring mode and the item limit.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -530,7 +630,8 @@ impl Cell {
 const IDENTITY_VERSION: u32 = 1;
 
 /// A cell's identity: a hash of everything that can change its result. That is the
-/// cell's own values (engine, parameters, axes, repeat) and the settings the whole
+/// cell's own values (engine, parameters, axes, repeat, the SLO of its goodput, absent
+/// when none is set) and the settings the whole
 /// experiment shares (model, dtype, seed, device and memory, workload, warm-up,
 /// scheduler, the retention task's form, facts and turns) and the CPU worker threads.
 /// Left out: the cell's index, the experiment's name, the other cells (so adding an
@@ -570,6 +671,15 @@ fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) ->
         "threads": threads,
     });
     format!("{:032x}", xxh3_128(all.to_string().as_bytes()))
+}
+
+/// Set every cell's identity and point (with this process's CPU worker threads).
+fn identify(exp: &Experiment, cells: &mut [Cell]) {
+    let threads = candle_core::utils::get_num_threads();
+    for c in cells {
+        c.id = identity(exp, c, threads);
+        c.point = settings_hash(exp, c, threads, false);
+    }
 }
 
 /// A parsed, checked experiment and where it came from.
@@ -659,6 +769,15 @@ impl Plan {
             )
         })?;
         Self::parse(&text, path, models_dir)
+    }
+
+    /// [`Plan::load`], then the objectives of `--slo` in place of the YAML's.
+    pub fn load_with(path: &Path, models_dir: &Path, slo: Option<SloSpec>) -> Result<Self> {
+        let plan = Self::load(path, models_dir)?;
+        match slo {
+            Some(s) => plan.with_slo(s),
+            None => Ok(plan),
+        }
     }
 
     pub fn parse(text: &str, path: &Path, models_dir: &Path) -> Result<Self> {
@@ -774,21 +893,56 @@ impl Plan {
                 ));
             }
         }
+        if let Some(slo) = &exp.slo {
+            if kind != Kind::Performance {
+                return Err(err(
+                    "slo",
+                    format!(
+                        "`slo` belongs to `kind: performance` experiments; this one is `kind: {}`",
+                        kind.name()
+                    ),
+                ));
+            }
+            slo.check().map_err(|(k, why)| {
+                let key = if k.is_empty() {
+                    "slo".to_string()
+                } else {
+                    format!("slo.{k}")
+                };
+                err(&key, why)
+            })?;
+        }
         let mut cells = match kind {
             Kind::Performance => Self::performance_cells(&exp, text, path, context)?,
             Kind::Accuracy => Self::accuracy_cells(&exp, text, path, context)?,
             Kind::Retention => Self::retention_cells(&exp, text, path)?,
         };
-        let threads = candle_core::utils::get_num_threads();
-        for c in &mut cells {
-            c.id = identity(&exp, c, threads);
-            c.point = settings_hash(&exp, c, threads, false);
-        }
+        identify(&exp, &mut cells);
         Ok(Plan {
             exp,
             cells,
             context,
         })
+    }
+
+    /// The plan with the objectives of `kvbench run --slo` in place of the YAML's:
+    /// every cell's identity changes with them (goodput is measured against them).
+    pub fn with_slo(mut self, slo: SloSpec) -> Result<Self> {
+        if self.exp.kind != Kind::Performance {
+            anyhow::bail!(
+                "--slo {slo}: objectives apply to performance experiments; `{}` is `kind: {}`",
+                self.exp.name,
+                self.exp.kind.name()
+            );
+        }
+        slo.check()
+            .map_err(|(_, why)| anyhow::anyhow!("--slo {slo}: {why}"))?;
+        self.exp.slo = Some(slo);
+        for c in &mut self.cells {
+            c.slo = Some(slo);
+        }
+        identify(&self.exp, &mut self.cells);
+        Ok(self)
     }
 
     /// Engines with their parameters, each checked at every budget it will run with
@@ -924,6 +1078,7 @@ impl Plan {
                                 request_rate: f64::INFINITY,
                                 burstiness: 1.0,
                                 max_concurrency: None,
+                                slo: None,
                                 repeat,
                                 task: Some(task.name().to_string()),
                                 mode: Some(mode),
@@ -1022,6 +1177,7 @@ impl Plan {
                             request_rate: f64::INFINITY,
                             burstiness: 1.0,
                             max_concurrency: None,
+                            slo: None,
                             repeat,
                             task: None,
                             mode: None,
@@ -1189,6 +1345,7 @@ impl Plan {
                                                         request_rate: rate.per_second(),
                                                         burstiness,
                                                         max_concurrency,
+                                                        slo: exp.slo,
                                                         repeat,
                                                         task: None,
                                                         mode: None,
@@ -1559,6 +1716,9 @@ retention:
             ),
             GOOD.replace("repeats: 2", "repeats: 2\nscheduler:\n  block_size: 32"),
             GOOD.replace("repeats: 2", "repeats: 2\nscheduler:\n  max_model_len: 512"),
+            GOOD.replace("repeats: 2", "repeats: 2\nslo:\n  ttft_ms: 500"),
+            GOOD.replace("repeats: 2", "repeats: 2\nslo:\n  tpot_ms: 50"),
+            GOOD.replace("repeats: 2", "repeats: 2\nslo:\n  e2e_ms: 2000"),
         ] {
             let after = ids(&edit);
             assert_eq!(after.len(), 72, "{edit}");
@@ -1584,6 +1744,119 @@ retention:
         let c = &p.cells[0];
         assert_ne!(identity(&p.exp, c, 1), identity(&p.exp, c, 2));
         assert_eq!(identity(&p.exp, c, 3), identity(&p.exp, c, 3));
+    }
+
+    #[test]
+    fn slo_keys_are_checked_with_the_file_line_and_key() {
+        let with = |slo: &str| GOOD.replace("repeats: 2", &format!("repeats: 2\nslo:\n{slo}"));
+        let p = parse(&with("  ttft_ms: 500\n  e2e_ms: 2500")).unwrap();
+        let want = SloSpec {
+            ttft_ms: Some(500.0),
+            tpot_ms: None,
+            e2e_ms: Some(2500.0),
+        };
+        assert!(p.cells.iter().all(|c| c.slo == Some(want)));
+        assert_eq!(want.seconds().ttft_s, Some(0.5));
+        assert_eq!(want.seconds().e2e_s, Some(2.5));
+        assert_eq!(want.seconds().tpot_s, None);
+        for (bad, line, key, value) in [
+            ("  ttft_ms: -5", 18, "slo.ttft_ms", "-5"),
+            ("  ttft_ms: 100\n  tpot_ms: 0", 19, "slo.tpot_ms", "0"),
+            ("  e2e_ms: .inf", 18, "slo.e2e_ms", "inf"),
+            ("  e2e_ms: .nan", 18, "slo.e2e_ms", "NaN"),
+        ] {
+            let e = err(&with(bad));
+            assert!(
+                e.starts_with(&format!(
+                    "exp.yaml:{line}: `{key}`: {value}: expected a positive number of milliseconds"
+                )),
+                "{bad}: {e}"
+            );
+        }
+        let e = err(&with("  {}"));
+        assert!(
+            e.starts_with("exp.yaml:17: `slo`: expected at least one of ttft_ms"),
+            "{e}"
+        );
+        let e = err(&with("  ttft: 500"));
+        assert!(
+            e.contains("unknown field `ttft`") && e.contains("ttft_ms"),
+            "{e}"
+        );
+        let e = err(&with("  ttft_ms: fast"));
+        assert!(e.starts_with("exp.yaml:18"), "{e}");
+        // Objectives are for performance experiments only.
+        let e = err(&format!("{ACC}slo:\n  ttft_ms: 500\n"));
+        assert!(e.contains("`slo` belongs to `kind: performance`"), "{e}");
+    }
+
+    #[test]
+    fn slo_flags_parse_like_vllms_goodput_and_replace_the_yamls() {
+        let s = SloSpec::parse("ttft:500,tpot:50,e2el:2000").unwrap();
+        assert_eq!(
+            (s.ttft_ms, s.tpot_ms, s.e2e_ms),
+            (Some(500.0), Some(50.0), Some(2000.0))
+        );
+        // vLLM's space-separated form, `e2e` for `e2el`, any subset; the printed form
+        // reads back exactly (the orchestrator hands it to each cell's process).
+        let t = SloSpec::parse("tpot:12.5 e2e:900").unwrap();
+        assert_eq!(
+            (t.ttft_ms, t.tpot_ms, t.e2e_ms),
+            (None, Some(12.5), Some(900.0))
+        );
+        assert_eq!(t.to_string(), "tpot:12.5,e2e:900");
+        for x in [s, t] {
+            assert_eq!(SloSpec::parse(&x.to_string()).unwrap(), x);
+        }
+        for (bad, says) in [
+            ("ttft=500", "expected KEY:MS pairs"),
+            ("ttft:abc", "`abc` is not a number"),
+            ("itl:5", "unknown objective `itl`"),
+            ("ttft:0", "0: expected a positive number"),
+            ("ttft:-1", "-1: expected a positive number"),
+            ("ttft:inf", "inf: expected a positive number"),
+            ("ttft:NaN", "NaN: expected a positive number"),
+            ("e2e:1,e2el:2", "`e2el` is given twice"),
+            ("", "expected at least one of"),
+        ] {
+            let e = SloSpec::parse(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // The flag's objectives replace the YAML's, keep the readable keys and change
+        // every identity; the same objectives as the YAML's give the YAML's identities.
+        let yaml = parse(&GOOD.replace("repeats: 2", "repeats: 2\nslo:\n  ttft_ms: 500")).unwrap();
+        let plain = parse(GOOD).unwrap();
+        let flagged = plain
+            .clone()
+            .with_slo(SloSpec::parse("ttft:500").unwrap())
+            .unwrap();
+        let other = plain
+            .clone()
+            .with_slo(SloSpec::parse("tpot:50").unwrap())
+            .unwrap();
+        for ((p, f), (y, o)) in plain
+            .cells
+            .iter()
+            .zip(&flagged.cells)
+            .zip(yaml.cells.iter().zip(&other.cells))
+        {
+            assert_eq!(p.key(), f.key());
+            assert_ne!(p.id, f.id);
+            assert_ne!(p.point, f.point);
+            assert_eq!((&f.id, &f.point), (&y.id, &y.point));
+            assert_ne!(f.id, o.id);
+            assert_eq!(o.slo.and_then(|s| s.ttft_ms), None, "replaced, not merged");
+        }
+        assert_eq!(flagged.exp.slo, yaml.exp.slo);
+        // Without objectives a cell hashes as before SLOs existed: no `slo` field.
+        let v = serde_json::to_value(&plain.cells[0]).unwrap();
+        assert!(v.get("slo").is_none(), "{v}");
+        assert!(serde_json::to_value(&flagged.cells[0]).unwrap()["slo"].is_object());
+        let e = parse(ACC)
+            .unwrap()
+            .with_slo(SloSpec::parse("ttft:5").unwrap())
+            .unwrap_err();
+        assert!(format!("{e}").contains("performance"), "{e}");
     }
 
     #[test]

@@ -139,6 +139,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             engine.finished(),
             engine.traces(),
             crate::metrics::Slo::default(),
+            0.0,
         ),
     };
     if a.json {
@@ -184,11 +185,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         );
     }
     println!("weights   {}", human(out.weights_bytes));
-    let b = &out.metrics.breakdown;
-    println!(
-        "walltime  prefill {:.3} s, decode {:.3} s, cache ops {:.3} s (transfers {:.3} s), scheduling {:.3} s",
-        b.prefill_s, b.decode_compute_s, b.cache_ops_s, b.transfer_s, b.scheduling_s
-    );
+    if let Some(b) = &out.metrics.breakdown {
+        println!(
+            "walltime  prefill {:.3} s, decode {:.3} s, cache ops {:.3} s (transfers {:.3} s), scheduling {:.3} s",
+            b.prefill_s, b.decode_compute_s, b.cache_ops_s, b.transfer_s, b.scheduling_s
+        );
+    }
     Ok(())
 }
 

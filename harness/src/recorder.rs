@@ -4,7 +4,7 @@
 //! memory and the environment), `requests.parquet` one per measured request,
 //! `steps.parquet` one per engine step and `samples.parquet` the memory time series;
 //! every row carries its cell's index and key. `runs.parquet` starts with headline
-//! columns under stable names (`engine`, `ttft_mean_s`, `decode_tok_s`,
+//! columns under stable names (`engine`, `ttft_mean_s`, `decode_tok_s`, `goodput_req_s`,
 //! `mem_kv_device_bytes`, ...); then nested fields follow, flattened with `_`
 //! (`metrics_ttft_s_p99`). A value never measured is null. Accuracy and retention
 //! cells carry `accuracy_rows`, which become `accuracy.parquet` (written only when
@@ -184,6 +184,17 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         ("decode_tok_s", num(&m["decode_throughput"])),
         ("throughput_tok_s", num(&m["output_throughput"])),
         ("decode_tok_s_per_gb", per_gb),
+        ("duration_s", num(&m["duration_s"])),
+        ("peak_output_tok_s", num(&m["peak_output_throughput"])),
+        ("peak_concurrency", int(&m["peak_concurrency"])),
+        // The objectives (null when not set) beside what was measured against them.
+        ("slo_ttft_ms", num(&c["slo"]["ttft_ms"])),
+        ("slo_tpot_ms", num(&c["slo"]["tpot_ms"])),
+        ("slo_e2e_ms", num(&c["slo"]["e2e_ms"])),
+        ("goodput_req_s", num(&m["goodput"])),
+        ("slo_ttft_frac", num(&m["slo_ttft_frac"])),
+        ("slo_tpot_frac", num(&m["slo_tpot_frac"])),
+        ("slo_e2e_frac", num(&m["slo_e2e_frac"])),
         ("wall_prefill_s", num(&b["prefill_s"])),
         ("wall_decode_s", num(&b["decode_compute_s"])),
         ("wall_cache_ops_s", num(&b["cache_ops_s"])),
@@ -421,5 +432,65 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["t.parquet"]);
+    }
+
+    /// `runs.parquet` of `cells`, written and read back.
+    fn runs_table(cells: &[Value]) -> DataFrame {
+        let mut tables = BTreeMap::new();
+        for (i, c) in cells.iter().enumerate() {
+            rows_of(c, "e", &format!("id{i}"), &mut tables);
+        }
+        let mut df = frame(&tables["runs"]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("runs.parquet");
+        write_parquet(&mut df, &p).unwrap();
+        read_parquet(&p).unwrap()
+    }
+
+    #[test]
+    fn runs_carry_the_slo_goodput_and_peaks_and_an_older_cell_reads_as_null() {
+        let with_slo = json!({
+            "cell": {"engine": "full", "repeat": 0, "slo": {"ttft_ms": 500.0, "tpot_ms": null, "e2e_ms": 2000.0}},
+            "outcome": "ok",
+            "metrics": {
+                "duration_s": 4.0, "goodput": 0.5, "slo_ttft_frac": 0.75,
+                "slo_tpot_frac": null, "slo_e2e_frac": 1.0,
+                "peak_output_throughput": 12.0, "peak_concurrency": 3,
+                "ttft_s": {"mean": 0.1, "std": 0.02, "p50": 0.1, "p90": 0.1, "p99": 0.1},
+                "breakdown": null
+            },
+        });
+        // Recorded before SLOs, peaks and std existed: the new columns are null.
+        let older = json!({
+            "cell": {"engine": "h2o", "repeat": 0},
+            "outcome": "ok",
+            "metrics": {"duration_s": 3.0, "goodput": null,
+                        "ttft_s": {"mean": 0.2, "p50": 0.2, "p90": 0.2, "p99": 0.2},
+                        "breakdown": {"prefill_s": 1.0}},
+        });
+        let df = runs_table(&[with_slo, older]);
+        let f = |c: &str| {
+            let col = df.column(c).unwrap_or_else(|_| panic!("no {c}"));
+            let col = col.cast(&DataType::Float64).unwrap();
+            let v: Vec<Option<f64>> = col.f64().unwrap().iter().collect();
+            v
+        };
+        assert_eq!(f("slo_ttft_ms"), [Some(500.0), None]);
+        assert_eq!(f("slo_tpot_ms"), [None, None]);
+        assert_eq!(f("slo_e2e_ms"), [Some(2000.0), None]);
+        assert_eq!(f("goodput_req_s"), [Some(0.5), None]);
+        assert_eq!(f("slo_ttft_frac"), [Some(0.75), None]);
+        assert_eq!(f("slo_tpot_frac"), [None, None]);
+        assert_eq!(f("slo_e2e_frac"), [Some(1.0), None]);
+        assert_eq!(f("peak_output_tok_s"), [Some(12.0), None]);
+        assert_eq!(f("peak_concurrency"), [Some(3.0), None]);
+        assert_eq!(f("duration_s"), [Some(4.0), Some(3.0)]);
+        assert_eq!(f("metrics_ttft_s_std"), [Some(0.02), None]);
+        // No breakdown: the walltime columns are null, not 0.
+        assert_eq!(f("wall_prefill_s"), [None, Some(1.0)]);
+        assert_eq!(
+            df.column("peak_concurrency").unwrap().dtype(),
+            &DataType::Int64
+        );
     }
 }

@@ -44,6 +44,12 @@ pub struct Run {
     pub mem_host_peak_bytes: Option<f64>,
     /// KV bytes the sequences held at the busiest step (≤ the reserved pool).
     pub mem_kv_device_used_peak_bytes: Option<f64>,
+    /// Requests per second meeting every SLO; null without SLOs.
+    pub goodput_req_s: Option<f64>,
+    /// The SLOs of the cell's goodput, ms (null: not set).
+    pub slo_ttft_ms: Option<f64>,
+    pub slo_tpot_ms: Option<f64>,
+    pub slo_e2e_ms: Option<f64>,
     /// The cell's identity columns (`cell_*` without the prefix; null as ""), less the
     /// repeat and the row's bookkeeping (index, id, key).
     pub cell: BTreeMap<String, String>,
@@ -234,6 +240,10 @@ fn runs_of(df: &DataFrame) -> Vec<Run> {
         "mem_kv_host_bytes",
         "mem_host_peak_bytes",
         "mem_kv_device_used_peak_bytes",
+        "goodput_req_s",
+        "slo_ttft_ms",
+        "slo_tpot_ms",
+        "slo_e2e_ms",
     ]
     .iter()
     .map(|n| x(n))
@@ -266,6 +276,10 @@ fn runs_of(df: &DataFrame) -> Vec<Run> {
             mem_kv_host_bytes: cols[10][i],
             mem_host_peak_bytes: cols[11][i],
             mem_kv_device_used_peak_bytes: cols[12][i],
+            goodput_req_s: cols[13][i],
+            slo_ttft_ms: cols[14][i],
+            slo_tpot_ms: cols[15][i],
+            slo_e2e_ms: cols[16][i],
             cell: identity
                 .iter()
                 .map(|(k, v)| (k.clone(), v[i].clone().unwrap_or_default()))
@@ -326,6 +340,7 @@ fn merge(rs: &[&Run]) -> Run {
         mem_kv_host_bytes: mean(|r| r.mem_kv_host_bytes),
         mem_host_peak_bytes: mean(|r| r.mem_host_peak_bytes),
         mem_kv_device_used_peak_bytes: mean(|r| r.mem_kv_device_used_peak_bytes),
+        goodput_req_s: mean(|r| r.goodput_req_s),
         ..rs[0].clone()
     }
 }
@@ -2060,19 +2075,56 @@ fn render(
     )?;
     writeln!(md, "- output length: {}", distinct(&|r| num(r.output_len)))?;
     writeln!(md, "- budget: {}", distinct(&|r| num(r.budget)))?;
+    // Goodput is shown only where a cell was measured against SLOs.
+    let slo_of = |r: &Run| {
+        [
+            ("TTFT", r.slo_ttft_ms),
+            ("TPOT", r.slo_tpot_ms),
+            ("E2E", r.slo_e2e_ms),
+        ]
+        .iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k} ≤ {} ms", fmt(v))))
+        .collect::<Vec<_>>()
+        .join(", ")
+    };
+    let with_slo = runs.iter().any(|r| !slo_of(r).is_empty());
+    if with_slo {
+        writeln!(
+            md,
+            "- SLOs for goodput (requests meeting every one, per second): {}",
+            distinct(&|r| {
+                let s = slo_of(r);
+                if s.is_empty() {
+                    "none".into()
+                } else {
+                    s
+                }
+            })
+        )?;
+    }
 
     writeln!(md, "\n## Cells\n")?;
-    writeln!(md, "| engine | attention | batch | prompt | output | budget | outcome | TTFT s | decode tok/s | tok/s per GB | E2E s | device GiB | host KV GiB |")?;
+    let (goodput_head, goodput_align) = if with_slo {
+        (" goodput req/s |", "---:|")
+    } else {
+        ("", "")
+    };
+    writeln!(md, "| engine | attention | batch | prompt | output | budget | outcome | TTFT s | decode tok/s | tok/s per GB | E2E s | device GiB | host KV GiB |{goodput_head}")?;
     writeln!(
         md,
-        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|{goodput_align}"
     )?;
     let gib =
         |x: Option<f64>| x.map_or("–".into(), |b| format!("{:.2}", b / (1u64 << 30) as f64));
     for r in runs {
+        let goodput = if with_slo {
+            format!(" {} |", num(r.goodput_req_s))
+        } else {
+            String::new()
+        };
         writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |{goodput}",
             r.label(),
             r.attention,
             num(r.batch),
@@ -3022,6 +3074,49 @@ mod tests {
     }
 
     #[test]
+    fn the_cells_table_shows_goodput_only_when_the_sweep_set_slos() {
+        use serde_json::json;
+        let row = |goodput: Option<f64>, ttft_ms: Option<f64>| {
+            json!({
+                "experiment": "s", "engine": "full", "attention": "flash", "batch": 2,
+                "prompt_len": 16, "output_len": 3, "budget": 1, "outcome": "ok",
+                "ttft_mean_s": 0.25, "goodput_req_s": goodput, "slo_ttft_ms": ttft_ms,
+                "slo_tpot_ms": null, "slo_e2e_ms": ttft_ms.map(|t| t * 4.0),
+            })
+            .as_object()
+            .unwrap()
+            .clone()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let md = |rows: &[serde_json::Map<String, serde_json::Value>]| {
+            let df = crate::recorder::frame(rows).unwrap();
+            render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
+        };
+        let with = md(&[row(Some(2.5), Some(500.0)), row(Some(0.0), Some(500.0))]);
+        assert!(
+            with.contains("- SLOs for goodput (requests meeting every one, per second): TTFT ≤ 500 ms, E2E ≤ 2000 ms"),
+            "{with}"
+        );
+        let table: Vec<&str> = with.lines().filter(|l| l.starts_with("| full")).collect();
+        assert_eq!(table.len(), 2, "{with}");
+        assert!(table[0].ends_with("| 2.50 |"), "{}", table[0]);
+        // A measured 0 is shown as 0.
+        assert!(table[1].ends_with("| 0 |"), "{}", table[1]);
+        assert!(with.contains("| host KV GiB | goodput req/s |"), "{with}");
+        // No SLO: no goodput column, no SLO line.
+        let without = md(&[row(None, None)]);
+        assert!(!without.contains("goodput"), "{without}");
+        // A cell without SLO beside cells with one: its goodput is –, not 0.
+        let mixed = md(&[row(Some(1.0), Some(500.0)), row(None, None)]);
+        assert!(
+            mixed.contains("TTFT ≤ 500 ms, E2E ≤ 2000 ms, none"),
+            "{mixed}"
+        );
+        let last = mixed.lines().rfind(|l| l.starts_with("| full")).unwrap();
+        assert!(last.ends_with("| – |"), "{last}");
+    }
+
+    #[test]
     fn rows_are_grouped_by_cell_point_or_else_by_the_identity_columns() {
         use serde_json::json;
         let row = |params: &str, repeat: u64, tok: f64| {
@@ -3079,7 +3174,7 @@ mod tests {
                 task: "retention".into(),
                 engine: engine.into(),
                 budget: Some(budget),
-                repeat: 0,
+                repeat: Some(0),
                 value: if i < correct { 1.0 } else { 0.0 },
                 bucket: Some(bucket.into()),
                 turn: Some(2.0),
@@ -3191,7 +3286,7 @@ mod tests {
                 task: task.into(),
                 engine: engine.into(),
                 budget: Some(budget),
-                repeat: 0,
+                repeat: Some(0),
                 value: if i < correct { 1.0 } else { 0.0 },
                 bucket: None,
                 turn: None,

@@ -11,7 +11,7 @@
 //! printed above the bars and its end kept for the error of a cell whose process dies.
 
 use crate::cell::{parse_progress, PROGRESS_ENV};
-use crate::experiment::{parse_shard, shard, Cell, Kind, Plan};
+use crate::experiment::{parse_shard, shard, Cell, Kind, Plan, SloSpec};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{MultiProgress, ProgressBar, ProgressState, ProgressStyle};
@@ -70,6 +70,12 @@ pub struct RunArgs {
     /// version of its YAML, another experiment) to pruned/ beside it.
     #[arg(long, conflicts_with = "dry_run")]
     pub prune: bool,
+
+    /// Service-level objectives for goodput in milliseconds, in place of the YAML's
+    /// `slo`: vLLM's `--goodput` keys, `ttft:500,tpot:50,e2e:2000` (`e2el` = `e2e`;
+    /// any subset). They are part of every cell's identity.
+    #[arg(long, value_name = "ttft:MS,tpot:MS,e2e:MS", value_parser = SloSpec::parse)]
+    pub slo: Option<SloSpec>,
 
     /// Take cells recorded by kvbench before cell identities existed (files without
     /// an `id`) as this experiment's cells where their key matches one: only when you
@@ -292,6 +298,7 @@ fn run_child(
     c: &Cell,
     models_dir: &Path,
     data_dir: &Path,
+    slo: Option<SloSpec>,
     bars: &Bars,
 ) -> Result<serde_json::Value> {
     let exe = std::env::current_exe().context("locating the kvbench binary")?;
@@ -306,6 +313,11 @@ fn run_child(
         .arg(models_dir)
         .arg("--data-dir")
         .arg(data_dir)
+        // The child must plan the same cells (the SLO is in their identities).
+        .args(
+            slo.iter()
+                .flat_map(|s| ["--slo".to_string(), s.to_string()]),
+        )
         .env(PROGRESS_ENV, "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -354,7 +366,7 @@ fn run_child(
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
-    let plan = Plan::load(&a.experiment, &a.models_dir)?;
+    let plan = Plan::load_with(&a.experiment, &a.models_dir, a.slo)?;
     let shard_sel = a.shard.as_deref().map(parse_shard).transpose()?;
     let cells = shard(&plan.cells, shard_sel);
     if a.tables_only {
@@ -399,6 +411,9 @@ pub fn run(a: RunArgs) -> Result<()> {
         e.repeats,
         e.seed
     );
+    if let Some(slo) = &e.slo {
+        println!("SLO (ms) for goodput: {slo}");
+    }
     println!(
         "{:>5}  {:<10} {:<22} {:>5} {:>18} {:>6} {:>6} {:<8} {:>5} {:>6} {:>5} {:>5} {:>3}",
         "cell",
@@ -530,7 +545,7 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             "cell {} {} b{} budget {}",
             c.index, c.engine, c.batch, c.budget
         ));
-        let mut v = run_child(&a.experiment, c, &a.models_dir, &data_dir, &bars)?;
+        let mut v = run_child(&a.experiment, c, &a.models_dir, &data_dir, a.slo, &bars)?;
         v["spec"] = spec_hash.clone().into();
         let json = serde_json::to_string(&v)?;
         if let Err(e) = write_atomic(&path, json.as_bytes()) {

@@ -780,3 +780,85 @@ fn a_sweep_killed_in_the_middle_of_a_cell_resumes_without_loss_or_duplicates() {
     keys.dedup();
     assert_eq!(keys.len(), 6);
 }
+
+#[test]
+fn slos_from_the_yaml_or_the_flag_give_goodput_and_per_objective_fractions() {
+    let (dir, exp) = common::with_experiment(
+        "s.yaml",
+        "name: slo\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [2]\n  prompt_len: [16]\n  output_len: [3]\n  request_rate: [40]\nworkload:\n  num_requests: 3\nslo:\n  ttft_ms: 600000\n  e2e_ms: 600000\n",
+    );
+    let results = dir.path().join("results");
+    let run = |extra: &[&str]| {
+        let mut args = common::sweep_args(&exp, &results).to_vec();
+        args.extend(extra);
+        let o = kvbench(dir.path(), &args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    use polars::prelude::*;
+    let runs = || {
+        let f = std::fs::File::open(results.join("slo/runs.parquet")).unwrap();
+        ParquetReader::new(f).finish().unwrap()
+    };
+    let get = |df: &DataFrame, c: &str| -> Option<f64> {
+        let col = df
+            .column(c)
+            .unwrap_or_else(|_| panic!("runs.parquet lacks {c}"));
+        col.cast(&DataType::Float64).unwrap().f64().unwrap().get(0)
+    };
+    // The YAML's objectives, ten minutes each: every request meets them.
+    let out = run(&[]);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+    let df = runs();
+    assert_eq!(get(&df, "slo_ttft_ms"), Some(600000.0));
+    assert_eq!(get(&df, "slo_tpot_ms"), None);
+    assert_eq!(get(&df, "slo_e2e_ms"), Some(600000.0));
+    assert_eq!(get(&df, "slo_ttft_frac"), Some(1.0));
+    assert_eq!(get(&df, "slo_tpot_frac"), None, "no TPOT objective: null");
+    assert_eq!(get(&df, "slo_e2e_frac"), Some(1.0));
+    let goodput = get(&df, "goodput_req_s").unwrap();
+    let duration = get(&df, "duration_s").unwrap();
+    assert!(
+        (goodput * duration - 3.0).abs() < 1e-9,
+        "{goodput} × {duration}"
+    );
+    assert_eq!(get(&df, "metrics_request_throughput"), Some(goodput));
+    // At 40 requests/s the last of 3 arrives at 3/40 s after the start, which the
+    // duration counts.
+    assert!(duration > 3.0 / 40.0, "{duration}");
+    assert!(get(&df, "peak_concurrency").unwrap() >= 1.0);
+    assert!(get(&df, "peak_output_tok_s").unwrap() >= 1.0);
+    assert!(get(&df, "metrics_e2e_s_std").unwrap() >= 0.0);
+    // --slo replaces them (a TPOT no step can meet), runs the cell again under its
+    // own identity and keeps the YAML's result.
+    let out = run(&["--slo", "tpot:0.000001,e2el:600000"]);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+    let df = runs();
+    assert_eq!(get(&df, "slo_ttft_ms"), None);
+    assert_eq!(get(&df, "slo_tpot_ms"), Some(0.000001));
+    assert_eq!(get(&df, "slo_tpot_frac"), Some(0.0));
+    assert_eq!(get(&df, "slo_e2e_frac"), Some(1.0));
+    assert_eq!(
+        get(&df, "goodput_req_s"),
+        Some(0.0),
+        "measured: none was good"
+    );
+    assert_eq!(
+        std::fs::read_dir(results.join("slo/cells"))
+            .unwrap()
+            .count(),
+        2
+    );
+    let out = run(&["--slo", "tpot:0.000001,e2e:600000"]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    // A bad flag is refused before anything runs.
+    let mut args = common::sweep_args(&exp, &results).to_vec();
+    args.extend(["--slo", "ttft:-3"]);
+    let o = kvbench(dir.path(), &args);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("expected a positive number"),
+        "{}",
+        stderr(&o)
+    );
+}

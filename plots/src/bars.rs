@@ -117,11 +117,19 @@ impl Bars {
                         stats(&v).map(|s| s.0)
                     })
                     .collect();
+                // A repeat's total over the components the bar stacks; a repeat missing
+                // one of them has no total (its missing part is not a 0).
+                let stacked: Vec<&Getter<'_>> = components
+                    .iter()
+                    .zip(&parts)
+                    .filter(|(_, p)| p.is_some())
+                    .map(|((_, g), _)| g)
+                    .collect();
                 let totals: Vec<f64> = ok
                     .iter()
                     .filter_map(|r| {
-                        let v: Vec<f64> = components.iter().filter_map(|(_, g)| g(r)).collect();
-                        (!v.is_empty()).then(|| v.iter().sum())
+                        let v: Option<Vec<f64>> = stacked.iter().map(|g| g(r)).collect();
+                        v.filter(|v| !v.is_empty()).map(|v| v.iter().sum())
                     })
                     .collect();
                 let total_range = (totals.len() > 1)

@@ -72,7 +72,8 @@ pub const METRICS: &[&str] = &[
 #[derive(Debug, Clone)]
 pub struct Run {
     pub cell_id: String,
-    pub repeat: i64,
+    /// `None` where the table does not say (never taken for repeat 0).
+    pub repeat: Option<i64>,
     pub engine: String,
     /// Engine parameters as `k=v,k=v` (from `cell_params_*`), empty when default.
     pub params: String,
@@ -130,7 +131,8 @@ pub struct AccRow {
     pub task: String,
     pub engine: String,
     pub budget: Option<f64>,
-    pub repeat: i64,
+    /// `None` where the table does not say (never taken for repeat 0).
+    pub repeat: Option<i64>,
     /// 1/0 per item, or an accuracy fraction.
     pub value: f64,
     pub bucket: Option<String>,
@@ -379,7 +381,7 @@ impl Tables {
                 }
                 rows.push(Run {
                     cell_id: cell_id[i].clone().unwrap_or_default(),
-                    repeat: repeat[i].unwrap_or(0.0) as i64,
+                    repeat: repeat[i].map(|r| r as i64),
                     engine: engine[i].clone().unwrap_or_else(|| "?".into()),
                     params: params.join(","),
                     budget: budget[i],
@@ -467,7 +469,7 @@ impl Tables {
                     task: task[i].clone()?,
                     engine: engine[i].clone()?,
                     budget: budget[i],
-                    repeat: repeat[i].unwrap_or(0.0) as i64,
+                    repeat: repeat[i].map(|r| r as i64),
                     value: value[i]?,
                     bucket: bucket[i].clone(),
                     turn: turn[i],
@@ -486,6 +488,38 @@ impl Tables {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_repeat_or_metric_reads_as_null_not_zero() {
+        use polars::prelude::{NamedFrom, Series};
+        let col = |name: &str, v: Vec<Option<f64>>| Column::from(Series::new(name.into(), v));
+        let s = |name: &str, v: Vec<Option<&str>>| Column::from(Series::new(name.into(), v));
+        let df = DataFrame::new(
+            2,
+            vec![
+                s("engine", vec![Some("full"), Some("h2o")]),
+                s("outcome", vec![Some("ok"), Some("ok")]),
+                col("repeat", vec![Some(1.0), None]),
+                col("metrics_duration_s", vec![Some(2.0), None]),
+            ],
+        )
+        .unwrap();
+        let t = Tables::from_frames(Path::new("x"), Some(&df), None, None);
+        assert_eq!(t.runs[0].repeat, Some(1));
+        assert_eq!(t.runs[1].repeat, None);
+        assert_eq!(t.runs[0].get("metrics_duration_s"), Some(2.0));
+        assert_eq!(t.runs[1].get("metrics_duration_s"), None);
+        // An older table without these columns: null, and named as missing.
+        let old = df
+            .drop("repeat")
+            .unwrap()
+            .drop("metrics_duration_s")
+            .unwrap();
+        let t = Tables::from_frames(Path::new("x"), Some(&old), None, None);
+        assert!(t.runs.iter().all(|r| r.repeat.is_none()));
+        assert!(t.runs.iter().all(|r| r.get("metrics_duration_s").is_none()));
+        assert!(t.missing_columns.contains("metrics_duration_s"));
+    }
 
     #[test]
     fn distribution_labels_are_short() {

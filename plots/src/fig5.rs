@@ -1,6 +1,6 @@
 //! Fig. 5: walltime breakdown (prefill, decode, cache operations, scheduling and
 //! sampling) stacked per engine vs batch size, and the total latency of the batch
-//! (first arrival → last finish) vs batch size (the study's claim C8: `full` stays
+//! (benchmark start → last finish) vs batch size (the study's claim C8: `full` stays
 //! flat, InfiniGen grows superlinearly with decode-phase transfers).
 
 use crate::bars::Bars;
@@ -20,12 +20,9 @@ pub fn walltime_bars(
     let prefill = |r: &Run| r.get("wall_prefill_s");
     let decode = |r: &Run| r.get("wall_decode_s");
     let cache = |r: &Run| r.get("wall_cache_ops_s");
-    let other = |r: &Run| match (
-        r.get("metrics_breakdown_scheduling_s"),
-        r.get("metrics_breakdown_sampling_s"),
-    ) {
-        (None, None) => None,
-        (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+    // Both or nothing: a missing half is not measured, not 0.
+    let other = |r: &Run| {
+        Some(r.get("metrics_breakdown_scheduling_s")? + r.get("metrics_breakdown_sampling_s")?)
     };
     Bars::build(
         caption,
@@ -90,13 +87,15 @@ pub fn prepare(t: &Tables) -> Prepared<Fig5> {
             "wall_prefill_s",
             "wall_decode_s",
             "wall_cache_ops_s",
+            "metrics_breakdown_scheduling_s",
+            "metrics_breakdown_sampling_s",
             "metrics_duration_s",
         ],
     ));
     let mut total = Panel::fit(
         "Total latency",
         "batch size",
-        "total latency, first arrival → last finish (s)",
+        "total latency, benchmark start → last finish (s)",
         total,
         None,
         None,
@@ -107,4 +106,88 @@ pub fn prepare(t: &Tables) -> Prepared<Fig5> {
     total.x = total.x.clone().with_ticks_at(&xs);
     let legend = bar_line_legend(&breakdown, &total);
     Ok(TwoPanels::new(breakdown, total, 55, legend, notes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{Outcome, Prompt};
+
+    /// An ok cell of `full` at batch 4 with these metrics.
+    fn run(repeat: i64, m: &[(&'static str, f64)]) -> Run {
+        Run {
+            cell_id: format!("c{repeat}"),
+            repeat: Some(repeat),
+            engine: "full".into(),
+            params: String::new(),
+            budget: Some(1.0),
+            attention: "flash".into(),
+            chunk: None,
+            batch: Some(4.0),
+            prompt: Prompt::Fixed(64.0),
+            output: Some(8.0),
+            rate: None,
+            burstiness: None,
+            concurrency: None,
+            outcome: Outcome::Ok,
+            error: None,
+            m: m.iter().copied().collect(),
+        }
+    }
+
+    #[test]
+    fn a_missing_scheduling_or_sampling_time_is_not_drawn_as_zero() {
+        let base = [
+            ("wall_prefill_s", 1.0),
+            ("wall_decode_s", 2.0),
+            ("wall_cache_ops_s", 0.5),
+        ];
+        let with = |extra: &[(&'static str, f64)]| {
+            let mut m = base.to_vec();
+            m.extend_from_slice(extra);
+            run(0, &m)
+        };
+        let batch = |r: &Run| r.batch;
+        let other = |r: &Run| {
+            let runs = [r];
+            let b = walltime_bars("w", "batch", &runs, &batch);
+            (b.bars[0].parts[3], b.partial())
+        };
+        let both = with(&[
+            ("metrics_breakdown_scheduling_s", 0.25),
+            ("metrics_breakdown_sampling_s", 0.5),
+        ]);
+        assert_eq!(other(&both), (Some(0.75), vec![]));
+        // Sampling not recorded: the component is missing (and said so), not
+        // scheduling alone with a 0 for sampling.
+        let half = with(&[("metrics_breakdown_scheduling_s", 0.25)]);
+        assert_eq!(other(&half), (None, vec!["scheduling + sampling"]));
+        assert_eq!(other(&with(&[])), (None, vec!["scheduling + sampling"]));
+    }
+
+    #[test]
+    fn a_repeat_missing_a_component_has_no_total_rather_than_a_smaller_one() {
+        let full = [
+            ("wall_prefill_s", 1.0),
+            ("wall_decode_s", 2.0),
+            ("wall_cache_ops_s", 0.5),
+        ];
+        let a = run(0, &full);
+        let b = run(1, &full[..2]); // cache ops not recorded in this repeat
+        let c = run(
+            2,
+            &[
+                ("wall_prefill_s", 1.5),
+                ("wall_decode_s", 2.0),
+                ("wall_cache_ops_s", 0.5),
+            ],
+        );
+        let batch = |r: &Run| r.batch;
+        let bars = walltime_bars("w", "batch", &[&a, &b], &batch);
+        // One complete repeat: no range (b's 3.0 is not a total of 3.5 with a 0).
+        assert_eq!(bars.bars[0].total_range, None);
+        assert_eq!(bars.bars[0].parts[2], Some(0.5));
+        let bars = walltime_bars("w", "batch", &[&a, &b, &c], &batch);
+        assert_eq!(bars.bars[0].total_range, Some((3.5, 4.0)));
+    }
 }

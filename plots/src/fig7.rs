@@ -35,9 +35,10 @@ pub struct Fig7 {
     notes: Vec<String>,
 }
 
-/// Mean over items per repeat, then mean and range over repeats.
+/// Mean over items per repeat, then mean and range over repeats. Rows without a
+/// repeat form their own group rather than joining repeat 0's.
 fn aggregate(rows: &[&AccRow]) -> Option<(f64, f64, f64, usize)> {
-    let mut per: BTreeMap<i64, Vec<f64>> = BTreeMap::new();
+    let mut per: BTreeMap<Option<i64>, Vec<f64>> = BTreeMap::new();
     for r in rows {
         per.entry(r.repeat).or_default().push(r.value);
     }
@@ -204,5 +205,40 @@ impl Draw for Fig7 {
             ));
         }
         style::legend(&legend, &items)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(repeat: Option<i64>, value: f64) -> AccRow {
+        AccRow {
+            task: "piqa".into(),
+            engine: "full".into(),
+            budget: Some(1.0),
+            repeat,
+            value,
+            bucket: None,
+            turn: None,
+            cell_key: None,
+        }
+    }
+
+    #[test]
+    fn rows_without_a_repeat_are_not_taken_for_repeat_zero() {
+        // Repeat 0 scores 1 on both items; rows that do not say their repeat score 0.
+        let rows = [
+            row(Some(0), 1.0),
+            row(Some(0), 1.0),
+            row(None, 0.0),
+            row(None, 0.0),
+        ];
+        let refs: Vec<&AccRow> = rows.iter().collect();
+        assert_eq!(aggregate(&refs), Some((0.5, 0.0, 1.0, 2)));
+        // A table without repeats at all: one group, as before.
+        let none = [row(None, 1.0), row(None, 0.0)];
+        let refs: Vec<&AccRow> = none.iter().collect();
+        assert_eq!(aggregate(&refs), Some((0.5, 0.5, 0.5, 1)));
     }
 }

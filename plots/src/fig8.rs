@@ -241,7 +241,7 @@ mod tests {
             task: "retention".into(),
             engine: engine.into(),
             budget: Some(budget),
-            repeat: 0,
+            repeat: Some(0),
             value: 1.0,
             bucket: Some("1K-2K".into()),
             turn: Some(1.0),
