@@ -555,9 +555,18 @@ struct Report {
     matched_points: usize,
 }
 
-fn compare(a: &Run, b: &Run, tolerance: f64, relative_to: Option<&str>) -> Report {
+/// Outcomes, ledger bytes and accuracy of the cells both runs have, compared exactly.
+struct Exact {
+    regressions: Vec<Regression>,
+    /// Per point: whether the ledger bytes of every matched cell are equal.
+    exact_ok: BTreeMap<String, bool>,
+    /// Per point: its outcome, or `A→B` where it changed.
+    outcome_of: BTreeMap<String, String>,
+    matched_cells: usize,
+}
+
+fn exact_checks(a: &Run, b: &Run) -> Exact {
     let mut regressions = Vec::new();
-    // Exact checks, cell by cell.
     let mut exact_ok: BTreeMap<String, bool> = BTreeMap::new();
     let mut outcome_of: BTreeMap<String, String> = BTreeMap::new();
     let mut matched_cells = 0;
@@ -622,20 +631,44 @@ fn compare(a: &Run, b: &Run, tolerance: f64, relative_to: Option<&str>) -> Repor
         let e = exact_ok.entry(pk).or_insert(true);
         *e &= bytes_equal;
     }
-    let only_a: Vec<String> = a
-        .cells
+    Exact {
+        regressions,
+        exact_ok,
+        outcome_of,
+        matched_cells,
+    }
+}
+
+/// Keys of the cells of `a` that `b` does not have.
+fn only_in(a: &Run, b: &Run) -> Vec<String> {
+    a.cells
         .keys()
         .filter(|k| !b.cells.contains_key(*k))
         .cloned()
-        .collect();
-    let only_b: Vec<String> = b
-        .cells
-        .keys()
-        .filter(|k| !a.cells.contains_key(*k))
-        .cloned()
-        .collect();
+        .collect()
+}
 
-    // Timings, point by point (best over repeats).
+/// The timing comparison: one table row per matched point, its regressions and the
+/// largest slowdown.
+struct Timings {
+    table: Vec<Vec<String>>,
+    no_reference: Vec<String>,
+    regressions: Vec<Regression>,
+    worst: Option<(f64, String)>,
+    matched_points: usize,
+}
+
+/// Timings, point by point (best over repeats), as ratios B/A, or as ratios of ratios
+/// to the reference engine's point with `relative_to`.
+fn timing_rows(
+    a: &Run,
+    b: &Run,
+    exact: &Exact,
+    tolerance: f64,
+    relative_to: Option<&str>,
+) -> Timings {
+    let (exact_ok, outcome_of) = (&exact.exact_ok, &exact.outcome_of);
+    let mut regressions = Vec::new();
     let (pa, pb) = (points(a), points(b));
     let mut table = Vec::new();
     let mut no_reference = Vec::new();
@@ -734,15 +767,29 @@ fn compare(a: &Run, b: &Run, tolerance: f64, relative_to: Option<&str>) -> Repor
         }
         table.push(row);
     }
-    Report {
+    Timings {
         table,
-        only_a,
-        only_b,
         no_reference,
         regressions,
         worst,
-        matched_cells,
         matched_points,
+    }
+}
+
+fn compare(a: &Run, b: &Run, tolerance: f64, relative_to: Option<&str>) -> Report {
+    let exact = exact_checks(a, b);
+    let t = timing_rows(a, b, &exact, tolerance, relative_to);
+    let mut regressions = exact.regressions;
+    regressions.extend(t.regressions);
+    Report {
+        table: t.table,
+        only_a: only_in(a, b),
+        only_b: only_in(b, a),
+        no_reference: t.no_reference,
+        regressions,
+        worst: t.worst,
+        matched_cells: exact.matched_cells,
+        matched_points: t.matched_points,
     }
 }
 
