@@ -82,6 +82,32 @@ fn inline_spans(text: &str) -> Vec<(usize, String)> {
     out
 }
 
+/// A relative path in the docs is relative to the repository root.
+fn absolutize(v: Option<&mut serde_yaml::Value>) {
+    let Some(v) = v else { return };
+    let Some(rel) = v.as_str().filter(|p| Path::new(p).is_relative()) else {
+        return;
+    };
+    *v = repo().join(rel).to_string_lossy().into_owned().into();
+}
+
+/// A placeholder in capitals (`just RECIPE`, `kvbench SUBCOMMAND`), not a name.
+fn is_placeholder(w: &str) -> bool {
+    w.chars().all(|c| c.is_ascii_uppercase() || c == '_')
+}
+
+/// `--name` or `--name=value` → `name`.
+fn flag_name(w: &str) -> &str {
+    let name = w.trim_start_matches("--");
+    name.split('=').next().unwrap_or(name)
+}
+
+/// The long flags a clap command takes.
+fn long_flags(c: &clap::Command) -> impl Iterator<Item = String> + '_ {
+    c.get_arguments()
+        .filter_map(|a| a.get_long().map(str::to_string))
+}
+
 /// Complete a fragment with what every experiment needs, make the workload source an
 /// absolute path (docs name paths from the repository root) and check it the way
 /// `kvbench run --dry-run` does, expansion into cells included.
@@ -113,21 +139,9 @@ fn check_yaml(page: &Path, line: usize, body: &str) {
             }
         }
     }
-    if let Some(src) = map
-        .get_mut("workload")
-        .and_then(|w| w.get_mut("source"))
-        .filter(|s| s.as_str().is_some_and(|s| Path::new(s).is_relative()))
-    {
-        let rel = src.as_str().expect("checked above").to_string();
-        *src = repo().join(rel).to_string_lossy().into_owned().into();
-    }
-    if let Some(d) = map
-        .get_mut("data_dir")
-        .filter(|s| s.as_str().is_some_and(|s| Path::new(s).is_relative()))
-    {
-        let rel = d.as_str().expect("checked above").to_string();
-        *d = repo().join(rel).to_string_lossy().into_owned().into();
-    }
+    let workload_source = map.get_mut("workload").and_then(|w| w.get_mut("source"));
+    absolutize(workload_source);
+    absolutize(map.get_mut("data_dir"));
     let text = serde_yaml::to_string(&v).expect("serializable");
     let models = tempfile::tempdir().expect("temporary directory");
     let plan = Plan::parse(&text, Path::new("docs-example.yaml"), models.path())
@@ -218,8 +232,7 @@ fn every_just_recipe_named_in_the_docs_exists() {
         let Some(name) = ws.get(1).filter(|w| !w.starts_with('-')) else {
             continue;
         };
-        // A placeholder in capitals (`just RECIPE`) is not a recipe name.
-        if name.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+        if is_placeholder(name) {
             continue;
         }
         assert!(
@@ -234,9 +247,7 @@ fn every_just_recipe_named_in_the_docs_exists() {
 #[test]
 fn every_kvbench_flag_named_in_the_docs_exists() {
     let cli = Cli::command();
-    let globals: Vec<String> = cli
-        .get_arguments()
-        .filter_map(|a| a.get_long().map(str::to_string))
+    let globals: Vec<String> = long_flags(&cli)
         .chain(["help".to_string(), "version".to_string()])
         .collect();
     let mut n = 0;
@@ -249,8 +260,7 @@ fn every_kvbench_flag_named_in_the_docs_exists() {
         // Global flags may come before the subcommand (`kvbench --threads 1 run`).
         while rest.peek().is_some_and(|w| w.starts_with("--")) {
             let flag = rest.next().expect("peeked");
-            let name = flag.trim_start_matches("--");
-            let name = name.split('=').next().unwrap_or(name);
+            let name = flag_name(flag);
             assert!(
                 globals.iter().any(|g| g == name),
                 "{at}: `{cmd}`: no global --{name}"
@@ -260,20 +270,15 @@ fn every_kvbench_flag_named_in_the_docs_exists() {
             }
         }
         let Some(sub) = rest.next() else { continue };
-        if sub.chars().all(|c| c.is_ascii_uppercase() || c == '_') {
+        if is_placeholder(sub) {
             continue;
         }
         let Some(sc) = cli.find_subcommand(sub) else {
             panic!("{at}: `{cmd}`: kvbench has no subcommand `{sub}`");
         };
-        let flags: Vec<String> = sc
-            .get_arguments()
-            .filter_map(|a| a.get_long().map(str::to_string))
-            .chain(globals.iter().cloned())
-            .collect();
+        let flags: Vec<String> = long_flags(sc).chain(globals.iter().cloned()).collect();
         for w in rest.filter(|w| w.starts_with("--")) {
-            let name = w.trim_start_matches("--");
-            let name = name.split('=').next().unwrap_or(name);
+            let name = flag_name(w);
             assert!(
                 flags.iter().any(|f| f == name),
                 "{at}: `{cmd}`: `kvbench {sub}` has no flag --{name} (it has {flags:?})"
@@ -289,10 +294,8 @@ fn a_wrong_flag_or_recipe_would_be_caught() {
     // The checks above must be able to fail: a made-up flag is not among clap's.
     let cli = Cli::command();
     let run = cli.find_subcommand("run").expect("run exists");
-    assert!(run.get_arguments().any(|a| a.get_long() == Some("dry-run")));
-    assert!(!run
-        .get_arguments()
-        .any(|a| a.get_long() == Some("dry-runs")));
+    assert!(long_flags(run).any(|f| f == "dry-run"));
+    assert!(!long_flags(run).any(|f| f == "dry-runs"));
     assert!(!recipes().iter().any(|r| r == "no-such-recipe"));
     let bad = "name: x\nmodel: preset:tiny\nengines: [{name: full}]\nmatrix: {batch: [1], prompt_len: [8], output_len: [2]}\nbogus_key: 1\n";
     let models = tempfile::tempdir().expect("temporary directory");

@@ -24,6 +24,15 @@ fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
+/// `kvbench run EXP --results RESULTS EXTRA...` in `cwd`, which must succeed; its stdout.
+fn sweep_ok(cwd: &Path, exp: &Path, results: &Path, extra: &[&str]) -> String {
+    let mut args = common::sweep_args(exp, results).to_vec();
+    args.extend(extra);
+    let o = kvbench(cwd, &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    String::from_utf8(o.stdout).unwrap()
+}
+
 #[test]
 fn generate_json_is_one_object_with_exact_kv_bytes() {
     let empty = tempfile::tempdir().unwrap();
@@ -485,13 +494,7 @@ fn a_sweep_records_each_cell_once_and_resumes() {
         "name: sweep\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\n  - name: streaming\nmatrix:\n  batch: [1, 2]\n  prompt_len: [24]\n  output_len: [4]\n  budget: [0.5]\nworkload:\n  num_requests: 2\n",
     );
     let results = dir.path().join("results");
-    let run = |extra: &[&str]| {
-        let mut args = common::sweep_args(&exp, &results).to_vec();
-        args.extend(extra);
-        let o = kvbench(dir.path(), &args);
-        assert!(o.status.success(), "{}", stderr(&o));
-        String::from_utf8(o.stdout).unwrap()
-    };
+    let run = |extra: &[&str]| sweep_ok(dir.path(), &exp, &results, extra);
     let out = run(&["--shard", "0/2"]);
     assert!(out.contains("2 cells run, 0 already recorded"), "{out}");
     let out = run(&[]);
@@ -788,13 +791,7 @@ fn slos_from_the_yaml_or_the_flag_give_goodput_and_per_objective_fractions() {
         "name: slo\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [2]\n  prompt_len: [16]\n  output_len: [3]\n  request_rate: [40]\nworkload:\n  num_requests: 3\nslo:\n  ttft_ms: 600000\n  e2e_ms: 600000\n",
     );
     let results = dir.path().join("results");
-    let run = |extra: &[&str]| {
-        let mut args = common::sweep_args(&exp, &results).to_vec();
-        args.extend(extra);
-        let o = kvbench(dir.path(), &args);
-        assert!(o.status.success(), "{}", stderr(&o));
-        String::from_utf8(o.stdout).unwrap()
-    };
+    let run = |extra: &[&str]| sweep_ok(dir.path(), &exp, &results, extra);
     use polars::prelude::*;
     let runs = || {
         let f = std::fs::File::open(results.join("slo/runs.parquet")).unwrap();
