@@ -255,10 +255,13 @@ pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
         flops_linear: 2.0 * l * (matmul_params(c) as f64 - v * dm) + 2.0 * v * dm,
         ..Default::default()
     };
+    // Score-matrix entries an eager call materializes: each forward's rows against
+    // every key up to its end (`L²` for one forward).
+    let eager_entries: f64 = fwd.iter().map(|&(a, e)| (e - a) * e).sum();
     // Materialized scores of the attention implementation, per layer (written, read).
     let attn_chunks: Vec<(f64, f64)> = chunks(len, s.chunk_size).collect();
     let attn_scores = match s.attention {
-        AttentionImpl::Eager => 2.0 * h * l * l * 4.0,
+        AttentionImpl::Eager => 2.0 * h * eager_entries * 4.0,
         AttentionImpl::Chunked => attn_chunks
             .iter()
             .map(|&(a, e)| 2.0 * h * (e - a) * e * 4.0)
@@ -284,12 +287,12 @@ pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
             Some(ColumnStats::Eager) if s.attention == AttentionImpl::Eager => {
                 // Column sums of the matrix already there: one more read.
                 out.flops_statistics += h * pairs;
-                out.scores += h * l * l * 4.0;
+                out.scores += h * eager_entries * 4.0;
             }
             Some(ColumnStats::Eager) => {
                 // The full matrix materialized for the statistics alone.
-                out.flops_statistics += 2.0 * h * dh * l * l + 2.0 * h * l * l;
-                out.scores += 2.0 * h * l * l * 4.0;
+                out.flops_statistics += 2.0 * h * dh * eager_entries + 2.0 * h * eager_entries;
+                out.scores += 2.0 * h * eager_entries * 4.0;
             }
             Some(ColumnStats::Chunked) => {
                 for &(a, e) in &attn_chunks {
@@ -444,6 +447,26 @@ mod tests {
     }
 
     #[test]
+    fn infinigen_transfers_match_the_specs_llama_8b_example() {
+        // algorithms.md §4: Llama-3.1-8B, n = 10K, b = 0.3 → k = 3000: 12.3 MB per
+        // layer, ~370 MB per token per sequence (30 speculated layers).
+        let s = Setup::new(
+            crate::config::preset("llama-3.1-8b").expect("preset"),
+            PolicySpec::Infinigen(InfinigenParams {
+                budget: 0.3,
+                ..Default::default()
+            }),
+            Precision::BF16,
+        );
+        let c = decode_step(&s, &info(10_000, 0), 10_000, 1);
+        assert_eq!(c.h2d, 30.0 * 3000.0 * 8.0 * 128.0 * 2.0 * 2.0);
+        assert!((c.h2d / 30.0 / 1e6 - 12.3).abs() < 0.05);
+        assert!((c.h2d / 1e6 - 369.0).abs() < 1.0);
+        // New token to the host, 30 offloaded layers.
+        assert_eq!(c.d2h, 30.0 * 8.0 * 128.0 * 2.0 * 2.0);
+    }
+
+    #[test]
     fn budget_one_of_evicting_strategies_costs_what_full_costs() {
         let full = decode_step(&setup(PolicySpec::Full), &info(1000, 50), 1020, 4);
         for policy in [
@@ -500,6 +523,11 @@ mod tests {
         assert_eq!(c2.weight_read, c.weight_read + (7744.0 + 80.0) * 4.0);
         assert_eq!(c2.kv_read, 2.0 * 18.0 * 128.0);
         assert_eq!(c2.flops_attention, c.flops_attention);
+        // Eager over two forwards: 8×8 and 2×10 score entries per head.
+        let mut e = setup(PolicySpec::Full);
+        e.attention = AttentionImpl::Eager;
+        let c3 = prefill(&e, &info(10, 5), 8);
+        assert_eq!(c3.scores, 2.0 * 2.0 * 4.0 * (64.0 + 20.0) * 4.0);
         // H2O with eager attention: the [H, L, L] matrix written, read, read for sums.
         let mut s = setup(PolicySpec::H2o(H2oParams {
             budget: 0.5,
