@@ -356,7 +356,7 @@ mod tests {
         let p = predict(&d, &Efficiency::peak(&d).unwrap(), &sc).unwrap();
         assert_eq!(p.outcome, Outcome::Ok);
         // 16.06 GB of weights held; 15.0 GB read per step (the embedding table is not
-        // swept): 15.0 GB / 3.35 TB/s = 4.49 ms, the "≈ 16 GB / 3.35 TB/s ≈ 4.8 ms"
+        // swept): 15.01 GB / 3.35 TB/s = 4.48 ms, the "≈ 16 GB / 3.35 TB/s ≈ 4.8 ms"
         // floor less the embedding table.
         assert!((p.memory.weights as f64 / 1e9 - 16.06).abs() < 0.01);
         let tpot = p.tpot_s.unwrap() * 1e3;
