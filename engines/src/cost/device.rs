@@ -307,6 +307,15 @@ mod tests {
             assert!(msg.starts_with("mine.yaml: "), "{msg}");
             assert!(msg.contains(key), "{key} not in {msg}");
         }
+        // A user file adds to (and overrides) the built-in table.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mine.yaml");
+        std::fs::write(&path, ok.replace("  x:", "  h100-sxm:")).unwrap();
+        let t = DeviceTable::builtin()
+            .unwrap()
+            .merged(DeviceTable::load(&path).unwrap());
+        assert_eq!(t.get("h100-sxm").unwrap().memory_bandwidth, Some(1e9));
+        assert!(t.get("b200").is_ok());
         let e = DeviceTable::load(Path::new("/nonexistent/devices.yaml")).unwrap_err();
         assert!(e.to_string().contains("/nonexistent/devices.yaml"));
     }

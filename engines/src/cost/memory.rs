@@ -183,6 +183,17 @@ pub fn prefill_activations(s: &Setup, rows: usize, n: usize, sampled: usize) -> 
 /// largest step's activations over the KV held, then the host tier.
 pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
     s.check()?;
+    if m.sequences == 0 || m.info.prefill_len == 0 {
+        return Err(CostError::Invalid(
+            "memory of no sequences or of an empty prompt".into(),
+        ));
+    }
+    if !(m.memory_fraction > 0.0 && m.memory_fraction <= 1.0) {
+        return Err(CostError::Invalid(format!(
+            "memory fraction {} must be in (0, 1]",
+            m.memory_fraction
+        )));
+    }
     let c = &s.model;
     let weights = c.num_params() * s.precision.weight as u64;
     let cap = m.capacity;
@@ -327,6 +338,19 @@ mod tests {
                 }
             )
         );
+        // Empty inputs are typed errors, not panics.
+        let bad = MemoryInputs {
+            sequences: 0,
+            prefill_sequences: 1,
+            info,
+            capacity: 1 << 30,
+            memory_fraction: 0.9,
+            max_model_len: 1024,
+            max_num_seqs: 1,
+            max_batched_tokens: 1024,
+            host_memory: None,
+        };
+        assert!(memory_held(&s, &bad).is_err());
         // Llama-3.1-8B bf16: 128 KiB per token (algorithms.md §1).
         let l = crate::config::preset("llama-3.1-8b").unwrap();
         let s = Setup::new(l, PolicySpec::Full, Precision::BF16);
