@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod compare;
 pub mod config;
+pub mod cost;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;

@@ -78,6 +78,16 @@ impl Linear {
     }
 }
 
+/// [`Llama::activation_bytes`] from the shape alone (elements of `elem` bytes): the
+/// cost model calls the same formula.
+pub fn activation_bytes(c: &ModelConfig, elem: usize, tokens: usize, sampled: usize) -> u64 {
+    let per_row = 2 * c.hidden_size
+        + 2 * c.num_heads * c.head_dim
+        + 2 * c.num_kv_heads * c.head_dim
+        + 3 * c.intermediate_size;
+    (tokens * per_row * elem + sampled * c.vocab_size * 4) as u64
+}
+
 pub fn tensor_bytes(t: &Tensor) -> u64 {
     (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
@@ -220,13 +230,7 @@ impl Llama {
     /// `sampled` produce logits: residual, normed input, q/k/v, attention output,
     /// SwiGLU gate/up/product and the f32 logits. Computed from shapes.
     pub fn activation_bytes(&self, tokens: usize, sampled: usize) -> u64 {
-        let c = &self.cfg;
-        let e = self.dtype().size_in_bytes();
-        let per_row = 2 * c.hidden_size
-            + 2 * c.num_heads * c.head_dim
-            + 2 * c.num_kv_heads * c.head_dim
-            + 3 * c.intermediate_size;
-        (tokens * per_row * e + sampled * c.vocab_size * 4) as u64
+        activation_bytes(&self.cfg, self.dtype().size_in_bytes(), tokens, sampled)
     }
 
     /// cos/sin `[T, dh/2]` for the given positions.

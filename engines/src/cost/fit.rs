@@ -1,0 +1,385 @@
+//! Efficiency constants and their least-squares fit from measured step times
+//! (docs/cost-model.md §5). Plain data in: the caller pairs each measured step (or
+//! phase) with the [`StepCost`] the model computes for it.
+//!
+//! Time model of one step (additive: no overlap between terms):
+//! `t = forwards·o + sequences·s + device_bytes/BW + flops/F + transfer_bytes/L
+//!      + allreduces·a + allreduce_bytes/I`.
+//! It is linear in `θ = (o, s, 1/BW, 1/F, 1/L, a, 1/I)`, which is fitted by
+//! non-negative least squares.
+
+use super::device::Device;
+use super::{CostError, Result, StepCost};
+use serde::Serialize;
+
+/// Achieved rates and overheads of one phase (prefill or decode) on one device.
+/// A rate of `None` contributes no time: the fit found that term hidden (coefficient
+/// zero), or the device has no such link.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PhaseEfficiency {
+    /// Seconds per forward pass (kernel launches, synchronization, host scheduling).
+    pub step_overhead_s: f64,
+    /// Host seconds per sequence per forward (sampling, per-row host work).
+    pub per_sequence_s: f64,
+    /// Achieved device-memory bandwidth, bytes/s.
+    pub bandwidth: Option<f64>,
+    /// Achieved FLOP/s.
+    pub flops: Option<f64>,
+    /// Achieved host-link bandwidth, bytes/s.
+    pub link: Option<f64>,
+    /// Seconds per all-reduce beyond its bytes.
+    pub allreduce_latency_s: f64,
+    /// Achieved interconnect bandwidth per GPU and direction, bytes/s.
+    pub interconnect: Option<f64>,
+}
+
+impl PhaseEfficiency {
+    /// The device's datasheet peaks and no overheads: the roofline, a lower bound on
+    /// time (no calibration). Needs the memory bandwidth and FLOP/s.
+    pub fn peak(d: &Device) -> Result<Self> {
+        Ok(Self {
+            step_overhead_s: 0.0,
+            per_sequence_s: 0.0,
+            bandwidth: Some(d.bandwidth()?),
+            flops: Some(d.flops()?),
+            link: d.host_link_bandwidth().ok(),
+            allreduce_latency_s: 0.0,
+            interconnect: d.interconnect_bandwidth().ok(),
+        })
+    }
+
+    /// Predicted seconds of a step.
+    pub fn time(&self, c: &StepCost) -> f64 {
+        let per = |x: f64, rate: Option<f64>| rate.map_or(0.0, |r| x / r);
+        c.forwards * self.step_overhead_s
+            + c.sequences * self.per_sequence_s
+            + per(c.device_bytes(), self.bandwidth)
+            + per(c.flops(), self.flops)
+            + per(c.transfer_bytes(), self.link)
+            + c.allreduces * self.allreduce_latency_s
+            + per(c.allreduce_bytes, self.interconnect)
+    }
+
+    /// Achieved fractions of the device's peaks: (bandwidth, FLOP/s, host link);
+    /// `None` where either side is unknown.
+    pub fn fractions_of_peak(&self, d: &Device) -> (Option<f64>, Option<f64>, Option<f64>) {
+        let frac = |a: Option<f64>, p: Option<f64>| Some(a? / p?);
+        (
+            frac(self.bandwidth, d.memory_bandwidth),
+            frac(self.flops, d.bf16_flops),
+            frac(self.link, d.host_link.as_ref().map(|l| l.bytes_per_s)),
+        )
+    }
+}
+
+/// The terms of the time model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Term {
+    StepOverhead,
+    PerSequence,
+    Bandwidth,
+    Flops,
+    Link,
+    AllreduceLatency,
+    Interconnect,
+}
+
+impl Term {
+    pub const ALL: [Term; 7] = [
+        Term::StepOverhead,
+        Term::PerSequence,
+        Term::Bandwidth,
+        Term::Flops,
+        Term::Link,
+        Term::AllreduceLatency,
+        Term::Interconnect,
+    ];
+
+    fn feature(&self, c: &StepCost) -> f64 {
+        match self {
+            Term::StepOverhead => c.forwards,
+            Term::PerSequence => c.sequences,
+            Term::Bandwidth => c.device_bytes(),
+            Term::Flops => c.flops(),
+            Term::Link => c.transfer_bytes(),
+            Term::AllreduceLatency => c.allreduces,
+            Term::Interconnect => c.allreduce_bytes,
+        }
+    }
+
+    fn set(&self, e: &mut PhaseEfficiency, theta: f64) {
+        let rate = (theta > 0.0).then(|| 1.0 / theta);
+        match self {
+            Term::StepOverhead => e.step_overhead_s = theta,
+            Term::PerSequence => e.per_sequence_s = theta,
+            Term::Bandwidth => e.bandwidth = rate,
+            Term::Flops => e.flops = rate,
+            Term::Link => e.link = rate,
+            Term::AllreduceLatency => e.allreduce_latency_s = theta,
+            Term::Interconnect => e.interconnect = rate,
+        }
+    }
+
+    fn clear(&self, e: &mut PhaseEfficiency) {
+        self.set(e, 0.0)
+    }
+}
+
+/// One measured step (or a whole phase: costs and times add up).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Observation {
+    pub cost: StepCost,
+    pub seconds: f64,
+}
+
+/// A fit and how well it explains its observations.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct FitReport {
+    pub efficiency: PhaseEfficiency,
+    pub observations: usize,
+    /// Terms with a non-zero coefficient.
+    pub active_terms: usize,
+    pub rmse_s: f64,
+    pub r_squared: f64,
+    /// Largest |predicted − measured| / measured.
+    pub max_relative_error: f64,
+}
+
+/// Least squares on columns scaled to unit maximum; `None` when singular.
+fn least_squares(cols: &[Vec<f64>], y: &[f64]) -> Option<Vec<f64>> {
+    let k = cols.len();
+    let scale: Vec<f64> = cols
+        .iter()
+        .map(|c| c.iter().fold(0.0f64, |m, x| m.max(x.abs())))
+        .collect();
+    if scale.contains(&0.0) {
+        return None;
+    }
+    // Normal equations [AᵀA | Aᵀy] on the scaled columns.
+    let mut m = vec![vec![0.0; k + 1]; k];
+    for i in 0..k {
+        for j in 0..k {
+            m[i][j] = cols[i]
+                .iter()
+                .zip(&cols[j])
+                .map(|(a, b)| a / scale[i] * b / scale[j])
+                .sum();
+        }
+        m[i][k] = cols[i].iter().zip(y).map(|(a, b)| a / scale[i] * b).sum();
+    }
+    let max_diag = (0..k).map(|i| m[i][i]).fold(0.0f64, f64::max);
+    for col in 0..k {
+        let piv = (col..k).max_by(|&a, &b| m[a][col].abs().total_cmp(&m[b][col].abs()))?;
+        if m[piv][col].abs() <= 1e-12 * max_diag {
+            return None;
+        }
+        m.swap(col, piv);
+        let pivot_row = m[col].clone();
+        for (r, row) in m.iter_mut().enumerate() {
+            if r != col {
+                let f = row[col] / pivot_row[col];
+                for (x, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *x -= f * p;
+                }
+            }
+        }
+    }
+    Some((0..k).map(|i| m[i][k] / m[i][i] / scale[i]).collect())
+}
+
+/// Fit `terms` to the observations by non-negative least squares (exhaustive over
+/// subsets of the terms, exact for these few unknowns); every other term is taken
+/// from `fixed` and its time subtracted first. Terms whose feature is zero in every
+/// observation are left at zero.
+pub fn fit_phase(
+    obs: &[Observation],
+    terms: &[Term],
+    fixed: &PhaseEfficiency,
+) -> Result<FitReport> {
+    if obs.is_empty() {
+        return Err(CostError::Fit("no observations".into()));
+    }
+    if let Some(o) = obs
+        .iter()
+        .find(|o| !(o.seconds.is_finite() && o.seconds > 0.0))
+    {
+        return Err(CostError::Fit(format!(
+            "measured time {} s: expected a positive number",
+            o.seconds
+        )));
+    }
+    let mut base = *fixed;
+    for t in terms {
+        t.clear(&mut base);
+    }
+    let y: Vec<f64> = obs.iter().map(|o| o.seconds - base.time(&o.cost)).collect();
+    let live: Vec<Term> = terms
+        .iter()
+        .copied()
+        .filter(|t| obs.iter().any(|o| t.feature(&o.cost) != 0.0))
+        .collect();
+    if live.is_empty() {
+        return Err(CostError::Fit(
+            "every term to fit has a zero feature in every observation".into(),
+        ));
+    }
+    if obs.len() < live.len() {
+        return Err(CostError::Fit(format!(
+            "{} observations for {} unknowns",
+            obs.len(),
+            live.len()
+        )));
+    }
+    let cols: Vec<Vec<f64>> = live
+        .iter()
+        .map(|t| obs.iter().map(|o| t.feature(&o.cost)).collect())
+        .collect();
+    let sse = |theta: &[f64], idx: &[usize]| -> f64 {
+        (0..obs.len())
+            .map(|i| {
+                let p: f64 = idx.iter().zip(theta).map(|(&j, t)| cols[j][i] * t).sum();
+                (y[i] - p).powi(2)
+            })
+            .sum()
+    };
+    let mut best: Option<(f64, Vec<usize>, Vec<f64>)> = None;
+    for mask in 1u32..(1 << live.len()) {
+        let idx: Vec<usize> = (0..live.len()).filter(|j| mask & (1 << j) != 0).collect();
+        let sub: Vec<Vec<f64>> = idx.iter().map(|&j| cols[j].clone()).collect();
+        let Some(theta) = least_squares(&sub, &y) else {
+            continue;
+        };
+        if theta.iter().any(|&t| t < 0.0) {
+            continue;
+        }
+        let e = sse(&theta, &idx);
+        if best.as_ref().is_none_or(|(b, _, _)| e < *b) {
+            best = Some((e, idx, theta));
+        }
+    }
+    let Some((_, idx, theta)) = best else {
+        return Err(CostError::Fit(
+            "no non-negative solution: the observations are degenerate for these terms".into(),
+        ));
+    };
+    let mut eff = base;
+    for (&j, &t) in idx.iter().zip(&theta) {
+        live[j].set(&mut eff, t);
+    }
+    let measured: Vec<f64> = obs.iter().map(|o| o.seconds).collect();
+    let predicted: Vec<f64> = obs.iter().map(|o| eff.time(&o.cost)).collect();
+    let n = obs.len() as f64;
+    let mean = measured.iter().sum::<f64>() / n;
+    let ss_res: f64 = measured
+        .iter()
+        .zip(&predicted)
+        .map(|(m, p)| (m - p).powi(2))
+        .sum();
+    let ss_tot: f64 = measured.iter().map(|m| (m - mean).powi(2)).sum();
+    Ok(FitReport {
+        efficiency: eff,
+        observations: obs.len(),
+        active_terms: idx.len(),
+        rmse_s: (ss_res / n).sqrt(),
+        r_squared: if ss_tot > 0.0 {
+            1.0 - ss_res / ss_tot
+        } else {
+            1.0
+        },
+        max_relative_error: measured
+            .iter()
+            .zip(&predicted)
+            .map(|(m, p)| ((p - m) / m).abs())
+            .fold(0.0, f64::max),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::preset;
+    use crate::cost::device::DeviceTable;
+    use crate::cost::traffic::decode_step;
+    use crate::cost::{Precision, Setup};
+    use crate::policy::infinigen::InfinigenParams;
+    use crate::policy::spec::PolicySpec;
+    use crate::policy::SeqInfo;
+
+    /// Deterministic noise in [−1, 1].
+    fn noise(state: &mut u64) -> f64 {
+        *state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((*state >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn the_fit_recovers_known_constants_from_noisy_synthetic_steps() {
+        let table = DeviceTable::builtin().unwrap();
+        let h100 = table.get("h100-sxm").unwrap();
+        let peak = PhaseEfficiency::peak(h100).unwrap();
+        let truth = PhaseEfficiency {
+            step_overhead_s: 4e-3,
+            per_sequence_s: 3e-4,
+            bandwidth: Some(1.1e12),
+            link: Some(18e9),
+            ..peak
+        };
+        let cfg = preset("llama-3.1-8b").unwrap();
+        let ig = PolicySpec::Infinigen(InfinigenParams {
+            budget: 0.3,
+            ..Default::default()
+        });
+        let mut rng = 7u64;
+        let mut obs = Vec::new();
+        for policy in [PolicySpec::Full, ig] {
+            let s = Setup::new(cfg.clone(), policy, Precision::BF16);
+            for batch in [1, 4, 16, 64] {
+                for l0 in [1000, 4000, 16000] {
+                    let info = SeqInfo {
+                        prompt_len: l0,
+                        max_new_tokens: 256,
+                        prefill_len: l0,
+                    };
+                    let c = decode_step(&s, &info, l0 + 100, batch);
+                    let t = truth.time(&c) * (1.0 + 0.01 * noise(&mut rng));
+                    obs.push(Observation {
+                        cost: c,
+                        seconds: t,
+                    });
+                }
+            }
+        }
+        let terms = [
+            Term::StepOverhead,
+            Term::PerSequence,
+            Term::Bandwidth,
+            Term::Link,
+        ];
+        let fit = fit_phase(&obs, &terms, &peak).unwrap();
+        let e = fit.efficiency;
+        let close = |a: f64, b: f64, tol: f64| ((a - b) / b).abs() < tol;
+        assert!(close(e.bandwidth.unwrap(), 1.1e12, 0.03), "{e:?}");
+        assert!(close(e.link.unwrap(), 18e9, 0.03), "{e:?}");
+        assert!(close(e.per_sequence_s, 3e-4, 0.15), "{e:?}");
+        assert!(close(e.step_overhead_s, 4e-3, 0.25), "{e:?}");
+        assert_eq!(e.flops, peak.flops);
+        assert!(
+            fit.r_squared > 0.999 && fit.max_relative_error < 0.03,
+            "{fit:?}"
+        );
+        let (bw, _, link) = e.fractions_of_peak(h100);
+        assert!(close(bw.unwrap(), 1.1e12 / 3.35e12, 0.03));
+        assert!(close(link.unwrap(), 18e9 / 64e9, 0.03));
+
+        // Degenerate input is a typed error, not a panic.
+        assert!(fit_phase(&obs[..2], &terms, &peak).is_err());
+        assert!(fit_phase(&[], &terms, &peak).is_err());
+        let bad = [Observation {
+            cost: obs[0].cost,
+            seconds: f64::NAN,
+        }];
+        assert!(fit_phase(&bad, &terms, &peak).is_err());
+    }
+}
