@@ -1668,6 +1668,23 @@ const C5_LIKE_FACTOR: f64 = 1.5;
 /// 2.5×" (a bound: no tolerance).
 const C5_HOST_OVER: f64 = 2.5;
 
+/// Whether the table records how `engine` reserved its device KV (its ledger is then
+/// what it held as its paradigm reserves).
+fn recorded(s: &Sel, engine: &str) -> bool {
+    !s.vals(engine, |r| r.mem_kv_reservation.as_ref().map(|_| 0.0))
+        .is_empty()
+}
+
+/// How C5 names an engine's device memory: held as reserved where recorded, else the
+/// KV it held at the busiest step (older tables).
+fn held_word(s: &Sel, engine: &str) -> &'static str {
+    if recorded(s, engine) {
+        "holds (as reserved)"
+    } else {
+        "needs (KV held)"
+    }
+}
+
 fn c5(s: &Sel) -> (Verdict, String) {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let full = s.vals("full", |r| r.device_bytes().map(gib));
@@ -1693,10 +1710,14 @@ fn c5(s: &Sel) -> (Verdict, String) {
         ),
     );
     if !h2o.is_empty() {
-        p.say(format!("h2o holds (as it reserves) {}", series(&h2o, "")));
+        p.say(format!("h2o {} {}", held_word(s, "h2o"), series(&h2o, "")));
     }
     if !ig.is_empty() {
-        p.say(format!("infinigen holds {}", series(&ig, "")));
+        p.say(format!(
+            "infinigen {} {}",
+            held_word(s, "infinigen"),
+            series(&ig, "")
+        ));
     }
     match at(&h2o) {
         Some(h) => p.check(
@@ -1843,8 +1864,9 @@ fn c7(s: &Sel) -> (Verdict, String) {
     let (h2o, ig) = (s.vals("h2o", held), s.vals("infinigen", held));
     let mut p = Parts::default();
     p.say(format!(
-        "tok/s per GB held: full {}, h2o {}, infinigen {}",
+        "tok/s per GB full {}; per GB {} h2o {}, infinigen {}",
         series(&full, ""),
+        if recorded(s, "h2o") { "held" } else { "needed" },
         series(&h2o, ""),
         series(&ig, "")
     ));
@@ -2475,7 +2497,9 @@ mod tests {
             );
         }
         let (_, ev) = claim(&held_study(), "C7");
-        assert!(ev.contains("tok/s per GB held"), "{ev}");
+        assert!(ev.contains("per GB held h2o"), "{ev}");
+        let (_, ev) = claim(&held_study(), "C5");
+        assert!(ev.contains("h2o holds (as reserved)"), "{ev}");
     }
 
     fn at(batch: f64) -> impl Fn(&Run) -> bool {
@@ -2545,7 +2569,7 @@ mod tests {
             ],
         );
         let (_, ev) = claim(&batch_study(), "C5");
-        assert!(ev.contains("h2o holds (as it reserves)"), "{ev}");
+        assert!(ev.contains("h2o needs (KV held)"), "{ev}");
         assert!(
             ev.contains("full/h2o at batch 96: 2.40× (claim ≈2×"),
             "{ev}"
