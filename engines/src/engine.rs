@@ -1,6 +1,8 @@
 //! The engine: a model, a KV policy and the scheduler, stepped until every request is
 //! done. Sizes the KV pool from the device capacity at start-up (vLLM's
-//! `gpu_memory_utilization`), records a trace per step and events per request.
+//! `gpu_memory_utilization`): allocated then (`reservation=fraction`) or its ceiling as
+//! it grows on demand (`reservation=budget`); records a trace per step and events per
+//! request.
 
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Component, Error, Result};
@@ -9,7 +11,7 @@ use crate::ledger::{MemoryLedger, MemoryReport};
 use crate::model::Llama;
 use crate::policy::audit::{allowed_device_bytes, nominal_attended, nominal_device_bytes};
 use crate::policy::full::{FullOptions, FullPolicy};
-use crate::policy::spec::{PolicyEnv, PolicySpec};
+use crate::policy::spec::{PolicyEnv, PolicySpec, Reservation};
 use crate::policy::{KvPolicy, SeqId, StepBatch};
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, Sequence};
 use crate::trace::{EventKind, FinishReason, RequestEvent, RequestOutput, StepKind, StepTrace};
@@ -30,6 +32,9 @@ pub struct EngineConfig {
     pub device_available: Option<u64>,
     /// Fixed pool size in blocks instead of sizing from the capacity.
     pub num_blocks: Option<usize>,
+    /// How the device KV is reserved (`None`: the strategy's paradigm,
+    /// [`Reservation::default_for`]).
+    pub reservation: Option<Reservation>,
     pub block_size: usize,
     /// Longest sequence (prompt + output) accepted; default: the model's context.
     pub max_model_len: Option<usize>,
@@ -59,6 +64,7 @@ impl Default for EngineConfig {
             memory_fraction: 0.9,
             device_available: None,
             num_blocks: None,
+            reservation: None,
             block_size: 16,
             max_model_len: None,
             scheduler: SchedulerConfig::default(),
@@ -70,6 +76,28 @@ impl Default for EngineConfig {
             host_memory: None,
             audit: true,
         }
+    }
+}
+
+impl EngineConfig {
+    /// The reservation in effect: the configured one, else the strategy's paradigm.
+    pub fn reservation(&self) -> Reservation {
+        self.reservation
+            .unwrap_or_else(|| Reservation::default_for(&self.policy))
+    }
+}
+
+/// Charge the ledger with the device KV the policy holds now (its pool as allocated:
+/// all of it under `fraction`, what it grew to under `budget`). Growth is checked
+/// against the device capacity (the typed OOM); what the policy gave back is released.
+fn hold_kv_device(ledger: &mut MemoryLedger, policy: &dyn KvPolicy) -> Result<()> {
+    let held = policy.memory().device_reserved;
+    let now = ledger.kv_device();
+    if held > now {
+        ledger.reserve(Component::KvDevice, held - now)
+    } else {
+        ledger.set(Component::KvDevice, held);
+        Ok(())
     }
 }
 
@@ -130,7 +158,8 @@ pub struct Engine {
 
 impl Engine {
     /// Reserve the weights in the ledger, size the KV memory from the device capacity
-    /// and build the configured policy (`full` reserves its whole pool up front).
+    /// and build the configured policy (under `reservation=fraction` it holds its whole
+    /// pool from here on; under `budget` it grows it as sequences need room).
     pub fn new(model: Llama, cfg: EngineConfig) -> Result<Self> {
         let max_model_len = cfg
             .max_model_len
@@ -184,6 +213,7 @@ impl Engine {
                 ))
             }
         };
+        let reservation = cfg.reservation();
         if matches!(cfg.policy, PolicySpec::Full) {
             // As vLLM: fail at start-up if one max_model_len sequence cannot fit.
             let need = max_model_len.div_ceil(cfg.block_size) as u64 * block_bytes;
@@ -196,12 +226,12 @@ impl Engine {
                     capacity: cfg.device_memory.unwrap_or(0),
                 });
             }
-            ledger.reserve(Component::KvDevice, kv_bytes)?;
         }
         let env = PolicyEnv {
             device_name: cfg.device_name.clone(),
             device_capacity: cfg.device_memory,
             kv_device_bytes: kv_bytes,
+            reservation,
             kv_host_bytes: cfg.host_memory.unwrap_or(kv_bytes),
             block_size: cfg.block_size,
             attention: cfg.attention,
@@ -210,11 +240,9 @@ impl Engine {
             shuffle_seed: cfg.shuffle_blocks_seed,
         };
         let policy = cfg.policy.build(&model, env)?;
-        if !matches!(cfg.policy, PolicySpec::Full) {
-            // A device-resident policy allocates its pool when built: the first step's
-            // scratch limit must already see it.
-            ledger.set(Component::KvDevice, policy.memory().device_reserved);
-        }
+        // A pool allocated up front is held from here on: the first step's scratch
+        // limit must already see it (one grown on demand starts empty).
+        hold_kv_device(&mut ledger, policy.as_ref())?;
         Self::assemble(model, cfg, policy, ledger, max_model_len)
     }
 
@@ -282,8 +310,12 @@ impl Engine {
         self.start = Instant::now();
     }
 
+    /// The ledger's bytes, with the reservation they were held under.
     pub fn memory(&self) -> MemoryReport {
-        self.ledger.report()
+        MemoryReport {
+            reservation: Some(self.cfg.reservation()),
+            ..self.ledger.report()
+        }
     }
 
     pub fn events(&self) -> &[RequestEvent] {
@@ -475,6 +507,9 @@ impl Engine {
         sample_rows.extend(prompt_rows.iter().map(|&(row, _)| row));
         let schedule_s = t0.elapsed().as_secs_f64();
 
+        // A pool grown on demand may have grown while the step was scheduled: the
+        // device must hold it (a typed OOM past the capacity) before the forward.
+        hold_kv_device(&mut self.ledger, self.policy.as_ref())?;
         let act = self.model.activation_bytes(tokens.len(), sample_rows.len());
         self.ledger.reserve(Component::Activations, act)?;
         self.policy.set_scratch_limit(
@@ -506,9 +541,7 @@ impl Engine {
                 .release(Component::Activations, act + stats.scratch_bytes);
         }
         let mem = self.policy.memory();
-        if !matches!(self.cfg.policy, PolicySpec::Full) {
-            self.ledger.set(Component::KvDevice, mem.device_reserved);
-        }
+        hold_kv_device(&mut self.ledger, self.policy.as_ref())?;
         self.ledger.set(Component::KvHost, mem.host_reserved);
         let (attended, context) = self.audit(&batch)?;
 

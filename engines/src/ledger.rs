@@ -4,20 +4,26 @@
 //! with `--device-memory` fails with the same typed out-of-memory error as a GPU.
 
 use crate::error::{Component, Error, Result};
+use crate::policy::spec::Reservation;
 use serde::Serialize;
 
 /// Snapshot of the ledger (bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryReport {
     pub weights: u64,
-    /// Most KV bytes held on the device at once (the whole pool for `full`, which
-    /// allocates it up front; what the other policies held at their peak).
+    /// Most KV bytes held on the device at once: the whole pool where it is allocated
+    /// up front (`full`, or any engine with `reservation=fraction`), what the pool grew
+    /// to where it grows on demand (`h2o`, `streaming`, `infinigen` by default).
     pub kv_device: u64,
     /// Most KV bytes held in host memory at once.
     pub kv_host: u64,
     /// Largest activation footprint of any step so far (incl. materialized attention).
     pub activations_peak: u64,
     pub transfer_buffers: u64,
+    /// How the device KV was reserved (`fraction`: the pool up front, `budget`: grown
+    /// on demand), so that `kv_device` reads as what the engine held; set by the
+    /// engine, `None` from a bare ledger.
+    pub reservation: Option<Reservation>,
 }
 
 impl MemoryReport {
@@ -65,6 +71,11 @@ impl MemoryLedger {
 
     pub fn device_capacity(&self) -> Option<u64> {
         self.device_capacity
+    }
+
+    /// Device KV bytes held now.
+    pub fn kv_device(&self) -> u64 {
+        self.kv_device
     }
 
     pub fn device_used(&self) -> u64 {
@@ -143,6 +154,7 @@ impl MemoryLedger {
             kv_host: self.kv_host_peak.max(self.kv_host),
             activations_peak: self.activations_peak,
             transfer_buffers: self.transfer_buffers,
+            reservation: None,
         }
     }
 }

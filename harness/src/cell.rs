@@ -23,7 +23,7 @@ use kvbench_datasets::Tokenize;
 use kvbench_engines::device::parse_bytes;
 use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::ledger::MemoryReport;
-use kvbench_engines::policy::spec::PolicySpec;
+use kvbench_engines::policy::spec::{split_reservation, PolicySpec};
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::tokenizer::TextTokenizer;
 use serde::Serialize;
@@ -315,6 +315,7 @@ pub(crate) fn policy_engine(
         attention: cell.attention.parse().map_err(anyhow::Error::msg)?,
         chunk_size: cell.chunk_size.unwrap_or(512),
         host_memory: Some(host),
+        reservation: split_reservation(&pairs)?.0,
         ..Default::default()
     };
     Ok(Engine::new(setup.loaded.model.clone(), cfg)?)

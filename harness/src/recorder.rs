@@ -200,6 +200,9 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         ("wall_cache_ops_s", num(&b["cache_ops_s"])),
         ("mem_weights_bytes", int(&mem["weights"])),
         ("mem_kv_device_bytes", int(&mem["kv_device"])),
+        // How that KV was reserved (`fraction`: a pool up front, `budget`: grown on
+        // demand); null in tables written before it was recorded.
+        ("mem_kv_reservation", mem["reservation"].clone()),
         (
             "mem_kv_device_used_peak_bytes",
             kv_used_peak.map_or(Value::Null, Value::from),

@@ -44,6 +44,9 @@ pub struct Run {
     pub mem_host_peak_bytes: Option<f64>,
     /// KV bytes the sequences held at the busiest step (≤ the reserved pool).
     pub mem_kv_device_used_peak_bytes: Option<f64>,
+    /// How the device KV was reserved (`fraction`, `budget`); `None` in tables written
+    /// before it was recorded, where every CUDA engine reserved the fraction.
+    pub mem_kv_reservation: Option<String>,
     /// Requests per second meeting every SLO; null without SLOs.
     pub goodput_req_s: Option<f64>,
     /// The SLOs of the cell's goodput, ms (null: not set).
@@ -86,6 +89,28 @@ impl Run {
         match self.mem_kv_device_used_peak_bytes {
             Some(kv) => Some(self.mem_weights_bytes? + kv + self.mem_activations_peak_bytes?),
             None => self.device_bytes(),
+        }
+    }
+
+    /// Device memory the engine held as its paradigm reserves it: the ledger's where the
+    /// table records the reservation (each engine then reserves as its paradigm does);
+    /// in older tables, where every CUDA engine reserved the fraction, what it needed
+    /// (read as before).
+    fn held_device_bytes(&self) -> Option<f64> {
+        match self.mem_kv_reservation {
+            Some(_) => self.device_bytes(),
+            None => self.needed_device_bytes(),
+        }
+    }
+
+    /// Decode throughput per GB of [`Run::held_device_bytes`].
+    fn held_tok_s_per_gb(&self) -> Option<f64> {
+        if self.mem_kv_reservation.is_some() {
+            return self.decode_tok_s_per_gb;
+        }
+        match (self.decode_tok_s, self.needed_device_bytes()) {
+            (Some(t), Some(b)) if b > 0.0 => Some(t / (b / 1e9)),
+            _ => self.decode_tok_s_per_gb,
         }
     }
 
@@ -226,6 +251,7 @@ fn runs_of(df: &DataFrame) -> Vec<Run> {
         .collect();
     let (engine, attention, prompt, outcome) =
         (s("engine"), s("attention"), s("prompt_len"), s("outcome"));
+    let reservation = s("mem_kv_reservation");
     let cols: Vec<Vec<Option<f64>>> = [
         "batch",
         "output_len",
@@ -276,6 +302,7 @@ fn runs_of(df: &DataFrame) -> Vec<Run> {
             mem_kv_host_bytes: cols[10][i],
             mem_host_peak_bytes: cols[11][i],
             mem_kv_device_used_peak_bytes: cols[12][i],
+            mem_kv_reservation: reservation[i].clone(),
             goodput_req_s: cols[13][i],
             slo_ttft_ms: cols[14][i],
             slo_tpot_ms: cols[15][i],
@@ -1641,12 +1668,29 @@ const C5_LIKE_FACTOR: f64 = 1.5;
 /// 2.5×" (a bound: no tolerance).
 const C5_HOST_OVER: f64 = 2.5;
 
+/// Whether the table records how `engine` reserved its device KV (its ledger is then
+/// what it held as its paradigm reserves).
+fn recorded(s: &Sel, engine: &str) -> bool {
+    !s.vals(engine, |r| r.mem_kv_reservation.as_ref().map(|_| 0.0))
+        .is_empty()
+}
+
+/// How C5 names an engine's device memory: held as reserved where recorded, else the
+/// KV it held at the busiest step (older tables).
+fn held_word(s: &Sel, engine: &str) -> &'static str {
+    if recorded(s, engine) {
+        "holds (as reserved)"
+    } else {
+        "needs (KV held)"
+    }
+}
+
 fn c5(s: &Sel) -> (Verdict, String) {
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let full = s.vals("full", |r| r.device_bytes().map(gib));
-    let needed = |e| s.vals(e, |r| r.needed_device_bytes().map(gib));
+    let held = |e| s.vals(e, |r| r.held_device_bytes().map(gib));
     let host = |e| s.vals(e, |r| r.mem_host_peak_bytes.map(gib));
-    let (h2o, ig) = (needed("h2o"), needed("infinigen"));
+    let (h2o, ig) = (held("h2o"), held("infinigen"));
     let Some(&(b, f)) = full.last().filter(|_| full.len() >= 2) else {
         return (
             Verdict::CannotTell,
@@ -1666,10 +1710,14 @@ fn c5(s: &Sel) -> (Verdict, String) {
         ),
     );
     if !h2o.is_empty() {
-        p.say(format!("h2o needs (KV held) {}", series(&h2o, "")));
+        p.say(format!("h2o {} {}", held_word(s, "h2o"), series(&h2o, "")));
     }
     if !ig.is_empty() {
-        p.say(format!("infinigen needs {}", series(&ig, "")));
+        p.say(format!(
+            "infinigen {} {}",
+            held_word(s, "infinigen"),
+            series(&ig, "")
+        ));
     }
     match at(&h2o) {
         Some(h) => p.check(
@@ -1689,7 +1737,7 @@ fn c5(s: &Sel) -> (Verdict, String) {
         (Some(i), Some(h)) => p.check(
             within_factor(i / h, 1.0, C5_LIKE_FACTOR),
             format!(
-                "infinigen/h2o device memory needed at batch {b}: {}× (claim: alike; accepted within a factor of {C5_LIKE_FACTOR}: {})",
+                "infinigen/h2o device memory held at batch {b}: {}× (claim: alike; accepted within a factor of {C5_LIKE_FACTOR}: {})",
                 fmt(i / h),
                 accepted(1.0, C5_LIKE_FACTOR)
             ),
@@ -1809,18 +1857,16 @@ const C7_H2O_OVER_FULL: f64 = 3.0;
 const C7_FACTOR: f64 = 1.5;
 
 fn c7(s: &Sel) -> (Verdict, String) {
-    // full per GB of what it reserves (its paradigm pre-allocates); the others per GB
-    // of what they need, as in C5 (on CUDA every engine reserves its pool up front).
-    let needed = |r: &Run| match (r.decode_tok_s, r.needed_device_bytes()) {
-        (Some(t), Some(b)) if b > 0.0 => Some(t / (b / 1e9)),
-        _ => r.decode_tok_s_per_gb,
-    };
+    // Each engine per GB of what it held as its paradigm reserves (full: the fraction,
+    // up front; the others: what their batch needed, grown on demand), as in C5.
+    let held = |r: &Run| r.held_tok_s_per_gb();
     let full = s.vals("full", |r| r.decode_tok_s_per_gb);
-    let (h2o, ig) = (s.vals("h2o", needed), s.vals("infinigen", needed));
+    let (h2o, ig) = (s.vals("h2o", held), s.vals("infinigen", held));
     let mut p = Parts::default();
     p.say(format!(
-        "tok/s per GB full {}; per GB needed h2o {}, infinigen {}",
+        "tok/s per GB full {}; per GB {} h2o {}, infinigen {}",
         series(&full, ""),
+        if recorded(s, "h2o") { "held" } else { "needed" },
         series(&h2o, ""),
         series(&ig, "")
     ));
@@ -2395,6 +2441,65 @@ mod tests {
             v.push(bp("infinigen", b, ig.0, ig.1, 28.0, 100.0));
         }
         v
+    }
+
+    /// The batch study as a table that records the reservation: each engine's ledger
+    /// holds what it reserved as its paradigm does (full the fraction, the others what
+    /// they needed), and the KV used at the busiest step is far below both.
+    fn held_study() -> Vec<Run> {
+        batch_study()
+            .into_iter()
+            .map(|mut r| {
+                let held = r.needed_device_bytes().unwrap();
+                let (w, a) = (
+                    r.mem_weights_bytes.unwrap(),
+                    r.mem_activations_peak_bytes.unwrap(),
+                );
+                r.mem_kv_device_bytes = Some(held - w - a);
+                r.decode_tok_s_per_gb = Some(r.decode_tok_s.unwrap() / (held / 1e9));
+                r.mem_kv_device_used_peak_bytes = Some(GIB);
+                r.mem_kv_reservation = Some(
+                    if r.engine == "full" {
+                        "fraction"
+                    } else {
+                        "budget"
+                    }
+                    .into(),
+                );
+                r
+            })
+            .collect()
+    }
+
+    #[test]
+    fn c5_and_c7_read_what_each_engine_held_where_the_reservation_is_recorded() {
+        use Verdict::*;
+        for claim_id in ["C5", "C7"] {
+            table(
+                claim_id,
+                vec![
+                    (
+                        "each engine holds as its paradigm reserves",
+                        held_study(),
+                        Agrees,
+                    ),
+                    (
+                        "h2o held the fraction, as full does: whatever its KV used",
+                        edit(held_study(), "h2o", |r| {
+                            r.mem_kv_device_bytes = Some(52.0 * GIB);
+                            r.decode_tok_s_per_gb =
+                                Some(r.decode_tok_s.unwrap() / (72.0 * GIB / 1e9));
+                            r.mem_kv_reservation = Some("fraction".into());
+                        }),
+                        Disagrees,
+                    ),
+                ],
+            );
+        }
+        let (_, ev) = claim(&held_study(), "C7");
+        assert!(ev.contains("per GB held h2o"), "{ev}");
+        let (_, ev) = claim(&held_study(), "C5");
+        assert!(ev.contains("h2o holds (as reserved)"), "{ev}");
     }
 
     fn at(batch: f64) -> impl Fn(&Run) -> bool {

@@ -7,7 +7,7 @@ use kvbench_engines::device::{parse_bytes, DeviceKind};
 use kvbench_engines::engine::{Engine, EngineConfig};
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::policy::skew::{load_or_calibrate, Skewing};
-use kvbench_engines::policy::spec::PolicySpec;
+use kvbench_engines::policy::spec::{split_reservation, PolicySpec};
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::source::{LoadOptions, Loaded, ModelSource};
 use std::sync::Arc;
@@ -403,6 +403,7 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
         chunk_size: e.chunk_size,
         host_memory: Some(e.host_memory.unwrap_or_else(host_memory_bytes)),
         audit: !e.no_audit,
+        reservation: split_reservation(&e.set)?.0,
     };
     Engine::new(setup.loaded.model.clone(), cfg).context("starting the engine")
 }

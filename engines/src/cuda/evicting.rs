@@ -24,16 +24,16 @@
 
 use super::{
     as_i32, device_of, drain_event_seconds, flash_prefill_contiguous, flash_prefill_with,
-    flash_smem_bytes, join_rows, kv_gather, kv_write_at, paged_decode_rolling, paged_decode_with,
-    prefill_attention_stats, upload_i32, DecodeScores, DecodeShape, DecodeTables, LayerCache,
-    RollingKeys, MODULE, PTX,
+    flash_smem_bytes, grow_slice, initial_blocks, join_rows, kv_gather, kv_write_at,
+    paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores,
+    DecodeShape, DecodeTables, LayerCache, RollingKeys, MODULE, PTX,
 };
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv::{BlockId, BlockPool};
 use crate::policy::evicting::{Counts, Eviction, SeqState, VictimKind};
-use crate::policy::spec::PolicyEnv;
+use crate::policy::spec::{PolicyEnv, Reservation};
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
 };
@@ -74,6 +74,14 @@ impl SlotLayer {
             pos: dev.alloc_zeros::<i32>(slots * num_kv_heads)?,
             num_kv_heads,
         })
+    }
+
+    /// Grow to `slots` slots, keeping what they hold (a pool grown on demand).
+    pub fn grow(&mut self, dev: &CudaDevice, slots: usize, head_dim: usize) -> Result<()> {
+        let kvh = self.num_kv_heads;
+        self.kv.grow(dev, slots, kvh * head_dim)?;
+        grow_slice(dev, &mut self.score, slots * kvh)?;
+        grow_slice(dev, &mut self.pos, slots * kvh)
     }
 }
 
@@ -116,6 +124,9 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     device_name: String,
     layers: Vec<SlotLayer>,
     pool: BlockPool,
+    /// Blocks the device buffers hold: the whole pool under `fraction`; under `budget`
+    /// what the pool grew to by the last step (grown at the next step's first layer).
+    alloc_blocks: usize,
     seqs: HashMap<SeqId, SeqState>,
     store: HashMap<SeqId, DevSeq>,
     stats: PolicyStats,
@@ -156,12 +167,16 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let dev = device_of(dev)?;
         let slot_bytes = Self::slot_bytes(cfg);
         let bs = env.block_size;
-        let num_blocks = (env.kv_device_bytes / (slot_bytes * bs as u64).max(1)) as usize;
-        let slots = num_blocks * bs;
+        let num_blocks = env.kv_blocks(slot_bytes * bs as u64);
+        let alloc_blocks = initial_blocks(env.reservation, num_blocks);
+        let slots = alloc_blocks * bs;
         let layers = (0..cfg.num_layers)
             .map(|_| SlotLayer::new(&dev, slots, cfg.num_kv_heads, cfg.head_dim))
             .collect::<Result<Vec<_>>>()?;
-        let mut pool = BlockPool::new(num_blocks);
+        let mut pool = match env.reservation {
+            Reservation::Fraction => BlockPool::new(num_blocks),
+            Reservation::Budget => BlockPool::on_demand(num_blocks),
+        };
         if let Some(seed) = env.shuffle_seed {
             pool.shuffle_free(seed);
         }
@@ -175,6 +190,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             device_name: env.device_name,
             layers,
             pool,
+            alloc_blocks,
             seqs: HashMap::new(),
             store: HashMap::new(),
             stats: PolicyStats::default(),
@@ -186,6 +202,19 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             slot_bytes,
             rope: None,
         })
+    }
+
+    /// Grow the device buffers to the blocks the pool handed out (`budget`).
+    fn grow_device(&mut self) -> Result<()> {
+        let n = self.pool.num_blocks();
+        if n > self.alloc_blocks {
+            let slots = n * self.block_size;
+            for l in &mut self.layers {
+                l.grow(&self.dev, slots, self.heads.2)?;
+            }
+            self.alloc_blocks = n;
+        }
+        Ok(())
     }
 
     fn phys(&self, seq: SeqId, slot: usize) -> i32 {
@@ -650,7 +679,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.block_size) <= self.pool.num_blocks()
+        total_tokens.div_ceil(self.block_size) <= self.pool.limit()
     }
 
     fn release(&mut self, seq: SeqId) {
@@ -673,6 +702,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         let v = input.v.to_dtype(DType::BF16)?;
 
         if layer == 0 || self.step.is_none() {
+            self.grow_device()?;
             self.step = Some(self.step_plan(batch)?);
         }
         // New K/V into the next slots (positions until a prompt is complete).
@@ -733,7 +763,8 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     fn memory(&self) -> PolicyMemory {
         let block = self.slot_bytes * self.block_size as u64;
         PolicyMemory {
-            device_reserved: block * self.pool.num_blocks() as u64,
+            // The buffers as allocated, or as they grow at the next step's first layer.
+            device_reserved: block * self.pool.num_blocks().max(self.alloc_blocks) as u64,
             device_used: block * self.pool.num_used() as u64,
             host_reserved: 0,
             host_used: 0,

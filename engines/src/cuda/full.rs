@@ -6,14 +6,15 @@
 //! ([`super::prefill_attention`]).
 
 use super::{
-    device_of, drain_event_seconds, flash_prefill, kv_gather, kv_write_at, paged_decode,
-    upload_i32, DecodeShape, DecodeTables, LayerCache,
+    device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
+    paged_decode, upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::kv::SeqTables;
 use crate::policy::full::FullOptions;
+use crate::policy::spec::Reservation;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch,
 };
@@ -35,7 +36,11 @@ pub struct CudaFullPolicy {
     stats: PolicyStats,
     attended: Vec<AttendRecord>,
     scratch_limit: Option<u64>,
-    bytes: u64,
+    /// Bytes of one block over all layers.
+    block_bytes: u64,
+    /// Blocks the device buffers hold: the whole pool under `fraction`; under `budget`
+    /// what the pool grew to by the last step (grown at the next step's first layer).
+    alloc_blocks: usize,
     /// Start and end of each cache write of the current step.
     cache_events: Vec<(CudaEvent, CudaEvent)>,
     /// Events whose time could not be read.
@@ -47,24 +52,33 @@ pub struct CudaFullPolicy {
 }
 
 impl CudaFullPolicy {
+    /// A pool of `num_blocks` blocks, allocated up front under `fraction`; under
+    /// `budget` its ceiling, the buffers grown as the pool hands blocks out.
     pub fn new(
         dev: &candle_core::Device,
         cfg: &ModelConfig,
         opts: FullOptions,
         num_blocks: usize,
+        reservation: Reservation,
     ) -> Result<Self> {
         let dev = device_of(dev)?;
         let row = cfg.num_kv_heads * cfg.head_dim;
-        let slots = num_blocks * opts.block_size;
+        let alloc_blocks = initial_blocks(reservation, num_blocks);
+        let slots = alloc_blocks * opts.block_size;
         let layers = (0..cfg.num_layers)
             .map(|_| LayerCache::new(&dev, slots, row))
             .collect::<Result<Vec<_>>>()?;
+        let tables = match reservation {
+            Reservation::Fraction => SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed),
+            Reservation::Budget => SeqTables::on_demand(num_blocks, opts.block_size),
+        };
         Ok(Self {
             dev,
             cfg_heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
-            bytes: (2 * cfg.num_layers * slots * row * 2) as u64,
+            block_bytes: (2 * cfg.num_layers * opts.block_size * row * 2) as u64,
+            alloc_blocks,
             layers,
-            tables: SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed),
+            tables,
             opts,
             stats: PolicyStats::default(),
             attended: Vec::new(),
@@ -79,6 +93,19 @@ impl CudaFullPolicy {
     fn token_bytes(&self) -> u64 {
         let (_, kvh, d) = self.cfg_heads;
         (2 * self.layers.len() * kvh * d * 2) as u64
+    }
+
+    /// Grow the device buffers to the blocks the pool handed out (`budget`).
+    fn grow_device(&mut self) -> Result<()> {
+        let n = self.tables.num_blocks();
+        if n > self.alloc_blocks {
+            let row = self.cfg_heads.1 * self.cfg_heads.2;
+            for l in &mut self.layers {
+                l.grow(&self.dev, n * self.opts.block_size, row)?;
+            }
+            self.alloc_blocks = n;
+        }
+        Ok(())
     }
 
     fn table_i32(&self, seq: SeqId) -> Vec<i32> {
@@ -116,6 +143,7 @@ impl KvPolicy for CudaFullPolicy {
         let stream = self.dev.cuda_stream();
         let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
         if layer == 0 || self.write_slots.is_none() {
+            self.grow_device()?;
             // The same slots in every layer: uploaded once per step.
             let mut slots = Vec::with_capacity(batch.num_tokens);
             for s in &batch.seqs {
@@ -227,9 +255,10 @@ impl KvPolicy for CudaFullPolicy {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let block = self.bytes / self.tables.num_blocks().max(1) as u64;
+        let block = self.block_bytes;
         PolicyMemory {
-            device_reserved: self.bytes,
+            // The buffers as allocated, or as they grow at the next step's first layer.
+            device_reserved: self.tables.num_blocks().max(self.alloc_blocks) as u64 * block,
             device_used: self.tables.num_used() as u64 * block,
             host_reserved: 0,
             host_used: 0,

@@ -28,9 +28,9 @@
 //! selection (device events).
 
 use super::{
-    as_i32, device_of, drain_event_seconds, flash_prefill, flash_prefill_contiguous, join_rows,
-    kv_gather, kv_write_at, paged_decode, prefill_attention, tensor_from, upload_i32, view,
-    view_of, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
+    as_i32, device_of, drain_event_seconds, flash_prefill, flash_prefill_contiguous, grow_slice,
+    initial_blocks, join_rows, kv_gather, kv_write_at, paged_decode, prefill_attention,
+    tensor_from, upload_i32, view, view_of, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
 };
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
@@ -39,7 +39,7 @@ use crate::kv::SeqTables;
 use crate::model::{Linear, Llama};
 use crate::policy::budget::{infinigen_k_max, infinigen_selection_cap};
 use crate::policy::infinigen::{top_k, InfinigenParams, Speculation, Transfer};
-use crate::policy::spec::PolicyEnv;
+use crate::policy::spec::{PolicyEnv, Reservation};
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
     StepSeq,
@@ -375,6 +375,9 @@ pub struct CudaInfinigenPolicy {
     tables: SeqTables,
     /// Device bytes of one pool block (dense K/V and K̂ of every layer).
     block_bytes: u64,
+    /// Blocks the device buffers hold: the whole pool under `fraction`; under `budget`
+    /// what the pool grew to by the last step (grown at the next step's first layer).
+    alloc_blocks: usize,
     host: PinnedTier,
     seqs: HashMap<SeqId, Seq>,
     /// Column table `[slots][offloaded layers][KVH][r]`, one row per admitted sequence.
@@ -404,6 +407,24 @@ pub struct CudaInfinigenPolicy {
 }
 
 impl CudaInfinigenPolicy {
+    /// Grow the dense layers' K/V and the K̂ buffers to the blocks the pool handed out
+    /// (`budget`).
+    fn grow_device(&mut self) -> Result<()> {
+        let n = self.tables.num_blocks();
+        if n > self.alloc_blocks {
+            let (_, kvh, d) = self.heads;
+            let slots = n * self.block_size;
+            for l in &mut self.dense_kv {
+                l.grow(&self.dev, slots, kvh * d)?;
+            }
+            for k in &mut self.khat {
+                grow_slice(&self.dev, k, slots * kvh * self.r)?;
+            }
+            self.alloc_blocks = n;
+        }
+        Ok(())
+    }
+
     pub fn new(params: InfinigenParams, model: &Llama, env: PolicyEnv) -> Result<Self> {
         let cfg = &model.cfg;
         let dev = device_of(model.device())?;
@@ -418,7 +439,8 @@ impl CudaInfinigenPolicy {
         let block_bytes = ((dense * 2 * row + off * kvh * r) * 2 * bs) as u64;
         let num_blocks =
             (env.kv_device_bytes.saturating_sub(a_bytes) / block_bytes.max(1)) as usize;
-        let slots = num_blocks * bs;
+        let alloc_blocks = initial_blocks(env.reservation, num_blocks);
+        let slots = alloc_blocks * bs;
         let dense_kv = (0..dense)
             .map(|_| LayerCache::new(&dev, slots, row))
             .collect::<Result<Vec<_>>>()?;
@@ -454,8 +476,12 @@ impl CudaInfinigenPolicy {
             a,
             dense_kv,
             khat,
-            tables: SeqTables::new(num_blocks, bs, env.shuffle_seed),
+            tables: match env.reservation {
+                Reservation::Fraction => SeqTables::new(num_blocks, bs, env.shuffle_seed),
+                Reservation::Budget => SeqTables::on_demand(num_blocks, bs),
+            },
             block_bytes,
+            alloc_blocks,
             host,
             seqs: HashMap::new(),
             cols: dev.alloc_zeros::<i32>(1)?,
@@ -1659,6 +1685,7 @@ impl KvPolicy for CudaInfinigenPolicy {
         let k = input.k.to_dtype(DType::BF16)?.contiguous()?;
         let v = input.v.to_dtype(DType::BF16)?.contiguous()?;
         if layer == 0 || self.plan.is_none() {
+            self.grow_device()?;
             self.plan = Some(self.plan(batch)?);
         }
         let offloaded = layer >= self.dense;
@@ -1823,7 +1850,10 @@ impl KvPolicy for CudaInfinigenPolicy {
         // scratch, like attention's score matrices.
         let fixed = (self.a.elem_count() * 4) as u64;
         PolicyMemory {
-            device_reserved: self.block_bytes * self.tables.num_blocks() as u64 + fixed,
+            // The pool as allocated, or as it grows at the next step's first layer.
+            device_reserved: self.block_bytes
+                * self.tables.num_blocks().max(self.alloc_blocks) as u64
+                + fixed,
             device_used: self.block_bytes * self.tables.num_used() as u64 + fixed,
             host_reserved: self.host.allocated_bytes()
                 + self.bufs.pinned.as_ref().map_or(0, PinnedStaging::bytes),

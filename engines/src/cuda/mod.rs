@@ -12,7 +12,7 @@ use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+    CudaEvent, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
@@ -155,6 +155,38 @@ impl LayerCache {
             k: dev.alloc_zeros::<bf16>(slots * row_elems)?,
             v: dev.alloc_zeros::<bf16>(slots * row_elems)?,
         })
+    }
+
+    /// Grow to `slots` slots, keeping the stored rows (a pool grown on demand).
+    pub fn grow(&mut self, dev: &CudaDevice, slots: usize, row_elems: usize) -> Result<()> {
+        grow_slice(dev, &mut self.k, slots * row_elems)?;
+        grow_slice(dev, &mut self.v, slots * row_elems)
+    }
+}
+
+/// Grow `buf` to `len` elements (zeros past the old ones), its contents copied on the
+/// device: how a pool reserved with `reservation=budget` grows. The old and the new
+/// buffer coexist for the copy; nothing happens when `buf` is long enough.
+pub fn grow_slice<T: DeviceRepr + ValidAsZeroBits>(
+    dev: &CudaDevice,
+    buf: &mut CudaSlice<T>,
+    len: usize,
+) -> Result<()> {
+    if len <= buf.len() {
+        return Ok(());
+    }
+    let mut out = dev.alloc_zeros::<T>(len)?;
+    dev.cuda_stream().memcpy_dtod(&*buf, &mut out).w()?;
+    *buf = out;
+    Ok(())
+}
+
+/// Blocks a device pool allocates at start-up: all of them under `fraction`; under
+/// `budget` one (its buffers then grow as the pool does; CUDA has no empty allocation).
+pub fn initial_blocks(reservation: crate::policy::spec::Reservation, limit: usize) -> usize {
+    match reservation {
+        crate::policy::spec::Reservation::Fraction => limit,
+        crate::policy::spec::Reservation::Budget => limit.min(1),
     }
 }
 

@@ -8,6 +8,9 @@ pub struct BlockPool {
     ref_counts: Vec<u32>,
     /// Free blocks; allocation pops from the end.
     free: Vec<BlockId>,
+    /// Most blocks the pool may hold: its size when allocated up front, the ceiling
+    /// it grows to when allocated on demand.
+    limit: usize,
 }
 
 impl BlockPool {
@@ -17,7 +20,24 @@ impl BlockPool {
         Self {
             ref_counts: vec![0; num_blocks],
             free,
+            limit: num_blocks,
         }
+    }
+
+    /// An empty pool that grows on demand, one block at a time as allocations need
+    /// them, up to `limit` blocks, and keeps what it grew to (the storage behind it is
+    /// allocated as it grows and not given back).
+    pub fn on_demand(limit: usize) -> Self {
+        Self {
+            ref_counts: Vec::new(),
+            free: Vec::new(),
+            limit,
+        }
+    }
+
+    /// Most blocks the pool may hold (its size when allocated up front).
+    pub fn limit(&self) -> usize {
+        self.limit
     }
 
     /// Reorder the free list with a seeded shuffle: tests use it to get random block
@@ -41,10 +61,19 @@ impl BlockPool {
         self.num_blocks() - self.num_free()
     }
 
-    /// Take `n` blocks, all or nothing.
+    /// Take `n` blocks, all or nothing; an on-demand pool first grows by what its free
+    /// blocks lack, within its limit.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
         if n > self.free.len() {
-            return None;
+            let extra = n - self.free.len();
+            if self.num_blocks() + extra > self.limit {
+                return None;
+            }
+            // New ids go under the free list: they are handed out after the free ones.
+            let start = self.ref_counts.len();
+            self.ref_counts.resize(start + extra, 0);
+            self.free
+                .splice(0..0, (start as BlockId..(start + extra) as BlockId).rev());
         }
         let out = self.free.split_off(self.free.len() - n);
         for &b in &out {
@@ -141,6 +170,25 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_on_demand_pool_grows_by_what_is_missing_up_to_its_limit_and_keeps_it() {
+        let mut p = BlockPool::on_demand(5);
+        assert_eq!((p.num_blocks(), p.limit()), (0, 5));
+        let a = p.allocate(2).unwrap();
+        assert_eq!((p.num_blocks(), p.num_used()), (2, 2));
+        p.release_all(a);
+        // Two free blocks are reused, one more is grown.
+        let b = p.allocate(3).unwrap();
+        assert_eq!((p.num_blocks(), p.num_used()), (3, 3));
+        assert!(p.allocate(3).is_none(), "past the limit: all or nothing");
+        assert_eq!(p.num_blocks(), 3, "a failed allocation grows nothing");
+        let c = p.allocate(2).unwrap();
+        assert_eq!((p.num_blocks(), p.num_free()), (5, 0));
+        p.check_invariants([b.as_slice(), c.as_slice()]).unwrap();
+        p.release_all(b);
+        assert_eq!(p.num_blocks(), 5, "released blocks stay in the pool");
+    }
 
     #[test]
     fn allocation_fails_when_exhausted_and_takes_nothing() {

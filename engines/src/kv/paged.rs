@@ -2,9 +2,10 @@
 //! keys of one KV head are contiguous (as in vLLM's own layout, which also puts the
 //! head before the token), so attention streams them instead of striding per token.
 //!
-//! The buffers are zero-allocated up front (the vLLM pool); on CPU untouched pages cost
-//! no resident memory, so reserving a large pool is cheap while its bytes still count
-//! in the ledger.
+//! The buffers are zero-allocated up front (the vLLM pool, `reservation=fraction`); on
+//! CPU untouched pages cost no resident memory, so reserving a large pool is cheap while
+//! its bytes still count in the ledger. A pool grown on demand (`reservation=budget`)
+//! extends them block by block ([`PagedKv::ensure_blocks`]).
 
 use crate::kv::BlockId;
 use half::{bf16, f16};
@@ -129,6 +130,40 @@ impl PagedKv {
         dtype: KvDtype,
     ) -> u64 {
         (2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size()) as u64
+    }
+
+    /// Bytes of one block of this storage over all layers, K and V.
+    pub fn bytes_per_block(&self) -> u64 {
+        Self::block_bytes(
+            self.layers.len(),
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+        )
+    }
+
+    /// Blocks the buffers hold.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Grow the buffers to hold at least `num_blocks` blocks (an on-demand pool that
+    /// grew); the stored blocks keep their contents.
+    pub fn ensure_blocks(&mut self, num_blocks: usize) {
+        if num_blocks <= self.num_blocks {
+            return;
+        }
+        let n = num_blocks * self.block_size * self.num_kv_heads * self.head_dim;
+        for (k, v) in &mut self.layers {
+            for b in [k, v] {
+                match b {
+                    Buf::F32(x) => x.resize(n, 0.0),
+                    Buf::U16(x) => x.resize(n, 0),
+                }
+            }
+        }
+        self.num_blocks = num_blocks;
     }
 
     pub fn bytes(&self) -> u64 {

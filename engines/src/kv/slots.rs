@@ -36,16 +36,49 @@ impl SlotStore {
         num_kv_heads: usize,
         head_dim: usize,
     ) -> Self {
+        Self::with_pool(
+            BlockPool::new(num_blocks),
+            num_layers,
+            block_size,
+            num_kv_heads,
+            head_dim,
+        )
+    }
+
+    /// A store whose pool grows on demand, up to `limit` blocks.
+    pub fn on_demand(
+        num_layers: usize,
+        limit: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        Self::with_pool(
+            BlockPool::on_demand(limit),
+            num_layers,
+            block_size,
+            num_kv_heads,
+            head_dim,
+        )
+    }
+
+    fn with_pool(
+        pool: BlockPool,
+        num_layers: usize,
+        block_size: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
         Self {
             kv: PagedKv::new(
                 num_layers,
-                num_blocks,
+                pool.num_blocks(),
                 block_size,
                 num_kv_heads,
                 head_dim,
                 KvDtype::F32,
             ),
-            pool: BlockPool::new(num_blocks),
+            pool,
             seqs: HashMap::new(),
             num_layers,
             num_kv_heads,
@@ -56,8 +89,14 @@ impl SlotStore {
         self.kv.block_size()
     }
 
+    /// Blocks the pool holds (allocated up front, or grown to so far).
     pub fn num_blocks(&self) -> usize {
         self.pool.num_blocks()
+    }
+
+    /// Most blocks the pool may hold.
+    pub fn limit(&self) -> usize {
+        self.pool.limit()
     }
 
     pub fn num_used_blocks(&self) -> usize {
@@ -66,7 +105,7 @@ impl SlotStore {
 
     /// Bytes of one block over all layers.
     pub fn block_bytes(&self) -> u64 {
-        self.kv.bytes() / self.pool.num_blocks().max(1) as u64
+        self.kv.bytes_per_block()
     }
 
     /// Bytes of one token (slot) over all layers, K and V.
@@ -83,7 +122,9 @@ impl SlotStore {
             score: vec![Vec::new(); layers * hkv],
             ..Default::default()
         });
-        self.pool.grow(&mut e.table, slots.div_ceil(bs))
+        let ok = self.pool.grow(&mut e.table, slots.div_ceil(bs));
+        self.kv.ensure_blocks(self.pool.num_blocks());
+        ok
     }
 
     /// Return blocks past what `slots` slots need.

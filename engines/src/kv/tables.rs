@@ -33,6 +33,20 @@ impl SeqTables {
         }
     }
 
+    /// Tables over a pool that grows on demand up to `limit` blocks.
+    pub fn on_demand(limit: usize, block_size: usize) -> Self {
+        Self {
+            pool: BlockPool::on_demand(limit),
+            block_size,
+            seqs: HashMap::new(),
+        }
+    }
+
+    /// Most blocks the pool may hold.
+    pub fn limit(&self) -> usize {
+        self.pool.limit()
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -58,7 +72,7 @@ impl SeqTables {
 
     /// Whether a sequence of `total_tokens` could ever fit in the pool.
     pub fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.block_size) <= self.pool.num_blocks()
+        total_tokens.div_ceil(self.block_size) <= self.pool.limit()
     }
 
     pub fn release(&mut self, seq: SeqId) {

@@ -4,7 +4,7 @@
 //! C+1 during a step, algorithms.md §3), then one eviction per (layer, head) once full.
 //! Each strategy supplies only its [`Eviction`] rule.
 
-use super::spec::PolicyEnv;
+use super::spec::{PolicyEnv, Reservation};
 use super::to_f32;
 use super::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
@@ -130,10 +130,14 @@ impl<E: Eviction> EvictingPolicy<E> {
             cfg.head_dim,
             crate::kv::KvDtype::F32,
         );
-        let num_blocks = (env.kv_device_bytes / block_bytes) as usize;
+        let num_blocks = env.kv_blocks(block_bytes);
+        let store = match env.reservation {
+            Reservation::Fraction => SlotStore::new,
+            Reservation::Budget => SlotStore::on_demand,
+        };
         Self {
             rule,
-            store: SlotStore::new(
+            store: store(
                 cfg.num_layers,
                 num_blocks,
                 env.block_size,
@@ -252,7 +256,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.store.block_size()) <= self.store.num_blocks()
+        total_tokens.div_ceil(self.store.block_size()) <= self.store.limit()
     }
 
     fn release(&mut self, seq: SeqId) {
@@ -490,10 +494,12 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let used = self.store.num_used_blocks() as u64 * self.store.block_bytes();
+        let block = self.store.block_bytes();
         PolicyMemory {
-            device_reserved: used,
-            device_used: used,
+            // The pool as allocated: all of it under `fraction`, what it grew to under
+            // `budget`.
+            device_reserved: self.store.num_blocks() as u64 * block,
+            device_used: self.store.num_used_blocks() as u64 * block,
             host_reserved: 0,
             host_used: 0,
         }

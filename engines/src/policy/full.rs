@@ -47,10 +47,21 @@ pub struct FullPolicy {
 }
 
 impl FullPolicy {
+    /// A pool of `num_blocks` allocated up front (vLLM).
     pub fn new(cfg: &ModelConfig, opts: FullOptions, num_blocks: usize) -> Self {
+        let tables = SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed);
+        Self::with_tables(cfg, opts, tables)
+    }
+
+    /// A pool that grows on demand up to `limit` blocks (`reservation=budget`).
+    pub fn on_demand(cfg: &ModelConfig, opts: FullOptions, limit: usize) -> Self {
+        Self::with_tables(cfg, opts, SeqTables::on_demand(limit, opts.block_size))
+    }
+
+    fn with_tables(cfg: &ModelConfig, opts: FullOptions, tables: SeqTables) -> Self {
         let store = PagedKv::new(
             cfg.num_layers,
-            num_blocks,
+            tables.num_blocks(),
             opts.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -65,7 +76,7 @@ impl FullPolicy {
             },
             num_layers: cfg.num_layers,
             store,
-            tables: SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed),
+            tables,
             stats: PolicyStats::default(),
             opts,
             attended: Vec::new(),
@@ -108,7 +119,9 @@ impl KvPolicy for FullPolicy {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        self.tables.reserve(seq, total_tokens)
+        let ok = self.tables.reserve(seq, total_tokens);
+        self.store.ensure_blocks(self.tables.num_blocks());
+        ok
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
@@ -216,7 +229,7 @@ impl KvPolicy for FullPolicy {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let block_bytes = self.store.bytes() / self.tables.num_blocks().max(1) as u64;
+        let block_bytes = self.store.bytes_per_block();
         PolicyMemory {
             device_reserved: self.store.bytes(),
             device_used: self.tables.num_used() as u64 * block_bytes,

@@ -11,7 +11,7 @@
 
 use super::budget::{infinigen_k_max, infinigen_selection_cap};
 use super::skew::Skewing;
-use super::spec::PolicyEnv;
+use super::spec::{PolicyEnv, Reservation};
 use super::to_f32;
 use super::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
@@ -284,13 +284,19 @@ impl InfinigenPolicy {
             wq: model.layers().iter().map(|l| l.wq.clone()).collect(),
             dense_kv: PagedKv::new(
                 dense,
-                dense_blocks,
+                match env.reservation {
+                    Reservation::Fraction => dense_blocks,
+                    Reservation::Budget => 0,
+                },
                 bs,
                 cfg.num_kv_heads,
                 cfg.head_dim,
                 KvDtype::F32,
             ),
-            dense_pool: BlockPool::new(dense_blocks),
+            dense_pool: match env.reservation {
+                Reservation::Fraction => BlockPool::new(dense_blocks),
+                Reservation::Budget => BlockPool::on_demand(dense_blocks),
+            },
             dense_tables: HashMap::new(),
             host: Box::new(CpuHostTier::new(
                 dense,
@@ -320,20 +326,30 @@ impl InfinigenPolicy {
     }
 
     fn dense_block_bytes(&self) -> u64 {
-        if self.dense_pool.num_blocks() == 0 {
-            0
-        } else {
-            self.dense_kv.bytes() / self.dense_pool.num_blocks() as u64
-        }
+        self.dense_kv.bytes_per_block()
+    }
+
+    fn fixed_device_bytes(&self) -> u64 {
+        self.seqs.values().map(|s| s.fixed_device_bytes).sum()
     }
 
     fn device_used(&self) -> u64 {
-        self.dense_pool.num_used() as u64 * self.dense_block_bytes()
-            + self
-                .seqs
-                .values()
-                .map(|s| s.fixed_device_bytes)
-                .sum::<u64>()
+        self.dense_pool.num_used() as u64 * self.dense_block_bytes() + self.fixed_device_bytes()
+    }
+
+    /// Device bytes held: the dense pool as allocated (all of it under `fraction`, what
+    /// it grew to under `budget`) and the sequences' buffers.
+    fn device_reserved(&self) -> u64 {
+        self.dense_pool.num_blocks() as u64 * self.dense_block_bytes() + self.fixed_device_bytes()
+    }
+
+    /// What counts against the KV bytes: the live tokens within a pool allocated up
+    /// front, everything held when the pool grows on demand.
+    fn device_charged(&self) -> u64 {
+        match self.env.reservation {
+            Reservation::Fraction => self.device_used(),
+            Reservation::Budget => self.device_reserved(),
+        }
     }
 
     fn k_max(&self, s: &IgSeq, n: usize) -> usize {
@@ -499,17 +515,19 @@ impl KvPolicy for InfinigenPolicy {
             self.admit(seq, SeqInfo::unannounced(total_tokens));
         }
         // The per-sequence buffers count against the device's KV bytes.
-        if self.device_used() > self.env.kv_device_bytes {
+        if self.device_charged() > self.env.kv_device_bytes {
             return false;
         }
         let bs = self.env.block_size;
         if self.dense > 0 {
             let t = self.dense_tables.entry(seq).or_default();
-            if !self.dense_pool.grow(t, total_tokens.div_ceil(bs)) {
+            let grown = self.dense_pool.grow(t, total_tokens.div_ceil(bs));
+            self.dense_kv.ensure_blocks(self.dense_pool.num_blocks());
+            if !grown {
                 return false;
             }
         }
-        if self.device_used() > self.env.kv_device_bytes {
+        if self.device_charged() > self.env.kv_device_bytes {
             return false;
         }
         self.num_layers == self.dense || self.host.reserve(seq, total_tokens)
@@ -517,7 +535,7 @@ impl KvPolicy for InfinigenPolicy {
 
     fn fits(&self, total_tokens: usize) -> bool {
         let dense_ok = self.dense == 0
-            || total_tokens.div_ceil(self.env.block_size) <= self.dense_pool.num_blocks();
+            || total_tokens.div_ceil(self.env.block_size) <= self.dense_pool.limit();
         let host_ok = self.num_layers == self.dense || self.host.fits(total_tokens);
         dense_ok
             && host_ok
@@ -755,11 +773,10 @@ impl KvPolicy for InfinigenPolicy {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let dev = self.device_used();
         let host = self.host.used_bytes();
         PolicyMemory {
-            device_reserved: dev,
-            device_used: dev,
+            device_reserved: self.device_reserved(),
+            device_used: self.device_used(),
             host_reserved: host,
             host_used: host,
         }

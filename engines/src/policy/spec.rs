@@ -18,8 +18,11 @@ pub struct PolicyEnv {
     pub device_name: String,
     pub device_capacity: Option<u64>,
     /// Device bytes the KV cache may occupy (capacity × fraction − weights −
-    /// activations). `full` allocates all of it up front; the others as they go.
+    /// activations): allocated up front under [`Reservation::Fraction`], the ceiling
+    /// of a pool grown on demand under [`Reservation::Budget`].
     pub kv_device_bytes: u64,
+    /// How the device KV is reserved.
+    pub reservation: Reservation,
     /// Host bytes an offloading policy may occupy.
     pub kv_host_bytes: u64,
     pub block_size: usize,
@@ -30,6 +33,77 @@ pub struct PolicyEnv {
     pub kv_dtype: KvDtype,
     /// Shuffle `full`'s free list (tests: random block tables).
     pub shuffle_seed: Option<u64>,
+}
+
+/// How an engine reserves its device KV memory (the `reservation` option).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reservation {
+    /// vLLM's paradigm: the fraction of the device capacity (less weights and the
+    /// activation profile) is allocated as one pool at start-up and held throughout.
+    Fraction,
+    /// FlexGen's and InfiniGen's paradigm: the pool holds what the admitted sequences
+    /// need at their budget, grown on demand (block by block) as they need more and kept
+    /// once grown; the fraction of the capacity is only its ceiling.
+    Budget,
+}
+
+/// The option's key, as `--set` and an experiment's engine `params` spell it.
+pub const RESERVATION_KEY: &str = "reservation";
+
+impl Reservation {
+    /// The paradigm's own: `fraction` for `full` (vLLM), `budget` for the strategies
+    /// that evict or offload (H2O and StreamingLLM as FlexGen runs them, InfiniGen).
+    pub fn default_for(spec: &PolicySpec) -> Self {
+        match spec {
+            PolicySpec::Full => Reservation::Fraction,
+            _ => Reservation::Budget,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Reservation::Fraction => "fraction",
+            Reservation::Budget => "budget",
+        }
+    }
+}
+
+impl std::fmt::Display for Reservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Reservation {
+    type Err = Error;
+    fn from_str(v: &str) -> Result<Self> {
+        match v {
+            "fraction" => Ok(Reservation::Fraction),
+            "budget" => Ok(Reservation::Budget),
+            _ => Err(Error::Config(format!(
+                "`{RESERVATION_KEY}={v}`: expected `fraction` (the pool is a fraction of the device, allocated up front) or `budget` (what the admitted sequences need at their budget, grown on demand)"
+            ))),
+        }
+    }
+}
+
+/// `key=value` parameters.
+pub type Params = Vec<(String, String)>;
+
+/// Split the engine-level `reservation` option off a strategy's `key=value` parameters:
+/// the option (`None`: the paradigm's default) and the strategy's own parameters.
+pub fn split_reservation(params: &[(String, String)]) -> Result<(Option<Reservation>, Params)> {
+    let mut reservation = None;
+    let mut rest = Vec::new();
+    for (k, v) in params {
+        if k == RESERVATION_KEY {
+            reservation = Some(v.parse()?);
+        } else {
+            rest.push((k.clone(), v.clone()));
+        }
+    }
+    Ok((reservation, rest))
 }
 
 /// A strategy and its parameters.
@@ -83,6 +157,11 @@ impl PolicyEnv {
             attention: self.attention,
             chunk_size: self.chunk_size,
         }
+    }
+
+    /// Blocks of `block_bytes` the KV may occupy at most.
+    pub fn kv_blocks(&self, block_bytes: u64) -> usize {
+        (self.kv_device_bytes / block_bytes.max(1)) as usize
     }
 }
 
@@ -144,6 +223,12 @@ impl PolicySpec {
             }
         };
         for (k, v) in params {
+            if k == RESERVATION_KEY {
+                // An engine option, not the strategy's: checked here, taken by
+                // `split_reservation` into `EngineConfig::reservation`.
+                v.parse::<Reservation>()?;
+                continue;
+            }
             spec.set(k, v)?;
         }
         Ok(spec)
@@ -155,7 +240,7 @@ impl PolicySpec {
         match self {
             PolicySpec::Full => {
                 return Err(Error::Config(format!(
-                    "`full` takes no parameters (got `{k}={v}`)"
+                    "`full` takes no parameters but `{RESERVATION_KEY}` (got `{k}={v}`)"
                 )))
             }
             PolicySpec::H2o(p) => match k {
@@ -181,7 +266,7 @@ impl PolicySpec {
                 "decode_update" => p.decode_update = parse_bool(s, k, v)?,
                 _ => {
                     return Err(Error::Config(format!(
-                        "unknown h2o parameter `{k}`: expected heavy_fraction, ratio, stats, decode_update"
+                        "unknown h2o parameter `{k}`: expected heavy_fraction, ratio, stats, decode_update, reservation"
                     )))
                 }
             },
@@ -190,7 +275,7 @@ impl PolicySpec {
                 "rolling_positions" => p.rolling_positions = parse_bool(s, k, v)?,
                 _ => {
                     return Err(Error::Config(format!(
-                        "unknown streaming parameter `{k}`: expected sinks, rolling_positions"
+                        "unknown streaming parameter `{k}`: expected sinks, rolling_positions, reservation"
                     )))
                 }
             },
@@ -235,7 +320,7 @@ impl PolicySpec {
                 }
                 _ => {
                     return Err(Error::Config(format!(
-                        "unknown infinigen parameter `{k}`: expected alpha, partial_ratio, relative_to_current, dense_layers, speculate, transfer"
+                        "unknown infinigen parameter `{k}`: expected alpha, partial_ratio, relative_to_current, dense_layers, speculate, transfer, reservation"
                     )))
                 }
             },
@@ -277,9 +362,11 @@ impl PolicySpec {
         Ok(match self {
             PolicySpec::Full => {
                 let opts = env.full_options();
-                let num_blocks =
-                    (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
-                Box::new(FullPolicy::new(cfg, opts, num_blocks))
+                let num_blocks = env.kv_blocks(FullPolicy::block_bytes(cfg, &opts));
+                Box::new(match env.reservation {
+                    Reservation::Fraction => FullPolicy::new(cfg, opts, num_blocks),
+                    Reservation::Budget => FullPolicy::on_demand(cfg, opts, num_blocks),
+                })
             }
             PolicySpec::H2o(p) => Box::new(H2oPolicy::new(H2o(*p), cfg, env)),
             PolicySpec::Streaming(p) => Box::new(StreamingPolicy::new(Streaming(*p), cfg, env)),
@@ -316,13 +403,13 @@ impl PolicySpec {
             )?)),
             PolicySpec::Full => {
                 let opts = env.full_options();
-                let num_blocks =
-                    (env.kv_device_bytes / FullPolicy::block_bytes(cfg, &opts)) as usize;
+                let num_blocks = env.kv_blocks(FullPolicy::block_bytes(cfg, &opts));
                 Ok(Box::new(crate::cuda::full::CudaFullPolicy::new(
                     model.device(),
                     cfg,
                     opts,
                     num_blocks,
+                    env.reservation,
                 )?))
             }
             PolicySpec::Infinigen(p) => Ok(Box::new(
