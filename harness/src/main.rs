@@ -1,6 +1,5 @@
 //! `kvbench`: benchmark and characterization of KV-cache management strategies.
 
-mod accuracy;
 mod cell;
 mod compare;
 #[cfg(test)]
@@ -13,7 +12,6 @@ mod models;
 mod plot;
 mod recorder;
 mod report;
-mod retention;
 mod run;
 mod sampler;
 mod setup;
