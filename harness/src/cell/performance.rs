@@ -27,7 +27,7 @@ pub enum Outcome {
 
 #[derive(Debug, Serialize)]
 pub struct CellResult {
-    /// The cell's identity ([`crate::experiment::identity`]).
+    /// The cell's identity ([`crate::experiment::matrix::identity`]).
     pub id: String,
     pub key: String,
     pub cell: Cell,
