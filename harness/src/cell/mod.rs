@@ -9,7 +9,8 @@
 //! `kvbench-progress tokens=N total=M`: N tokens the engine has computed (prefill and
 //! decode) of the M its requests need (Σ prompt + output − 1, warm-up included).
 //!
-//! This module holds the command and the dispatch on the experiment's kind; each kind's
+//! This module holds the dispatch on the experiment's kind (the command's arguments are
+//! in commands/run_cell.rs); each kind's
 //! cell lives in its own file (`performance`, `accuracy`, `retention`) and everything
 //! they share (model set-up, the engine, progress, the failure record) in `shared`, so
 //! imports run one way: mod.rs → kinds → shared.
@@ -19,82 +20,29 @@ pub mod performance;
 pub mod retention;
 pub mod shared;
 
-#[cfg(test)]
-pub use shared::progress_line;
-pub use shared::{parse_progress, PROGRESS_ENV};
+pub use shared::{parse_progress, progress_line, PROGRESS_ENV};
 
-use crate::experiment::{Kind, SloSpec};
-use anyhow::{Context, Result};
-use clap::Args;
-use std::path::PathBuf;
+use crate::experiment::{Cell, Kind, Plan};
+use anyhow::Result;
+use std::path::Path;
 
-#[derive(Debug, Args)]
-pub struct RunCellArgs {
-    /// Experiment file (YAML).
-    pub experiment: PathBuf,
-
-    /// Index of the cell (as `kvbench run EXP --dry-run` lists them).
-    #[arg(long)]
-    pub cell: usize,
-
-    /// The identity of the cell to run (the orchestrator passes it; `--cell` then only
-    /// names it in messages): when the YAML no longer has a cell of this identity, the
-    /// run is refused with exit status 3 instead of running something else.
-    #[arg(long)]
-    pub id: Option<String>,
-
-    /// Directory of fetched weights.
-    #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
-    pub models_dir: PathBuf,
-
-    /// Evaluation data directory (accuracy and retention cells); default: the
-    /// experiment's `data_dir`, else data/ (filled by `just fetch-data`).
-    #[arg(long, env = "KVBENCH_DATASETS_DIR")]
-    pub data_dir: Option<PathBuf>,
-
-    /// Service-level objectives in place of the YAML's, as `kvbench run --slo`.
-    #[arg(long, value_name = "ttft:MS,tpot:MS,e2e:MS", value_parser = SloSpec::parse)]
-    pub slo: Option<SloSpec>,
-}
-
-pub fn run(a: RunCellArgs) -> Result<()> {
-    let plan = crate::experiment::Plan::load_with(&a.experiment, &a.models_dir, a.slo)?;
-    let cell = match a.id.as_deref() {
-        // By identity: the index only says where it was when the sweep started.
-        Some(id) => match plan.cells.iter().find(|c| c.id == id) {
-            Some(c) => c,
-            None => {
-                eprintln!(
-                    "{}: no cell has the identity {id} the sweep asked for (cell {}): the \
-                     experiment changed while the sweep ran",
-                    a.experiment.display(),
-                    a.cell
-                );
-                std::process::exit(crate::run::EXIT_STALE_CELL);
-            }
-        },
-        None => plan.cells.get(a.cell).with_context(|| {
-            format!(
-                "--cell {}: {} has cells 0..{}",
-                a.cell,
-                a.experiment.display(),
-                plan.cells.len()
-            )
-        })?,
-    };
-    let r = match plan.exp.kind {
-        Kind::Performance => {
-            serde_json::to_value(performance::run_cell(&plan, cell, &a.models_dir)?)?
-        }
+/// Run one cell of `plan` by its kind and return its record (the JSON object `kvbench
+/// run-cell` prints); `data_flag` is `--data-dir`, read by accuracy and retention cells.
+pub fn run_cell(
+    plan: &Plan,
+    cell: &Cell,
+    models_dir: &Path,
+    data_flag: Option<&Path>,
+) -> Result<serde_json::Value> {
+    Ok(match plan.exp.kind {
+        Kind::Performance => serde_json::to_value(performance::run_cell(plan, cell, models_dir)?)?,
         Kind::Accuracy => {
-            let data = plan.data_dir(a.data_dir.as_deref());
-            accuracy::run_cell(&plan, cell, &a.models_dir, &data)?
+            let data = plan.data_dir(data_flag);
+            accuracy::run_cell(plan, cell, models_dir, &data)?
         }
         Kind::Retention => {
-            let data = plan.data_dir(a.data_dir.as_deref());
-            retention::run_cell(&plan, cell, &a.models_dir, &data)?
+            let data = plan.data_dir(data_flag);
+            retention::run_cell(plan, cell, models_dir, &data)?
         }
-    };
-    println!("{}", serde_json::to_string(&r)?);
-    Ok(())
+    })
 }
