@@ -42,7 +42,8 @@ pub fn run(a: ReportArgs) -> Result<()> {
             base64::engine::general_purpose::STANDARD.encode(bytes)
         ))
     })?;
-    let title = first(&df, "experiment").unwrap_or_else(|| "kvbench report".into());
+    let title =
+        first(&df, kvbench_plots::schema::EXPERIMENT).unwrap_or_else(|| "kvbench report".into());
     let html = to_html(&html_md, &format!("kvbench report: {title}"));
     let md_path = dir.join("report.md");
     let html_path = dir.join("report.html");

@@ -18,7 +18,8 @@ pub(crate) fn render(
     img: &dyn Fn(&Path) -> Result<String>,
 ) -> Result<String> {
     let mut md = String::new();
-    let name = first(df, "experiment").unwrap_or_else(|| dir.display().to_string());
+    let name =
+        first(df, kvbench_plots::schema::EXPERIMENT).unwrap_or_else(|| dir.display().to_string());
     writeln!(md, "# kvbench report: {name}\n")?;
     writeln!(md, "## Environment\n")?;
     // The model as the experiment names it (its YAML is kept beside the results).

@@ -2,6 +2,7 @@
 //! with the repeats averaged), accuracy.parquet, and the figure files.
 
 use anyhow::{Context, Result};
+use kvbench_plots::schema;
 use kvbench_plots::AccRow;
 use polars::prelude::{DataFrame, ParquetReader, SerReader};
 use std::collections::BTreeMap;
@@ -172,7 +173,7 @@ pub(crate) fn floats(df: &DataFrame, name: &str) -> Vec<Option<f64>> {
 
 /// Read runs.parquet of `dir`.
 pub fn read_runs(dir: &Path) -> Result<(DataFrame, Vec<Run>)> {
-    let path = dir.join("runs.parquet");
+    let path = dir.join(schema::RUNS_FILE);
     let f = std::fs::File::open(&path).with_context(|| {
         format!(
             "{}: expected the runs table of an experiment (run `kvbench run EXP.yaml`, or \
@@ -190,11 +191,11 @@ pub fn read_runs(dir: &Path) -> Result<(DataFrame, Vec<Run>)> {
 /// Columns named `cell_*` that are not the cell's identity: the repeat and the row's
 /// bookkeeping, and the point (read apart).
 pub(crate) const NOT_IDENTITY: [&str; 5] = [
-    "cell_repeat",
-    "cell_index",
-    "cell_id",
-    "cell_key",
-    "cell_point",
+    schema::CELL_REPEAT,
+    schema::CELL_INDEX,
+    schema::CELL_ID,
+    schema::CELL_KEY,
+    schema::CELL_POINT,
 ];
 
 /// The rows of a runs table.
@@ -202,7 +203,7 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
     let s = |n: &str| strings(df, n);
     let x = |n: &str| floats(df, n);
     // The strategy's parameters as the cell key spells them (`params=stats=exact`).
-    let params: Vec<Option<String>> = s("cell_key")
+    let params: Vec<Option<String>> = s(schema::CELL_KEY)
         .into_iter()
         .map(|k| {
             k.and_then(|k| {
@@ -240,10 +241,13 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
         .get_column_names()
         .iter()
         .map(|n| n.as_str())
-        .filter(|n| n.starts_with("cell_") && !NOT_IDENTITY.contains(n))
-        .map(|n| (n["cell_".len()..].to_string(), s(n)))
+        .filter(|n| n.starts_with(schema::CELL_PREFIX) && !NOT_IDENTITY.contains(n))
+        .map(|n| (n[schema::CELL_PREFIX.len()..].to_string(), s(n)))
         .collect();
-    let point = df.column("cell_point").is_ok().then(|| s("cell_point"));
+    let point = df
+        .column(schema::CELL_POINT)
+        .is_ok()
+        .then(|| s(schema::CELL_POINT));
     (0..df.height())
         .map(|i| Run {
             engine: engine[i].clone().unwrap_or_default(),
