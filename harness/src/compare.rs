@@ -25,6 +25,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvbench_plots::schema;
 use polars::prelude::{DataFrame, DataType, ParquetReader, SerReader};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -238,7 +239,7 @@ struct Run {
 fn runs_path(p: &Path) -> Result<PathBuf> {
     let hint = "expected an experiment's results directory (results/<name>/ with runs.parquet) or a runs.parquet file";
     if p.is_dir() {
-        let f = p.join("runs.parquet");
+        let f = p.join(schema::RUNS_FILE);
         if f.is_file() {
             return Ok(f);
         }
@@ -308,7 +309,7 @@ fn load(p: &Path) -> Result<Run> {
             file.display()
         )
     };
-    let keys = strings(&df, "cell_key")?.ok_or_else(|| need("cell_key"))?;
+    let keys = strings(&df, schema::CELL_KEY)?.ok_or_else(|| need(schema::CELL_KEY))?;
     let outcomes = strings(&df, "outcome")?.ok_or_else(|| need("outcome"))?;
     let errors = strings(&df, "error")?.ok_or_else(|| need("error"))?;
     let mut timings = Vec::new();
@@ -336,7 +337,7 @@ fn load(p: &Path) -> Result<Run> {
             .flatten()
             .and_then(|v| v.into_iter().flatten().next())
     };
-    let experiment = first("experiment").unwrap_or_default();
+    let experiment = first(schema::EXPERIMENT).unwrap_or_default();
     let machine = [
         first("env_gpu_name"),
         first("env_cpu_model"),

@@ -11,6 +11,7 @@
 //! there are any).
 
 use anyhow::{Context, Result};
+use kvbench_plots::schema;
 use polars::prelude::{Column, DataFrame, DataType, NamedFrom, ParquetWriter, Series};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -124,12 +125,7 @@ pub fn write_parquet(df: &mut DataFrame, path: &Path) -> Result<()> {
 
 #[cfg(test)]
 pub fn read_parquet(path: &Path) -> Result<DataFrame> {
-    use polars::prelude::{ParquetReader, SerReader};
-    let f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    ParquetReader::new(f)
-        .finish()
-        .map_err(anyhow::Error::from)
-        .with_context(|| format!("reading {}", path.display()))
+    Ok(schema::read_table(path)?)
 }
 
 /// The headline columns of `runs.parquet`, first in each row, under stable names
@@ -165,8 +161,8 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         _ => Value::Null,
     };
     vec![
-        ("experiment", Value::from(experiment)),
-        ("cell_id", Value::from(cell_id)),
+        (schema::EXPERIMENT, Value::from(experiment)),
+        (schema::CELL_ID, Value::from(cell_id)),
         ("repeat", c["repeat"].clone()),
         ("engine", c["engine"].clone()),
         ("budget", c["budget"].clone()),
@@ -224,8 +220,8 @@ fn rows_of(
     let index = cell["cell"]["index"].clone();
     let key = cell["key"].clone();
     let tag = |m: &mut Map<String, Value>| {
-        m.insert("cell_index".into(), index.clone());
-        m.insert("cell_key".into(), key.clone());
+        m.insert(schema::CELL_INDEX.into(), index.clone());
+        m.insert(schema::CELL_KEY.into(), key.clone());
     };
     let mut run: Map<String, Value> = headline(cell, experiment, cell_id)
         .into_iter()
@@ -240,18 +236,18 @@ fn rows_of(
             flatten(k, v, &mut run);
         }
     }
-    tables.entry("runs").or_default().push(run);
+    tables.entry(schema::RUNS).or_default().push(run);
     for (table, field) in [
-        ("requests", "requests"),
-        ("steps", "steps"),
-        ("samples", "samples"),
-        ("accuracy", "accuracy_rows"),
+        (schema::REQUESTS, "requests"),
+        (schema::STEPS, "steps"),
+        (schema::SAMPLES, "samples"),
+        (schema::ACCURACY, "accuracy_rows"),
     ] {
         for r in cell[field].as_array().into_iter().flatten() {
             let mut m = Map::new();
             tag(&mut m);
             flatten("", r, &mut m);
-            if table == "requests" {
+            if table == schema::REQUESTS {
                 add_request_metrics(r, &mut m);
             }
             tables.entry(table).or_default().push(m);
@@ -360,12 +356,12 @@ pub fn write_tables(exp_dir: &Path, cells: &[crate::experiment::Cell]) -> Result
         rows_of(v, &experiment, id, &mut tables);
     }
     let counts = &mut out.counts;
-    for name in ["runs", "requests", "steps", "samples", "accuracy"] {
+    for name in schema::TABLES {
         let rows = tables.remove(name).unwrap_or_default();
         // accuracy.parquet exists only where accuracy was measured (its absence is
         // what the figures and the report go by).
-        if name == "accuracy" && rows.is_empty() {
-            let stale = exp_dir.join("accuracy.parquet");
+        if name == schema::ACCURACY && rows.is_empty() {
+            let stale = exp_dir.join(schema::ACCURACY_FILE);
             if stale.is_file() {
                 std::fs::remove_file(&stale)
                     .with_context(|| format!("removing {}", stale.display()))?;
@@ -374,7 +370,7 @@ pub fn write_tables(exp_dir: &Path, cells: &[crate::experiment::Cell]) -> Result
         }
         counts.insert(name, rows.len());
         let mut df = frame(&rows)?;
-        if name == "runs" && !rows.is_empty() {
+        if name == schema::RUNS && !rows.is_empty() {
             // Headline columns first, in their documented order.
             let first: Vec<&str> = headline(&Value::Null, "", "")
                 .into_iter()
@@ -392,7 +388,7 @@ pub fn write_tables(exp_dir: &Path, cells: &[crate::experiment::Cell]) -> Result
                 .collect();
             df = df.select(names)?;
         }
-        write_parquet(&mut df, &exp_dir.join(format!("{name}.parquet")))?;
+        write_parquet(&mut df, &exp_dir.join(schema::file_name(name)))?;
     }
     Ok(out)
 }

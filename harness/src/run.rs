@@ -493,7 +493,7 @@ fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
                 .retention
                 .as_ref()
                 .context("the retention section")?;
-            crate::retention::check_data(&r.form, &data_dir)?;
+            crate::cell::retention::check_data(&r.form, &data_dir)?;
         }
     }
     let exp_dir = a.results.join(&plan.exp.name);

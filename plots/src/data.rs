@@ -4,8 +4,9 @@
 //! String): every numeric read casts to f64, and a column that is absent reads as
 //! null and is reported by the figures that need it.
 
+use crate::schema::{self, read_table};
 use crate::Error;
-use polars::prelude::{Column, DataFrame, DataType, ParquetReader, SerReader};
+use polars::prelude::{Column, DataFrame, DataType};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -43,30 +44,7 @@ impl Prompt {
     }
 }
 
-/// The metric columns of `runs.parquet` the figures read (all as f64).
-pub const METRICS: &[&str] = &[
-    "ttft_mean_s",
-    "ttft_p99_s",
-    "tpot_mean_s",
-    "e2e_mean_s",
-    "decode_tok_s",
-    "throughput_tok_s",
-    "decode_tok_s_per_gb",
-    "wall_prefill_s",
-    "wall_decode_s",
-    "wall_cache_ops_s",
-    "mem_weights_bytes",
-    "mem_kv_device_bytes",
-    "mem_kv_host_bytes",
-    "mem_activations_peak_bytes",
-    "mem_device_peak_bytes",
-    "mem_host_peak_bytes",
-    "metrics_duration_s",
-    "metrics_breakdown_scheduling_s",
-    "metrics_breakdown_sampling_s",
-    "metrics_breakdown_transfer_s",
-    "metrics_num_requests",
-];
+pub use crate::schema::METRICS;
 
 /// One cell of `runs.parquet`.
 #[derive(Debug, Clone)]
@@ -157,17 +135,6 @@ pub struct Tables {
     pub accuracy_missing: Option<String>,
 }
 
-fn read(path: &Path) -> Result<DataFrame, Error> {
-    let f = std::fs::File::open(path).map_err(|e| Error::Parquet {
-        path: path.to_path_buf(),
-        msg: e.to_string(),
-    })?;
-    ParquetReader::new(f).finish().map_err(|e| Error::Parquet {
-        path: path.to_path_buf(),
-        msg: e.to_string(),
-    })
-}
-
 /// A column as f64 values (numbers cast, strings parsed where they are numbers).
 pub fn f64s(df: &DataFrame, name: &str) -> Option<Vec<Option<f64>>> {
     let c = df.column(name).ok()?;
@@ -237,18 +204,18 @@ impl Tables {
         if !dir.is_dir() {
             return Err(Error::NotADirectory(dir.to_path_buf()));
         }
-        let runs_path = dir.join("runs.parquet");
-        let acc_path = dir.join("accuracy.parquet");
+        let runs_path = dir.join(schema::RUNS_FILE);
+        let acc_path = dir.join(schema::ACCURACY_FILE);
         if !runs_path.is_file() && !acc_path.is_file() {
             return Err(Error::NoTables(dir.to_path_buf()));
         }
         let runs = if runs_path.is_file() {
-            Some(read(&runs_path)?)
+            Some(read_table(&runs_path)?)
         } else {
             None
         };
         let accuracy = if acc_path.is_file() {
-            Some(read(&acc_path)?)
+            Some(read_table(&acc_path)?)
         } else {
             None
         };
@@ -292,13 +259,13 @@ impl Tables {
                     vec![None; n]
                 })
             };
-            let cell_id = need_s("cell_id");
+            let cell_id = need_s(schema::CELL_ID);
             let engine = need_s("engine");
             let attention = need_s("attention");
             let prompt_s = need_s("prompt_len");
             let outcome = need_s("outcome");
             let error = need_s("error");
-            let experiment = need_s("experiment");
+            let experiment = need_s(schema::EXPERIMENT);
             let mut need_f = |name: &str| -> Vec<Option<f64>> {
                 f64s(df, name).unwrap_or_else(|| {
                     missing_columns.insert(name.to_string());
@@ -462,7 +429,7 @@ impl Tables {
         let repeat = f64s(df, "repeat").unwrap_or_else(|| vec![None; n]);
         let bucket = strs(df, "bucket").unwrap_or_else(|| vec![None; n]);
         let turn = f64s(df, "turn").unwrap_or_else(|| vec![None; n]);
-        let cell_key = strs(df, "cell_key").unwrap_or_else(|| vec![None; n]);
+        let cell_key = strs(df, schema::CELL_KEY).unwrap_or_else(|| vec![None; n]);
         Ok((0..n)
             .filter_map(|i| {
                 Some(AccRow {

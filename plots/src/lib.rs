@@ -31,6 +31,7 @@ mod fig6;
 mod fig7;
 mod fig8;
 mod lines;
+pub mod schema;
 mod select;
 mod style;
 

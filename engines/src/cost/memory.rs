@@ -11,7 +11,7 @@ use crate::model::activation_bytes;
 use crate::policy::budget::{h2o_counts, infinigen_selection_cap, streaming_counts};
 use crate::policy::evicting::Eviction;
 use crate::policy::h2o::H2o;
-use crate::policy::spec::PolicySpec;
+use crate::policy::spec::{PolicySpec, Reservation};
 use crate::policy::SeqInfo;
 use serde::Serialize;
 
@@ -247,6 +247,9 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
         kv_host,
         activations_peak: act.max(profile),
         transfer_buffers: 0,
+        // The model predicts each strategy under its paradigm's own reservation: the
+        // pool up front for `full`, what the batch needs for the others.
+        reservation: Some(Reservation::default_for(&s.policy)),
     };
     let mut held = MemoryHeld {
         report,

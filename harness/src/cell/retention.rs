@@ -3,7 +3,7 @@
 //! engine, scored by whether the answer is in the response. One row per prompt, in the
 //! shape `accuracy.parquet` takes (task `retention`, with bucket and turn).
 
-use crate::cell::{load_setup, policy_engine, Progress};
+use super::shared::{load_setup, policy_engine, Progress};
 use crate::experiment::{Cell, Plan};
 use crate::setup::Setup;
 use anyhow::{bail, ensure, Context, Result};
@@ -311,14 +311,14 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
     let outcome = answer_cell(plan, cell, &setup, models_dir, data_dir);
     let samples = sampler.finish();
-    let mut v = crate::cell::scored_cell_record(cell, &setup, gpu, &samples);
+    let mut v = super::shared::scored_cell_record(cell, &setup, gpu, &samples);
     match outcome {
         Ok((engine, rows, summary)) => {
             v["memory"] = serde_json::to_value(engine.memory())?;
             v["accuracy"] = summary;
             v["accuracy_rows"] = serde_json::to_value(&rows)?;
         }
-        Err(err) => crate::cell::record_failure(&mut v, &err),
+        Err(err) => super::shared::record_failure(&mut v, &err),
     }
     v["wall_s"] = t0.elapsed().as_secs_f64().into();
     Ok(v)

@@ -102,7 +102,7 @@ pub fn run(a: ModelsArgs) -> Result<()> {
             r.vocab,
             r.context,
             format_params(r.params),
-            crate::generate::human(r.kv_bytes_per_token_bf16),
+            crate::commands::generate::human(r.kv_bytes_per_token_bf16),
             r.weights
         );
     }

@@ -16,7 +16,7 @@
 //! `acc` takes the choice with the largest sum, `acc_norm` the largest sum per
 //! character of the choice; the standard error is lm-eval's (sample deviation / √n).
 
-use crate::cell::{load_setup, policy_engine, Progress};
+use super::shared::{load_setup, policy_engine, Progress};
 use crate::experiment::{Cell, Plan, ScoringMode};
 use crate::setup::Setup;
 use anyhow::{bail, Context, Result};
@@ -303,7 +303,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
     let mut progress = None;
     let outcome = score_cell(plan, cell, &setup, models_dir, data_dir, &mut progress);
     let samples = sampler.finish();
-    let mut v = crate::cell::scored_cell_record(cell, &setup, gpu, &samples);
+    let mut v = super::shared::scored_cell_record(cell, &setup, gpu, &samples);
     v["scoring"] = Value::Null;
     match outcome {
         Ok((eng, rows, summary, scoring)) => {
@@ -312,7 +312,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path, data_dir: &Path) ->
             v["scoring"] = scoring;
             v["accuracy_rows"] = Value::Array(rows);
         }
-        Err(err) => crate::cell::record_failure(&mut v, &err),
+        Err(err) => super::shared::record_failure(&mut v, &err),
     }
     v["wall_s"] = t0.elapsed().as_secs_f64().into();
     Ok(v)

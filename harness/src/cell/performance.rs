@@ -1,0 +1,289 @@
+//! A performance cell: its workload (prompts of exact token length, arrival times), one
+//! engine, the measured requests after the warm-up ones, and the metrics.
+
+use super::shared::{is_oom, load_setup, policy_engine, Progress};
+use crate::experiment::{Cell, Plan};
+use crate::metrics::{compute, CellMetrics};
+use crate::setup::{seeded_ids, Setup};
+use anyhow::{bail, Context, Result};
+use kvbench_datasets::arrivals::{Arrivals, ConcurrencyGate};
+use kvbench_datasets::corpus::Corpus;
+use kvbench_datasets::prompts::slice_prompts;
+use kvbench_datasets::Tokenize;
+use kvbench_engines::engine::{Engine, Request, StepOutcome};
+use kvbench_engines::ledger::MemoryReport;
+use kvbench_engines::tokenizer::TextTokenizer;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Outcome {
+    Ok,
+    Oom,
+    Error,
+}
+
+#[derive(Debug, Serialize)]
+pub struct CellResult {
+    /// The cell's identity ([`crate::experiment::matrix::identity`]).
+    pub id: String,
+    pub key: String,
+    pub cell: Cell,
+    pub outcome: Outcome,
+    pub error: Option<String>,
+    pub metrics: Option<CellMetrics>,
+    pub memory: Option<MemoryReport>,
+    /// Bytes moved over the measured requests.
+    pub h2d_bytes: Option<u64>,
+    pub d2h_bytes: Option<u64>,
+    /// Keys attended by decode rows over what full attention would read.
+    pub attended_fraction: Option<f64>,
+    /// Seconds the cell took, set-up included.
+    pub wall_s: f64,
+    /// Where it ran.
+    pub env: crate::environment::Environment,
+    /// Most resident memory of this process and most GPU memory in use (NVML) while
+    /// the engine ran; null when not measured.
+    pub process_rss_peak_bytes: Option<u64>,
+    pub gpu_used_peak_bytes: Option<u64>,
+    /// The memory time series (every 100 ms).
+    pub samples: Vec<crate::sampler::Sample>,
+    /// Per measured request and per engine step, for the requests and steps tables.
+    pub requests: Vec<kvbench_engines::trace::RequestOutput>,
+    pub steps: Vec<kvbench_engines::trace::StepTrace>,
+}
+
+struct Tok<'a>(&'a TextTokenizer);
+
+impl Tokenize for Tok<'_> {
+    fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, String> {
+        self.0.encode(text).map_err(|e| e.to_string())
+    }
+}
+
+/// Token stream of a corpus: one UTF-8 file, or every `.txt` file of a directory in
+/// name order.
+fn corpus_tokens(src: &Path, tok: &TextTokenizer) -> Result<Vec<u32>> {
+    let files: Vec<PathBuf> = if src.is_dir() {
+        let mut f: Vec<PathBuf> = std::fs::read_dir(src)
+            .with_context(|| format!("reading workload directory {}", src.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        f.sort();
+        if f.is_empty() {
+            bail!(
+                "workload source {}: no .txt files in the directory",
+                src.display()
+            );
+        }
+        f
+    } else {
+        vec![src.to_path_buf()]
+    };
+    let mut tokens = Vec::new();
+    for f in files {
+        let c = Corpus::from_file(&f)?;
+        tokens.extend(c.tokenize(&Tok(tok))?);
+    }
+    Ok(tokens)
+}
+
+/// The cell's requests: `warmup` + the measured requests' prompts and scheduled arrival times,
+/// the same for every engine and repeat of a matrix point (seeded by the experiment's
+/// seed). Under a concurrency cap a measured request's arrival is when it is sent
+/// ([`drive`]).
+fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
+    let e = &plan.exp;
+    let w = e
+        .workload
+        .as_ref()
+        .context("a performance cell needs the experiment's `workload`")?;
+    let (Some(prompt_len), Some(output_len)) = (&cell.prompt_len, cell.output_len) else {
+        bail!(
+            "cell {}: a performance cell needs a prompt and an output length",
+            cell.index
+        );
+    };
+    let measured = w.requests(cell.batch);
+    let n = e.warmup + measured;
+    let lengths = prompt_len.dist().sample(n, e.seed)?;
+    let vocab = setup.loaded.model.cfg.vocab_size;
+    let prompts = match &w.source {
+        Some(src) => {
+            let tokens = corpus_tokens(src, &setup.loaded.tokenizer)?;
+            slice_prompts(&tokens, &lengths, e.seed)?
+        }
+        None => {
+            let mut s = e.seed ^ 0x9e37_79b9_7f4a_7c15;
+            lengths
+                .iter()
+                .map(|&l| seeded_ids(l, vocab, &mut s))
+                .collect()
+        }
+    };
+    let arrivals = if cell.request_rate.is_finite() {
+        Arrivals::Poisson {
+            rate: cell.request_rate,
+            burstiness: cell.burstiness,
+        }
+    } else {
+        Arrivals::AllAtZero
+    };
+    // Warm-up requests arrive at 0; the measured ones follow their process.
+    let times = arrivals.times(measured, e.seed)?;
+    Ok(prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| Request {
+            arrival_s: if i < e.warmup {
+                0.0
+            } else {
+                times[i - e.warmup]
+            },
+            ..Request::greedy(p, output_len)
+        })
+        .collect())
+}
+
+fn engine(plan: &Plan, cell: &Cell, setup: &Setup, models_dir: &Path) -> Result<Engine> {
+    policy_engine(plan, cell, setup, models_dir, None)
+}
+
+/// Hand `reqs` to the engine and step it until all have finished, reporting each
+/// step's tokens to `progress`. With a cap, at most `cap` requests are in flight: a
+/// request due while the cap is full is sent when one finishes, and its arrival is the
+/// finish time that freed its slot (the engine's own finish time, so that TTFT and E2E
+/// run from the moment vLLM's client would send it). Without a cap every request goes
+/// to the engine at once with its scheduled arrival, and the engine waits for it.
+fn drive(
+    eng: &mut Engine,
+    reqs: &[Request],
+    cap: Option<usize>,
+    progress: &mut Progress,
+) -> Result<()> {
+    let mut gate = ConcurrencyGate::new(reqs.iter().map(|r| r.arrival_s).collect(), cap)?;
+    let mut seen = eng.finished().len();
+    let sleep_until = |eng: &Engine, t: f64| {
+        let wait = t - eng.now();
+        if wait > 0.0 {
+            std::thread::sleep(Duration::from_secs_f64(wait));
+        }
+    };
+    loop {
+        for out in &eng.finished()[seen..] {
+            gate.release(out.finished_s);
+        }
+        seen = eng.finished().len();
+        for (i, arrival_s) in gate.ready(eng.now()) {
+            eng.add_request(Request {
+                arrival_s,
+                ..reqs[i].clone()
+            })?;
+        }
+        match eng.step()? {
+            StepOutcome::Ran(t) => progress.step(t.num_tokens),
+            StepOutcome::Idle { until_s } => {
+                sleep_until(eng, until_s.min(gate.next_send().unwrap_or(f64::INFINITY)))
+            }
+            StepOutcome::Done => match gate.next_send() {
+                Some(t) => sleep_until(eng, t),
+                None if gate.all_sent() => return Ok(()),
+                None => bail!(
+                    "max concurrency: {} request(s) in flight but none in the engine, {} of {} sent",
+                    gate.in_flight(),
+                    gate.sent(),
+                    reqs.len()
+                ),
+            },
+        }
+    }
+}
+
+/// Run one cell; errors of the run itself become the `oom` or `error` outcome.
+pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResult> {
+    let t0 = Instant::now();
+    let e = &plan.exp;
+    let setup = load_setup(plan, models_dir)?;
+    let requests = workload(plan, cell, &setup)?;
+    let mut progress = Progress::new(
+        requests
+            .iter()
+            .map(|r| (r.prompt.len() + r.max_new_tokens - 1) as u64)
+            .sum(),
+    );
+    let gpu = setup.gpu_index();
+    let mut result = CellResult {
+        env: crate::environment::Environment::collect(&setup.device.to_string(), gpu),
+        id: cell.id.clone(),
+        key: cell.key(),
+        cell: cell.clone(),
+        outcome: Outcome::Ok,
+        error: None,
+        metrics: None,
+        memory: None,
+        h2d_bytes: None,
+        d2h_bytes: None,
+        attended_fraction: None,
+        wall_s: 0.0,
+        process_rss_peak_bytes: None,
+        gpu_used_peak_bytes: None,
+        samples: Vec::new(),
+        requests: Vec::new(),
+        steps: Vec::new(),
+    };
+    let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
+    let mut run = || -> Result<(Engine, usize, usize)> {
+        let mut eng = engine(plan, cell, &setup, models_dir)?;
+        // At most `batch` requests are held at once: room for the longest ones is
+        // allocated before anything is timed.
+        let mut lengths: Vec<usize> = requests
+            .iter()
+            .map(|r| r.prompt.len() + r.max_new_tokens)
+            .collect();
+        lengths.sort_unstable_by(|a, b| b.cmp(a));
+        eng.prepare(&lengths[..cell.batch.min(lengths.len())])?;
+        let (warm, measured) = requests.split_at(e.warmup);
+        // Warm-up requests all go at once, whatever the cap.
+        drive(&mut eng, warm, None, &mut progress)?;
+        let (skip_out, skip_steps) = (eng.finished().len(), eng.traces().len());
+        eng.reset_clock();
+        drive(&mut eng, measured, cell.max_concurrency, &mut progress)?;
+        Ok((eng, skip_out, skip_steps))
+    };
+    let outcome = run();
+    progress.finish();
+    let samples = sampler.finish();
+    result.process_rss_peak_bytes = samples.iter().filter_map(|x| x.process_rss_bytes).max();
+    result.gpu_used_peak_bytes = samples.iter().filter_map(|x| x.gpu_used_bytes).max();
+    result.samples = samples;
+    match outcome {
+        Ok((eng, skip_out, skip_steps)) => {
+            let outs = &eng.finished()[skip_out..];
+            let steps = &eng.traces()[skip_steps..];
+            // The clock was reset at the benchmark's start: 0 on it.
+            let slo = cell.slo.map(|s| s.seconds()).unwrap_or_default();
+            result.metrics = Some(compute(outs, steps, slo, 0.0));
+            result.memory = Some(eng.memory());
+            result.h2d_bytes = Some(steps.iter().map(|t| t.h2d_bytes).sum());
+            result.d2h_bytes = Some(steps.iter().map(|t| t.d2h_bytes).sum());
+            let att: u64 = steps.iter().filter_map(|t| t.attended_tokens).sum();
+            let ctx: u64 = steps.iter().filter_map(|t| t.context_tokens).sum();
+            result.attended_fraction = (ctx > 0).then(|| att as f64 / ctx as f64);
+            result.requests = outs.to_vec();
+            result.steps = steps.to_vec();
+        }
+        Err(err) => {
+            result.outcome = if is_oom(&err) {
+                Outcome::Oom
+            } else {
+                Outcome::Error
+            };
+            result.error = Some(format!("{err:#}"));
+        }
+    }
+    result.wall_s = t0.elapsed().as_secs_f64();
+    Ok(result)
+}

@@ -1,0 +1,71 @@
+//! The command line: the arguments and the handler of each subcommand. Subcommands
+//! whose whole file is the command live here (generate, models, plot, verify, and the
+//! arguments and handlers of report and run-cell); `kvbench run` and `kvbench compare`
+//! keep theirs beside their logic in `crate::run` and `crate::compare`.
+
+pub mod generate;
+pub mod models;
+pub mod plot;
+pub mod report;
+pub mod run_cell;
+pub mod verify;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvbench", version, about, long_about = None)]
+pub struct Cli {
+    /// Worker threads for CPU kernels (default: all cores). Sets RAYON_NUM_THREADS.
+    #[arg(long, global = true, env = "KVBENCH_THREADS")]
+    pub threads: Option<usize>,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Generate from one prompt with one engine and print timings and KV bytes.
+    Generate(generate::GenerateArgs),
+    /// List the named models and presets with their architecture numbers.
+    Models(models::ModelsArgs),
+    /// Draw the study's figures (PNG + SVG) from an experiment's results.
+    Plot(plot::PlotArgs),
+    /// Run an experiment (performance, accuracy or retention): each cell in its own
+    /// process, resumable, results as Parquet in results/<name>/ (`--dry-run` lists
+    /// the cells).
+    Run(crate::run::RunArgs),
+    /// Run one cell of an experiment and print its outcome and metrics as one JSON
+    /// object (what the orchestrator runs in a child process per cell).
+    RunCell(run_cell::RunCellArgs),
+    /// Check every strategy × attention implementation against full + eager at budget
+    /// 1.0, and each strategy's KV bytes against a small budget.
+    Verify(verify::VerifyArgs),
+    /// Compare a run with a baseline (both results directories): ratios of timings,
+    /// exact outcomes and ledger bytes; non-zero exit on a regression.
+    Compare(crate::compare::CompareArgs),
+    /// Write results/EXP/report.md and a self-contained report.html: environment,
+    /// grid, a table per cell, the figures, and what the data says of each of the
+    /// study's claims.
+    Report(report::ReportArgs),
+}
+
+/// Run the parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    if let Some(n) = cli.threads {
+        anyhow::ensure!(n > 0, "--threads must be at least 1");
+        // Read by rayon and by candle's CPU matmuls; set before either starts a pool.
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+    match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Models(a) => models::run(a),
+        Command::Plot(a) => plot::run(a),
+        Command::Verify(a) => verify::run(a),
+        Command::Run(a) => crate::run::run(a),
+        Command::RunCell(a) => run_cell::run(a),
+        Command::Compare(a) => crate::compare::run(a),
+        Command::Report(a) => report::run(a),
+    }
+}

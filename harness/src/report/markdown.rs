@@ -1,0 +1,176 @@
+//! report.md: environment, grid, a table per cell, the figures and the claims.
+
+use super::claims::shared::*;
+use super::claims::*;
+use super::read::*;
+use anyhow::Result;
+use polars::prelude::DataFrame;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// The report as Markdown; `img` renders a figure reference (a link or inline data).
+pub(crate) fn render(
+    dir: &Path,
+    df: &DataFrame,
+    runs: &[Run],
+    figs: &[PathBuf],
+    img: &dyn Fn(&Path) -> Result<String>,
+) -> Result<String> {
+    let mut md = String::new();
+    let name =
+        first(df, kvbench_plots::schema::EXPERIMENT).unwrap_or_else(|| dir.display().to_string());
+    writeln!(md, "# kvbench report: {name}\n")?;
+    writeln!(md, "## Environment\n")?;
+    // The model as the experiment names it (its YAML is kept beside the results).
+    let spec: Option<serde_yaml::Value> = std::fs::read_to_string(dir.join("experiment.yaml"))
+        .ok()
+        .and_then(|y| serde_yaml::from_str(&y).ok());
+    for key in ["model", "dtype"] {
+        if let Some(v) = spec
+            .as_ref()
+            .and_then(|s| s.get(key))
+            .and_then(|v| v.as_str())
+        {
+            writeln!(md, "- {key}: {v}")?;
+        }
+    }
+    for (label, col) in [
+        ("device", "env_device"),
+        ("GPU", "env_gpu_name"),
+        ("driver", "env_driver_version"),
+        ("CPU", "env_cpu_model"),
+        ("cores", "env_cpu_cores"),
+        ("host memory (bytes)", "env_host_memory_bytes"),
+        ("kvbench", "env_kvbench_version"),
+        ("git revision", "env_git_revision"),
+    ] {
+        if let Some(v) = first(df, col) {
+            writeln!(md, "- {label}: {v}")?;
+        }
+    }
+    let outcomes: BTreeMap<&str, usize> = runs.iter().fold(BTreeMap::new(), |mut m, r| {
+        *m.entry(r.outcome.as_str()).or_default() += 1;
+        m
+    });
+    writeln!(md, "\n## Grid\n")?;
+    let distinct = |f: &dyn Fn(&Run) -> String| -> String {
+        let s: BTreeSet<String> = runs.iter().map(f).collect();
+        s.into_iter().collect::<Vec<_>>().join(", ")
+    };
+    let num = |x: Option<f64>| x.map_or("–".into(), fmt);
+    writeln!(
+        md,
+        "- cells: {} ({})",
+        runs.len(),
+        outcomes
+            .iter()
+            .map(|(k, v)| format!("{v} {k}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )?;
+    writeln!(md, "- engines: {}", distinct(&|r| r.label()))?;
+    writeln!(md, "- attention: {}", distinct(&|r| r.attention.clone()))?;
+    writeln!(md, "- batch: {}", distinct(&|r| num(r.batch)))?;
+    writeln!(
+        md,
+        "- prompt length: {}",
+        distinct(&|r| r.prompt_len.clone())
+    )?;
+    writeln!(md, "- output length: {}", distinct(&|r| num(r.output_len)))?;
+    writeln!(md, "- budget: {}", distinct(&|r| num(r.budget)))?;
+    // Goodput is shown only where a cell was measured against SLOs.
+    let slo_of = |r: &Run| {
+        [
+            ("TTFT", r.slo_ttft_ms),
+            ("TPOT", r.slo_tpot_ms),
+            ("E2E", r.slo_e2e_ms),
+        ]
+        .iter()
+        .filter_map(|(k, v)| v.map(|v| format!("{k} ≤ {} ms", fmt(v))))
+        .collect::<Vec<_>>()
+        .join(", ")
+    };
+    let with_slo = runs.iter().any(|r| !slo_of(r).is_empty());
+    if with_slo {
+        writeln!(
+            md,
+            "- SLOs for goodput (requests meeting every one, per second): {}",
+            distinct(&|r| {
+                let s = slo_of(r);
+                if s.is_empty() {
+                    "none".into()
+                } else {
+                    s
+                }
+            })
+        )?;
+    }
+
+    writeln!(md, "\n## Cells\n")?;
+    let (goodput_head, goodput_align) = if with_slo {
+        (" goodput req/s |", "---:|")
+    } else {
+        ("", "")
+    };
+    writeln!(md, "| engine | attention | batch | prompt | output | budget | outcome | TTFT s | decode tok/s | tok/s per GB | E2E s | device GiB | host KV GiB |{goodput_head}")?;
+    writeln!(
+        md,
+        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|{goodput_align}"
+    )?;
+    let gib =
+        |x: Option<f64>| x.map_or("–".into(), |b| format!("{:.2}", b / (1u64 << 30) as f64));
+    for r in runs {
+        let goodput = if with_slo {
+            format!(" {} |", num(r.goodput_req_s))
+        } else {
+            String::new()
+        };
+        writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |{goodput}",
+            r.label(),
+            r.attention,
+            num(r.batch),
+            r.prompt_len,
+            num(r.output_len),
+            num(r.budget),
+            r.outcome,
+            num(r.ttft_mean_s),
+            num(r.decode_tok_s),
+            num(r.decode_tok_s_per_gb),
+            num(r.e2e_mean_s),
+            gib(r.device_bytes()),
+            gib(r.mem_kv_host_bytes),
+        )?;
+    }
+    writeln!(md, "\n## Figures\n")?;
+    if figs.is_empty() {
+        writeln!(
+            md,
+            "No figures yet: run `kvbench plot {}` first.",
+            dir.display()
+        )?;
+    }
+    for f in figs {
+        let stem = f
+            .file_stem()
+            .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+        writeln!(md, "### {stem}\n\n{}\n", img(f)?)?;
+    }
+    writeln!(md, "## The study's claims\n")?;
+    // The path is kept as the committed reports print it (the thresholds are now in
+    // src/report/claims/); changing it would change every report.
+    writeln!(
+        md,
+        "Judged on this experiment's cells only, the repeats of a cell averaged; each verdict gives the claim's number, the tolerance accepted and ours, and what it does not check (thresholds in src/report.rs).\n"
+    )?;
+    for c in judge_all(runs, read_accuracy(dir).as_deref()) {
+        writeln!(
+            md,
+            "- **{}** {}  \n  *{}*: {}",
+            c.id, c.text, c.verdict, c.evidence
+        )?;
+    }
+    Ok(md)
+}
