@@ -87,6 +87,53 @@ fn generate_json_is_one_object_with_exact_kv_bytes() {
         "{pool}"
     );
     assert!(v["ttft_s"].as_f64().unwrap() > 0.0);
+    // At batch 1 the batch's rates are the request's own.
+    assert_eq!(v["batch"], 1);
+    assert_eq!(v["batch_ttft_s"], v["ttft_s"]);
+    let (b, d) = (
+        v["batch_decode_tok_s"].as_f64().unwrap(),
+        v["decode_tok_s"].as_f64().unwrap(),
+    );
+    assert!((b - d).abs() <= 1e-9 * d, "{b} vs {d}");
+}
+
+#[test]
+fn generate_batch_submits_the_prompt_that_many_times() {
+    let empty = tempfile::tempdir().unwrap();
+    let args = |batch: &'static str| {
+        [
+            "generate",
+            "--model",
+            "preset:tiny",
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "7",
+            "--ignore-eos",
+            "--device-memory",
+            "1GiB",
+            "--json",
+            "--batch",
+            batch,
+        ]
+    };
+    let o = kvbench(empty.path(), &args("4"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["batch"], 4);
+    // The per-request numbers are one request's: its own KV, not the batch's.
+    assert_eq!(v["output_tokens"], 7);
+    assert_eq!(v["kv_device_bytes"], (5 + 7 - 1) * 512);
+    let (ttft, batch_ttft) = (
+        v["ttft_s"].as_f64().unwrap(),
+        v["batch_ttft_s"].as_f64().unwrap(),
+    );
+    assert!(batch_ttft >= ttft && ttft > 0.0, "{batch_ttft} {ttft}");
+    assert!(v["batch_decode_tok_s"].as_f64().unwrap() > 0.0, "{v}");
+
+    let o = kvbench(empty.path(), &args("0"));
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--batch"), "{}", stderr(&o));
 }
 
 #[test]
