@@ -59,6 +59,15 @@ pub enum Linear {
 
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Linear::Dense(w) = self {
+            // One to a few rows (decode at small batch): a matrix-vector product that
+            // streams each weight row once, split over the threads by output rows;
+            // gemm's path for so few rows reads the weights at a fraction of the
+            // memory bandwidth (docs/correctness-and-performance.md).
+            if let Some(y) = gemv(w, x)? {
+                return Ok(y);
+            }
+        }
         Ok(match self {
             Linear::Quantized { mm, .. } => mm.forward(x)?,
             // Few rows (decode): W·xᵀ runs the weight matrix through gemm as the left,
@@ -76,6 +85,56 @@ impl Linear {
             Linear::Dense(w) => tensor_bytes(w),
         }
     }
+}
+
+/// Rows of input up to which [`gemv`] replaces gemm.
+const GEMV_MAX_ROWS: usize = 4;
+
+/// `x·Wᵀ` for an f32 `x` of at most [`GEMV_MAX_ROWS`] rows and a contiguous f32 `W`
+/// (`[out, in]`) on the CPU: each weight row is read once and dotted with every input
+/// row while it is in cache. `None` where it does not apply (gemm then runs).
+fn gemv(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    use candle_core::{CpuStorage, Storage};
+    use rayon::prelude::*;
+    if !x.device().is_cpu()
+        || x.rank() != 2
+        || x.dim(0)? > GEMV_MAX_ROWS
+        || x.dtype() != DType::F32
+        || w.dtype() != DType::F32
+        || w.rank() != 2
+        || !w.is_contiguous()
+        || w.dim(1)? != x.dim(1)?
+    {
+        return Ok(None);
+    }
+    let (rows, k, n) = (x.dim(0)?, x.dim(1)?, w.dim(0)?);
+    let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let (storage, layout) = w.storage_and_layout();
+    let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        return Ok(None);
+    };
+    let wd = &data[layout.start_offset()..layout.start_offset() + n * k];
+    let avx = crate::attention::paged::has_avx2_fma();
+    // Output-major ([n, rows]) so each thread writes one contiguous run; blocks of 64
+    // weight rows keep the work coarse enough for the thread pool.
+    const BLOCK: usize = 64;
+    let mut yt = vec![0f32; n * rows];
+    yt.par_chunks_mut(BLOCK * rows)
+        .zip(wd.par_chunks(BLOCK * k))
+        .for_each(|(ys, ws)| {
+            for (yr, wr) in ys.chunks_exact_mut(rows).zip(ws.chunks_exact(k)) {
+                for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
+                    *y = crate::attention::paged::dot_with(avx, wr, xr);
+                }
+            }
+        });
+    drop(storage);
+    let y = Tensor::from_vec(yt, (n, rows), x.device())?;
+    Ok(Some(if rows == 1 {
+        y.reshape((1, n))?
+    } else {
+        y.t()?.contiguous()?
+    }))
 }
 
 /// [`Llama::activation_bytes`] from the shape alone (elements of `elem` bytes): the
@@ -381,5 +440,36 @@ impl Rope for Llama {
 
     fn interleaved(&self) -> bool {
         self.cfg.rope_interleaved
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The matrix-vector path against candle's matmul, on random inputs whose sizes are
+    /// not multiples of the SIMD width or of the thread blocks.
+    #[test]
+    fn gemv_matches_matmul() {
+        let dev = Device::Cpu;
+        let (n, k) = (133, 37);
+        let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+        for rows in 1..=GEMV_MAX_ROWS {
+            let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
+            let y = gemv(&w, &x).unwrap().expect("gemv applies");
+            assert_eq!(y.dims(), &[rows, n]);
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            let (y, want) = (
+                y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            let diff = crate::compare::max_abs_diff(y.into_iter().zip(want));
+            assert!(diff <= 1e-4, "rows {rows}: {diff}");
+        }
+        // More rows than it takes, or a transposed weight: gemm runs instead.
+        let x = Tensor::randn(0f32, 1.0, (GEMV_MAX_ROWS + 1, k), &dev).unwrap();
+        assert!(gemv(&w, &x).unwrap().is_none());
+        let x = Tensor::randn(0f32, 1.0, (1, n), &dev).unwrap();
+        assert!(gemv(&w.t().unwrap(), &x).unwrap().is_none());
     }
 }

@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""kvbench beside llama.cpp and HF transformers on the CPU, in one run.
+
+The same GGUF (SmolLM2-135M-Instruct, Q4_1), the same prompt file, greedy decoding,
+the same thread count, one engine at a time, repeated and interleaved so that drift of
+the machine lands on every engine alike. Also measures the machine's memory read
+bandwidth with the same threads, so decode can be set against its bound: an f32 decode
+step must read every weight once (plus the KV cache), so tok/s <= bandwidth / bytes.
+
+  python3 scripts/peers/cpu_generate.py --kvbench target/release/kvbench \
+      --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --prompt-file datasets/fixtures/prose/pride_and_prejudice_pg42671.txt --prompt-chars 2600
+
+Needs (PyPI): llama-cpp-python (builds llama.cpp from source), torch, transformers and
+gguf (transformers reads the GGUF and dequantizes it to f32). Prints a Markdown table
+and writes every measurement as JSON (--out).
+
+Definitions, the same for every engine: TTFT is the time from submitting the prompt(s)
+to the first generated token of the last sequence (one prefill for the batch); decode
+tok/s is (n - 1) generated tokens per sequence over the time from that first token to
+the last, times the batch for the aggregate.
+"""
+
+import argparse
+import json
+import warnings
+import os
+import platform
+import subprocess
+import sys
+import time
+
+
+def read_prompt(path, chars):
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return text[:chars] if chars else text
+
+
+def bandwidth_gb_s(threads):
+    """Read bandwidth with `threads` threads: sum over a 1 GiB f32 tensor (best of 5)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def run_kvbench(binary, gguf, prompt_file, threads, n, batch, dtype):
+    cmd = [
+        binary, "--threads", str(threads), "generate",
+        "--model", gguf, "--prompt-file", prompt_file,
+        "--max-new-tokens", str(n), "--ignore-eos", "--json", "--dtype", dtype,
+    ]
+    if batch > 1:
+        cmd += ["--batch", str(batch)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    j = json.loads(out)
+    return {
+        "kv_device_bytes": j["kv_device_bytes"],
+        "prompt_tokens": j["prompt_tokens"],
+        "ttft_s": j["batch_ttft_s"] if batch > 1 else j["ttft_s"],
+        "decode_tok_s": j["batch_decode_tok_s"] if batch > 1 else j["decode_tok_s"],
+        "weights_bytes": j["weights_bytes"],
+        "weights_dtype": j["weights_dtype"],
+    }
+
+
+class LlamaCpp:
+    def __init__(self, gguf, threads, n_ctx):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads,
+                         n_ctx=n_ctx, n_batch=512, verbose=False)
+
+    def run(self, prompt, n):
+        import numpy as np
+
+        llm = self.llm
+        n_vocab = llm.n_vocab()
+
+        def greedy():
+            # Without logits_all only the last position's logits exist, in the context.
+            return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+        ids = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=False)
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        tok = greedy()
+        t_first = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([tok])
+            tok = greedy()
+        t_last = time.perf_counter()
+        return {
+            "prompt_tokens": len(ids),
+            "ttft_s": t_first - t0,
+            "decode_tok_s": (n - 1) / (t_last - t_first),
+        }
+
+
+class Transformers:
+    def __init__(self, gguf, threads):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        d, f = os.path.split(os.path.abspath(gguf))
+        self.tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+        self.model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        self.model.eval()
+
+    def run(self, prompt, n, batch):
+        import torch
+
+        ids = self.tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        ids = ids.repeat(batch, 1)
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(ids, use_cache=True)
+            nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
+            t_first = time.perf_counter()
+            past = out.past_key_values
+            for _ in range(n - 1):
+                out = self.model(nxt, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                nxt = out.logits[:, -1, :].argmax(-1, keepdim=True)
+            t_last = time.perf_counter()
+        return {
+            "prompt_tokens": ids.shape[1],
+            "ttft_s": t_first - t0,
+            "decode_tok_s": batch * (n - 1) / (t_last - t_first),
+        }
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kvbench", required=True, help="the kvbench binary (release build)")
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--prompt-file", required=True)
+    p.add_argument("--prompt-chars", type=int, default=0,
+                   help="use the first N characters of the prompt file (0: all)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", default="results/peers-cpu.json")
+    a = p.parse_args()
+    batches = [int(b) for b in a.batches.split(",")]
+
+    prompt = read_prompt(a.prompt_file, a.prompt_chars)
+    # kvbench reads the prompt from a file; give it exactly the text the peers get.
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    prompt_path = os.path.splitext(a.out)[0] + ".prompt.txt"
+    with open(prompt_path, "w", encoding="utf-8") as f:
+        f.write(prompt)
+
+    print("loading llama.cpp and transformers ...", file=sys.stderr)
+    lcpp = LlamaCpp(a.gguf, a.threads, n_ctx=4096)
+    hf = Transformers(a.gguf, a.threads)
+    bw = bandwidth_gb_s(a.threads)
+    print(f"read bandwidth, {a.threads} threads: {bw:.1f} GB/s", file=sys.stderr)
+
+    rows = []
+    for rep in range(a.repeats):
+        for b in batches:
+            runs = []
+            if b == 1:
+                runs.append(("llama.cpp (Q4_1)", lambda: lcpp.run(prompt, a.new_tokens)))
+            runs.append(("HF transformers (f32)", lambda b=b: hf.run(prompt, a.new_tokens, b)))
+            # Q4_1 prefill is slow in candle on this CPU (a 16 x 500-token batch would
+            # take minutes): the quantized path is measured at batch 1 only.
+            for dtype in ("auto", "quantized") if b == 1 else ("auto",):
+                runs.append((f"kvbench --dtype {dtype}",
+                             lambda b=b, dtype=dtype: run_kvbench(
+                                 a.kvbench, a.gguf, prompt_path, a.threads,
+                                 a.new_tokens, b, dtype)))
+            for name, f in runs:
+                r = f()
+                r.update(engine=name, batch=b, repeat=rep)
+                print(json.dumps(r), file=sys.stderr)
+                rows.append(r)
+
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": a.threads,
+        "new_tokens": a.new_tokens,
+        "read_bandwidth_gb_s": bw,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    with open(a.out, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    # At batch 1 an f32 decode step reads every weight once and the request's KV:
+    # tok/s <= bandwidth / (weights + KV at the end of the run).
+    f32 = [r for r in rows if r.get("weights_dtype") == "f32" and r["batch"] == 1]
+    bound = (bw * 1e9 / (f32[0]["weights_bytes"] + f32[0]["kv_device_bytes"])
+             if f32 else None)
+    meta["f32_decode_bound_tok_s"] = bound
+    with open(a.out, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"\n{a.threads} threads, {a.new_tokens} generated tokens, "
+          f"read bandwidth {bw:.1f} GB/s"
+          + (f", f32 decode bound (weights + KV read once per step) {bound:.1f} tok/s"
+             " at batch 1" if bound else ""))
+    print("\n| engine | batch | prompt tokens | TTFT s | decode tok/s |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['engine']} | {r['batch']} | {r['prompt_tokens']} | "
+              f"{r['ttft_s']:.2f} | {r['decode_tok_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
