@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{lcg, max_abs_diff, tiny};
+use common::{max_abs_diff, random_tokens, spec, tiny};
 use kvbench_engines::attention::prefill::{
     prefill_attention, AttentionImpl, ColumnStats, PrefillShape,
 };
@@ -11,28 +11,8 @@ use kvbench_engines::error::Error;
 use kvbench_engines::model::Llama;
 use kvbench_engines::policy::budget::{h2o_counts, H2oRatio};
 use kvbench_engines::policy::full::{FullOptions, FullPolicy};
-use kvbench_engines::policy::skew::calibrate;
 use kvbench_engines::policy::spec::PolicySpec;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
-use std::sync::Arc;
-
-fn random_tokens(n: usize, seed: &mut u64) -> Vec<u32> {
-    (0..n).map(|_| (lcg(seed) % 49152) as u32).collect()
-}
-
-fn spec(model: &Llama, name: &str, budget: f64, params: &[(&str, &str)]) -> PolicySpec {
-    let params: Vec<(String, String)> = params
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let mut s = PolicySpec::parse(name, budget, &params).unwrap();
-    if let PolicySpec::Infinigen(p) = &mut s {
-        let mut seed = 99;
-        let cal = random_tokens(96, &mut seed);
-        p.skewing = Some(Arc::new(calibrate(model, &cal).unwrap()));
-    }
-    s
-}
 
 fn cfg(policy: PolicySpec, attention: AttentionImpl, prefill: PrefillMode) -> EngineConfig {
     EngineConfig {

@@ -5,40 +5,19 @@
 
 mod common;
 
-use common::{lcg, tiny};
+use common::{random_tokens, spec, tiny};
 use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::error::{Component, Error};
 use kvbench_engines::kv::{KvDtype, PagedKv};
-use kvbench_engines::model::Llama;
 use kvbench_engines::policy::budget::infinigen_selection_cap;
 use kvbench_engines::policy::full::{FullOptions, FullPolicy};
-use kvbench_engines::policy::skew::calibrate;
 use kvbench_engines::policy::spec::{split_reservation, PolicySpec, Reservation};
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
-use std::sync::Arc;
 
 const CAP: u64 = 64 << 20;
 const BS: usize = 16;
 const BATCH: usize = 4;
 const MAX_TOKENS: usize = 2048;
-
-fn random_tokens(n: usize, seed: &mut u64) -> Vec<u32> {
-    (0..n).map(|_| (lcg(seed) % 49152) as u32).collect()
-}
-
-fn spec(model: &Llama, name: &str, budget: f64, params: &[(&str, &str)]) -> PolicySpec {
-    let params: Vec<(String, String)> = params
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let mut s = PolicySpec::parse(name, budget, &params).unwrap();
-    if let PolicySpec::Infinigen(p) = &mut s {
-        let mut seed = 99;
-        let cal = random_tokens(96, &mut seed);
-        p.skewing = Some(Arc::new(calibrate(model, &cal).unwrap()));
-    }
-    s
-}
 
 /// A 64 MiB device at 90 %, every prefill of the batch in one step.
 fn cfg(policy: PolicySpec, reservation: Option<Reservation>) -> EngineConfig {

@@ -2,7 +2,7 @@
 //! scheduler's guarantees (invariants, preemption, rejection, OOM as a value).
 
 mod common;
-use common::{lcg, max_abs_diff, tiny};
+use common::{max_abs_diff, random_tokens, tiny};
 use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::error::{Component, Error};
 use kvbench_engines::kv::KvDtype;
@@ -10,10 +10,6 @@ use kvbench_engines::policy::full::{FullOptions, FullPolicy};
 use kvbench_engines::policy::{KvPolicy, StepBatch};
 use kvbench_engines::scheduler::PrefillMode;
 use kvbench_engines::trace::EventKind;
-
-fn random_tokens(n: usize, seed: &mut u64) -> Vec<u32> {
-    (0..n).map(|_| (lcg(seed) % 49_152) as u32).collect()
-}
 
 /// Ragged sequences that join at different steps (prefill in chunks while others
 /// decode), random block tables: every returned logit row equals the no-cache forward.

@@ -8,7 +8,7 @@ use crate::kv::KvDtype;
 use crate::kv::PagedKv;
 use crate::ledger::MemoryReport;
 use crate::model::activation_bytes;
-use crate::policy::budget::{h2o_counts, infinigen_selection_cap, streaming_counts};
+use crate::policy::audit::device_kv_bytes;
 use crate::policy::evicting::Eviction;
 use crate::policy::h2o::H2o;
 use crate::policy::spec::{PolicySpec, Reservation};
@@ -78,48 +78,17 @@ pub fn block_bytes(s: &Setup) -> Result<u64> {
     ))
 }
 
-/// Device KV bytes of one sequence after a step with `n` tokens of context: the
-/// budget audit's `nominal_device_bytes` with the KV element size of `s.precision`
-/// (equal to it for f32, the CPU policies' storage).
+/// Device KV bytes of one sequence after a step with `n` tokens of context: the budget
+/// audit's own count ([`device_kv_bytes`]) with the element sizes of `s.precision`.
 pub fn kv_device_bytes(s: &Setup, info: &SeqInfo, n: usize) -> u64 {
-    let c = &s.model;
-    let p = s.precision;
-    let d = c.num_layers;
-    let token = |layers: usize| c.kv_bytes_per_token(p.kv) / d as u64 * layers as u64;
-    match &s.policy {
-        PolicySpec::Full => n as u64 * token(d),
-        PolicySpec::H2o(q) => {
-            let kept = h2o_counts(q.budget, info.prompt_len, q.heavy_fraction, q.ratio)
-                .map_or(n, |k| k.capacity.min(n));
-            kept as u64 * token(d)
-        }
-        PolicySpec::Streaming(q) => {
-            let kept = streaming_counts(q.budget, info.prompt_len, q.sinks)
-                .map_or(n, |(a, w)| (a + w).min(n));
-            kept as u64 * token(d)
-        }
-        PolicySpec::Infinigen(q) => {
-            let dense = q.dense_layers.min(d);
-            let off = (d - dense) as u64;
-            let (hkv, dh) = (c.num_kv_heads as u64, c.head_dim as u64);
-            let r = super::traffic::infinigen_r(q.partial_ratio, c.head_dim) as u64;
-            let n_max = (info.prefill_len + info.max_new_tokens) as u64;
-            let cap = infinigen_selection_cap(
-                q.budget,
-                info.prompt_len,
-                info.max_new_tokens,
-                info.prefill_len,
-                q.relative_to_current,
-            ) as u64;
-            let stat = p.statistic as u64;
-            let staging = if off == 0 {
-                0
-            } else {
-                2 * 2 * hkv * cap * dh * p.kv as u64
-            };
-            n as u64 * token(dense) + off * hkv * (n_max * r + dh * r) * stat + staging
-        }
-    }
+    device_kv_bytes(
+        &s.policy,
+        &s.model,
+        info,
+        n,
+        s.precision.kv,
+        s.precision.statistic,
+    )
 }
 
 /// Host KV bytes of one sequence: InfiniGen's host tier holds every token of the

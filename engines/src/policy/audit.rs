@@ -51,19 +51,37 @@ pub fn nominal_device_bytes(
     n: usize,
     elem: usize,
 ) -> u64 {
-    let token = |layers: usize, e: usize| (2 * layers * cfg.num_kv_heads * cfg.head_dim * e) as u64;
+    let kv = match spec {
+        PolicySpec::Full => elem,
+        _ => 4,
+    };
+    device_kv_bytes(spec, cfg, info, n, kv, 4)
+}
+
+/// Device KV bytes of one sequence after a step with `n` tokens of context, its K/V
+/// rows stored in `kv` bytes per element and InfiniGen's partial keys in `statistic`
+/// bytes: the audit's bound ([`nominal_device_bytes`]) and the cost model's memory.
+pub fn device_kv_bytes(
+    spec: &PolicySpec,
+    cfg: &ModelConfig,
+    info: &SeqInfo,
+    n: usize,
+    kv: usize,
+    statistic: usize,
+) -> u64 {
+    let token = |layers: usize| (2 * layers * cfg.num_kv_heads * cfg.head_dim * kv) as u64;
     let d = cfg.num_layers;
     match spec {
-        PolicySpec::Full => n as u64 * token(d, elem),
+        PolicySpec::Full => n as u64 * token(d),
         PolicySpec::H2o(p) => {
             let kept = h2o_counts(p.budget, info.prompt_len, p.heavy_fraction, p.ratio)
                 .map_or(n, |c| c.capacity.min(n));
-            kept as u64 * token(d, 4)
+            kept as u64 * token(d)
         }
         PolicySpec::Streaming(p) => {
             let kept = streaming_counts(p.budget, info.prompt_len, p.sinks)
                 .map_or(n, |(s, w)| (s + w).min(n));
-            kept as u64 * token(d, 4)
+            kept as u64 * token(d)
         }
         PolicySpec::Infinigen(p) => {
             let dense = p.dense_layers.min(d);
@@ -81,9 +99,9 @@ pub fn nominal_device_bytes(
             let staging = if off == 0 {
                 0
             } else {
-                2 * 2 * hkv * cap * dh * 4
+                2 * 2 * hkv * cap * dh * kv as u64
             };
-            n as u64 * token(dense, 4) + off * hkv * (n_max * r + dh * r) * 4 + staging
+            n as u64 * token(dense) + off * hkv * (n_max * r + dh * r) * statistic as u64 + staging
         }
     }
 }

@@ -4,7 +4,10 @@ use kvbench_engines::config::preset;
 use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::model::load::load_preset;
 use kvbench_engines::model::{Llama, WeightDtype};
+use kvbench_engines::policy::skew::calibrate;
+use kvbench_engines::policy::spec::PolicySpec;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 pub fn tiny() -> Llama {
     load_preset(preset("tiny").unwrap(), WeightDtype::F32, 7, &Device::Cpu).unwrap()
@@ -50,4 +53,25 @@ pub fn lcg(seed: &mut u64) -> u64 {
         .wrapping_mul(6364136223846793005)
         .wrapping_add(1442695040888963407);
     *seed >> 33
+}
+
+/// `n` pseudo-random token ids of SmolLM2's vocabulary.
+pub fn random_tokens(n: usize, seed: &mut u64) -> Vec<u32> {
+    (0..n).map(|_| (lcg(seed) % 49_152) as u32).collect()
+}
+
+/// A strategy from its name and parameters; InfiniGen gets skewing calibrated on 96
+/// seeded random tokens.
+pub fn spec(model: &Llama, name: &str, budget: f64, params: &[(&str, &str)]) -> PolicySpec {
+    let params: Vec<(String, String)> = params
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let mut s = PolicySpec::parse(name, budget, &params).unwrap();
+    if let PolicySpec::Infinigen(p) = &mut s {
+        let mut seed = 99;
+        let cal = random_tokens(96, &mut seed);
+        p.skewing = Some(Arc::new(calibrate(model, &cal).unwrap()));
+    }
+    s
 }
