@@ -259,7 +259,7 @@ fn runs_path(p: &Path) -> Result<PathBuf> {
 }
 
 /// A column as f64 values (nulls kept), or None when absent.
-fn floats(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<f64>>>> {
+pub(crate) fn floats(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<f64>>>> {
     let Ok(c) = df.column(name) else {
         return Ok(None);
     };
@@ -269,7 +269,7 @@ fn floats(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<f64>>>> {
     Ok(Some(c.f64()?.iter().collect()))
 }
 
-fn ints(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<i64>>>> {
+pub(crate) fn ints(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<i64>>>> {
     let Ok(c) = df.column(name) else {
         return Ok(None);
     };
@@ -279,7 +279,7 @@ fn ints(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<i64>>>> {
     Ok(Some(c.i64()?.iter().collect()))
 }
 
-fn strings(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<String>>>> {
+pub(crate) fn strings(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<String>>>> {
     let Ok(c) = df.column(name) else {
         return Ok(None);
     };

@@ -17,6 +17,10 @@ pub struct Environment {
     pub git_revision: Option<String>,
     pub kvbench_version: &'static str,
     pub timestamp_unix_s: u64,
+    /// Predicted cells: the efficiency constants the cost model used (a calibration,
+    /// or the datasheet roofline); the rest describes the machine that predicted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<String>,
 }
 
 impl Environment {
@@ -56,6 +60,15 @@ impl Environment {
             timestamp_unix_s: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            prediction: None,
+        }
+    }
+
+    /// A cell the cost model predicted for `device` with the constants of `source`.
+    pub fn predicted(device: &str, source: &str) -> Self {
+        Self {
+            prediction: Some(source.to_string()),
+            ..Self::collect(&format!("predicted:{device}"), None)
         }
     }
 }

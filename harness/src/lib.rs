@@ -10,6 +10,7 @@ mod docs_check;
 pub mod environment;
 pub mod experiment;
 pub mod metrics;
+pub mod prediction;
 pub mod recorder;
 pub mod report;
 pub mod run;

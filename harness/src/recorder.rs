@@ -172,6 +172,11 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         ("output_len", c["output_len"].clone()),
         ("outcome", cell["outcome"].clone()),
         ("error", cell["error"].clone()),
+        // Measured, or predicted by the cost model (`kvbench predict`).
+        (
+            schema::PREDICTED,
+            Value::from(cell["predicted"].as_bool().unwrap_or(false)),
+        ),
         ("ttft_mean_s", num(&m["ttft_s"]["mean"])),
         ("ttft_p99_s", num(&m["ttft_s"]["p99"])),
         ("tpot_mean_s", num(&m["tpot_s"]["mean"])),

@@ -45,6 +45,9 @@ pub const CELL_KEY: &str = "cell_key";
 pub const CELL_POINT: &str = "cell_point";
 /// The cell's repeat.
 pub const CELL_REPEAT: &str = "cell_repeat";
+/// `true` for a cell the cost model predicted (`kvbench predict`), `false` for one
+/// measured.
+pub const PREDICTED: &str = "predicted";
 
 /// The metric columns of `runs.parquet` the figures read (all as f64).
 pub const METRICS: &[&str] = &[

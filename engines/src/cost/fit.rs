@@ -3,19 +3,19 @@
 //! phase) with the [`StepCost`] the model computes for it.
 //!
 //! Time model of one step (additive: no overlap between terms):
-//! `t = forwards·o + sequences·s + device_bytes/BW + flops/F + transfer_bytes/L
-//!      + allreduces·a + allreduce_bytes/I`.
-//! It is linear in `θ = (o, s, 1/BW, 1/F, 1/L, a, 1/I)`, which is fitted by
-//! non-negative least squares.
+//! `t = forwards·o + sequences·s + device_bytes/BW + matmul_flops/F
+//!      + attention_flops/Fa + transfer_bytes/L + allreduces·a + allreduce_bytes/I`.
+//! It is linear in `θ = (o, s, 1/BW, 1/F, 1/Fa, 1/L, a, 1/I)`, which is fitted by
+//! non-negative least squares on relative errors (each step weighted by 1/its time).
 
 use super::device::Device;
 use super::{CostError, Result, StepCost};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Achieved rates and overheads of one phase (prefill or decode) on one device.
 /// A rate of `None` contributes no time: the fit found that term hidden (coefficient
 /// zero), or the device has no such link.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct PhaseEfficiency {
     /// Seconds per forward pass (kernel launches, synchronization, host scheduling).
     pub step_overhead_s: f64,
@@ -23,8 +23,12 @@ pub struct PhaseEfficiency {
     pub per_sequence_s: f64,
     /// Achieved device-memory bandwidth, bytes/s.
     pub bandwidth: Option<f64>,
-    /// Achieved FLOP/s.
+    /// Achieved FLOP/s of the dense products (linear layers, InfiniGen's speculation).
     pub flops: Option<f64>,
+    /// Achieved FLOP/s of attention and the passes like it (QKᵀ, PV, H2O's
+    /// statistics, re-rotation): kernels of their own, far from the GEMMs' rate.
+    #[serde(default)]
+    pub attention_flops: Option<f64>,
     /// Achieved host-link bandwidth, bytes/s.
     pub link: Option<f64>,
     /// Seconds per all-reduce beyond its bytes.
@@ -42,6 +46,7 @@ impl PhaseEfficiency {
             per_sequence_s: 0.0,
             bandwidth: Some(d.bandwidth()?),
             flops: Some(d.flops()?),
+            attention_flops: Some(d.flops()?),
             link: d.host_link_bandwidth().ok(),
             allreduce_latency_s: 0.0,
             interconnect: d.interconnect_bandwidth().ok(),
@@ -54,13 +59,14 @@ impl PhaseEfficiency {
         c.forwards * self.step_overhead_s
             + c.sequences * self.per_sequence_s
             + per(c.device_bytes(), self.bandwidth)
-            + per(c.flops(), self.flops)
+            + per(c.matmul_flops(), self.flops)
+            + per(c.attention_flops(), self.attention_flops)
             + per(c.transfer_bytes(), self.link)
             + c.allreduces * self.allreduce_latency_s
             + per(c.allreduce_bytes, self.interconnect)
     }
 
-    /// Achieved fractions of the device's peaks: (bandwidth, FLOP/s, host link);
+    /// Achieved fractions of the device's peaks: (bandwidth, dense FLOP/s, host link);
     /// `None` where either side is unknown.
     pub fn fractions_of_peak(&self, d: &Device) -> (Option<f64>, Option<f64>, Option<f64>) {
         let frac = |a: Option<f64>, p: Option<f64>| Some(a? / p?);
@@ -73,24 +79,26 @@ impl PhaseEfficiency {
 }
 
 /// The terms of the time model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Term {
     StepOverhead,
     PerSequence,
     Bandwidth,
     Flops,
+    AttentionFlops,
     Link,
     AllreduceLatency,
     Interconnect,
 }
 
 impl Term {
-    pub const ALL: [Term; 7] = [
+    pub const ALL: [Term; 8] = [
         Term::StepOverhead,
         Term::PerSequence,
         Term::Bandwidth,
         Term::Flops,
+        Term::AttentionFlops,
         Term::Link,
         Term::AllreduceLatency,
         Term::Interconnect,
@@ -101,7 +109,8 @@ impl Term {
             Term::StepOverhead => c.forwards,
             Term::PerSequence => c.sequences,
             Term::Bandwidth => c.device_bytes(),
-            Term::Flops => c.flops(),
+            Term::Flops => c.matmul_flops(),
+            Term::AttentionFlops => c.attention_flops(),
             Term::Link => c.transfer_bytes(),
             Term::AllreduceLatency => c.allreduces,
             Term::Interconnect => c.allreduce_bytes,
@@ -115,6 +124,7 @@ impl Term {
             Term::PerSequence => e.per_sequence_s = theta,
             Term::Bandwidth => e.bandwidth = rate,
             Term::Flops => e.flops = rate,
+            Term::AttentionFlops => e.attention_flops = rate,
             Term::Link => e.link = rate,
             Term::AllreduceLatency => e.allreduce_latency_s = theta,
             Term::Interconnect => e.interconnect = rate,
@@ -134,7 +144,7 @@ pub struct Observation {
 }
 
 /// A fit and how well it explains its observations.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct FitReport {
     pub efficiency: PhaseEfficiency,
     pub observations: usize,
@@ -231,9 +241,13 @@ pub fn fit_phase(
             live.len()
         )));
     }
+    // Relative least squares: each step weighs by 1/its measured time, so the fit
+    // minimizes relative errors (what a prediction is judged by) and long steps do
+    // not drown short ones.
+    let y: Vec<f64> = y.iter().zip(obs).map(|(y, o)| y / o.seconds).collect();
     let cols: Vec<Vec<f64>> = live
         .iter()
-        .map(|t| obs.iter().map(|o| t.feature(&o.cost)).collect())
+        .map(|t| obs.iter().map(|o| t.feature(&o.cost) / o.seconds).collect())
         .collect();
     let sse = |theta: &[f64], idx: &[usize]| -> f64 {
         (0..obs.len())

@@ -16,16 +16,23 @@
 //! - [`memory`]: memory held by component ([`MemoryReport`], the ledger's type).
 //! - [`parallel`]: tensor parallelism (the per-GPU shard, all-reduces).
 //! - [`fit`]: least-squares fit of efficiency constants from measured step times.
-//! - [`predict`]: per-cell predictions, OOM included.
+//! - [`calibrate`]: a device's fitted constants per phase, as a YAML file.
+//! - [`predict`]: per-cell predictions, OOM included (closed form, one wave of alike
+//!   requests).
+//! - [`simulate`]: the engine's scheduler over a counting KV pool, each step costed
+//!   and timed: predictions of any workload, and the steps a calibration fits.
 
+pub mod calibrate;
 pub mod device;
 pub mod fit;
 pub mod memory;
 pub mod parallel;
 pub mod predict;
+pub mod simulate;
 pub mod traffic;
 
 pub use crate::ledger::MemoryReport;
+pub use calibrate::Calibration;
 pub use device::{Device, DeviceKind, DeviceTable, Link};
 pub use fit::{fit_phase, FitReport, Observation, PhaseEfficiency, Term};
 pub use memory::{memory_held, MemoryHeld, MemoryInputs, Oom};
@@ -33,7 +40,8 @@ pub use parallel::TensorParallel;
 pub use predict::{
     memory, oom_boundary_prompt_len, predict, Efficiency, Outcome, Prediction, Scenario,
 };
-pub use traffic::{decode_step, prefill, StepCost};
+pub use simulate::{Phase, SimEngine, SimRequest};
+pub use traffic::{decode_row, decode_step, forward_weights, prefill, prefill_rows, StepCost};
 
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;

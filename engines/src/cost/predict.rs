@@ -5,6 +5,7 @@ use super::device::Device;
 use super::fit::PhaseEfficiency;
 use super::memory::{memory_held, MemoryHeld, MemoryInputs, Oom};
 use super::parallel::TensorParallel;
+use super::simulate::Phase;
 use super::traffic::{decode_step, prefill, weight_read_bytes};
 use super::{CostError, MemoryReport, Result, Setup, StepCost};
 use crate::policy::spec::PolicySpec;
@@ -31,6 +32,14 @@ impl Efficiency {
             decode: p,
             source: format!("{} datasheet peaks (roofline, not calibrated)", d.name),
         })
+    }
+
+    /// Seconds of one step of `phase`.
+    pub fn time(&self, phase: Phase, c: &StepCost) -> f64 {
+        match phase {
+            Phase::Prefill => self.prefill.time(c),
+            Phase::Decode => self.decode.time(c),
+        }
     }
 }
 

@@ -63,6 +63,17 @@ impl StepCost {
         self.flops_linear + self.flops_attention + self.flops_speculation + self.flops_statistics
     }
 
+    /// FLOPs of dense products: the linear layers and InfiniGen's speculation.
+    pub fn matmul_flops(&self) -> f64 {
+        self.flops_linear + self.flops_speculation
+    }
+
+    /// FLOPs of attention and the passes like it: QKᵀ and PV, H2O's statistics,
+    /// StreamingLLM's re-rotation.
+    pub fn attention_flops(&self) -> f64 {
+        self.flops_attention + self.flops_statistics
+    }
+
     /// Bytes over the host link, both directions.
     pub fn transfer_bytes(&self) -> f64 {
         self.h2d + self.d2h
@@ -148,9 +159,20 @@ fn h2o_stats(spec: &PolicySpec, attention: AttentionImpl) -> Option<ColumnStats>
     }
 }
 
-/// One decode step of `batch` sequences alike: each has `info` and `n` tokens of
-/// context *including* the token being generated (the step appends it).
-pub fn decode_step(s: &Setup, info: &SeqInfo, n: usize, batch: usize) -> StepCost {
+/// The weights one forward of `rows` tokens reads ([`weight_read_bytes`]), as a cost
+/// of one forward: what a step pays once however many sequences it holds.
+pub fn forward_weights(c: &ModelConfig, weight_elem: usize, rows: usize) -> StepCost {
+    StepCost {
+        forwards: 1.0,
+        weight_read: weight_read_bytes(c, weight_elem, rows as u64) as f64,
+        ..Default::default()
+    }
+}
+
+/// One decode row: a sequence with `info` and `n` tokens of context *including* the
+/// token being generated (the step appends it). Everything but the weights, which the
+/// step's forward reads once for all its rows ([`forward_weights`]).
+pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
     let c = &s.model;
     let p = s.precision;
     let (h, hkv, dh, dm) = (
@@ -161,9 +183,13 @@ pub fn decode_step(s: &Setup, info: &SeqInfo, n: usize, batch: usize) -> StepCos
     );
     let tl = 2.0 * hkv * dh * p.kv as f64; // one token, one layer, K and V
     let stat = p.statistic as f64;
-    let b = batch as f64;
     let nf = n as f64;
-    let mut seq = StepCost::default();
+    let mut seq = StepCost {
+        sequences: 1.0,
+        tokens: 1.0,
+        flops_linear: 2.0 * matmul_params(c) as f64,
+        ..Default::default()
+    };
     for layer in 0..c.num_layers {
         let a = nominal_attended(&s.policy, layer, info, n) as f64;
         seq.kv_read += a * tl;
@@ -207,31 +233,32 @@ pub fn decode_step(s: &Setup, info: &SeqInfo, n: usize, batch: usize) -> StepCos
             }
         }
     }
-    let mut out = seq.scaled(b);
-    out.sequences = b;
-    out.tokens = b;
-    out.forwards = 1.0;
-    out.weight_read = weight_read_bytes(c, p.weight, batch as u64) as f64;
-    out.flops_linear = 2.0 * b * matmul_params(c) as f64;
+    seq
+}
+
+/// One decode step of `batch` sequences alike: each has `info` and `n` tokens of
+/// context *including* the token being generated (the step appends it).
+pub fn decode_step(s: &Setup, info: &SeqInfo, n: usize, batch: usize) -> StepCost {
+    let mut out = decode_row(s, info, n).scaled(batch as f64);
+    out.add(&forward_weights(&s.model, s.precision.weight, batch));
     out
 }
 
-/// The chunk boundaries `[s, e)` of `len` rows in chunks of `chunk`.
-fn chunks(len: usize, chunk: usize) -> impl Iterator<Item = (f64, f64)> {
+/// The chunk boundaries `[s, e)` of the rows `start..end` in chunks of `chunk`.
+fn chunks(start: usize, end: usize, chunk: usize) -> impl Iterator<Item = (f64, f64)> {
     let chunk = chunk.max(1);
-    (0..len)
+    (start..end)
         .step_by(chunk)
-        .map(move |s| (s as f64, (s + chunk).min(len) as f64))
+        .map(move |s| (s as f64, (s + chunk).min(end) as f64))
 }
 
-/// The whole prefill of one sequence of `info.prefill_len` tokens, run as forwards of
-/// at most `forward_tokens` tokens each (the scheduler's `max_batched_tokens`, chunked
-/// prefill); later forwards read the earlier ones' cached K/V.
-pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
+/// Rows `start..end` of the prefill of one sequence of `info.prefill_len` tokens, run
+/// in one forward that attends to every key before `end` (the keys of `0..start` are
+/// cached by earlier forwards). Everything but the weights ([`forward_weights`]). The
+/// LM head runs for the last row of the prompt only.
+pub fn prefill_rows(s: &Setup, info: &SeqInfo, start: usize, end: usize) -> StepCost {
     let c = &s.model;
     let p = s.precision;
-    let len = info.prefill_len;
-    let l = len as f64;
     let (h, hkv, dh, dm, v) = (
         c.num_heads as f64,
         c.num_kv_heads as f64,
@@ -241,25 +268,22 @@ pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
     );
     let tl = 2.0 * hkv * dh * p.kv as f64;
     let stat = p.statistic as f64;
-    let pairs = l * (l + 1.0) / 2.0;
-    let fwd: Vec<(f64, f64)> = chunks(len, forward_tokens).collect();
-    // Keys read by attention: each forward reads the keys up to its end once.
-    let keys_read: f64 = fwd.iter().map(|&(_, e)| e).sum();
+    let (a, e) = (start as f64, end as f64);
+    let rows = e - a;
+    // Query-key pairs under the causal mask: row p attends p + 1 keys.
+    let pairs = (e * (e + 1.0) - a * (a + 1.0)) / 2.0;
+    let sampled = if end == info.prefill_len { 1.0 } else { 0.0 };
     let mut out = StepCost {
         sequences: 1.0,
-        tokens: l,
-        forwards: fwd.len() as f64,
-        weight_read: weight_read_bytes(c, p.weight, len as u64) as f64
-            + (fwd.len() as f64 - 1.0).max(0.0) * weight_read_bytes(c, p.weight, 0) as f64,
-        // Every row through every layer; the LM head only for the last row.
-        flops_linear: 2.0 * l * (matmul_params(c) as f64 - v * dm) + 2.0 * v * dm,
+        tokens: rows,
+        flops_linear: 2.0 * rows * (matmul_params(c) as f64 - v * dm) + sampled * 2.0 * v * dm,
         ..Default::default()
     };
-    // Score-matrix entries an eager call materializes: each forward's rows against
-    // every key up to its end (`L²` for one forward).
-    let eager_entries: f64 = fwd.iter().map(|&(a, e)| (e - a) * e).sum();
+    // Score-matrix entries an eager call materializes: the rows against every key up
+    // to the forward's end.
+    let eager_entries = rows * e;
     // Materialized scores of the attention implementation, per layer (written, read).
-    let attn_chunks: Vec<(f64, f64)> = chunks(len, s.chunk_size).collect();
+    let attn_chunks: Vec<(f64, f64)> = chunks(start, end, s.chunk_size).collect();
     let attn_scores = match s.attention {
         AttentionImpl::Eager => 2.0 * h * eager_entries * 4.0,
         AttentionImpl::Chunked => attn_chunks
@@ -270,7 +294,8 @@ pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
     };
     let stats = h2o_stats(&s.policy, s.attention);
     for layer in 0..c.num_layers {
-        out.kv_read += keys_read * tl;
+        // Each forward reads the keys up to its end once.
+        out.kv_read += e * tl;
         out.flops_attention += 4.0 * h * dh * pairs;
         out.scores += attn_scores;
         let offloaded = match &s.policy {
@@ -278,9 +303,9 @@ pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
             _ => false,
         };
         if offloaded {
-            out.d2h += l * tl;
+            out.d2h += rows * tl;
         } else {
-            out.kv_write += l * tl;
+            out.kv_write += rows * tl;
         }
         match stats {
             None => {}
@@ -305,24 +330,42 @@ pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
                 // Pass 2 of algorithms.md §9: QKᵀ recomputed, exp and column sums; K
                 // read once more.
                 out.flops_statistics += 2.0 * h * dh * pairs + 2.0 * h * pairs;
-                out.kv_read += keys_read * hkv * dh * p.kv as f64;
+                out.kv_read += e * hkv * dh * p.kv as f64;
             }
         }
         if stats.is_some() {
             // Scores and positions written per KV head.
-            out.metadata += hkv * l * 2.0 * stat;
+            out.metadata += hkv * rows * 2.0 * stat;
         }
         if let PolicySpec::Infinigen(q) = &s.policy {
             if offloaded {
                 let r = infinigen_r(q.partial_ratio, c.head_dim) as f64;
                 // Skewed Q̃ = Q·A and K̃ = K·A, column importance, K̂ = K·P.
-                out.flops_speculation +=
-                    2.0 * l * (h + hkv) * dh * dh + (h + hkv) * l * dh + 2.0 * l * hkv * dh * r;
-                // K̂ and P written.
-                out.metadata += hkv * l * r * stat + hkv * dh * r * stat;
+                out.flops_speculation += 2.0 * rows * (h + hkv) * dh * dh
+                    + (h + hkv) * rows * dh
+                    + 2.0 * rows * hkv * dh * r;
+                // K̂ written for the rows; P once, with the prompt's last forward.
+                out.metadata += hkv * rows * r * stat + sampled * hkv * dh * r * stat;
             }
         }
     }
+    out
+}
+
+/// The whole prefill of one sequence of `info.prefill_len` tokens, run as forwards of
+/// at most `forward_tokens` tokens each (the scheduler's `max_batched_tokens`, chunked
+/// prefill); later forwards read the earlier ones' cached K/V.
+pub fn prefill(s: &Setup, info: &SeqInfo, forward_tokens: usize) -> StepCost {
+    let len = info.prefill_len;
+    let mut out = StepCost::default();
+    let step = forward_tokens.max(1);
+    for start in (0..len).step_by(step) {
+        let end = (start + step).min(len);
+        out.add(&prefill_rows(s, info, start, end));
+        out.add(&forward_weights(&s.model, s.precision.weight, end - start));
+    }
+    // One prompt, whatever the number of forwards.
+    out.sequences = out.sequences.min(1.0);
     out
 }
 

@@ -53,6 +53,8 @@ pub struct CellResult {
     /// Per measured request and per engine step, for the requests and steps tables.
     pub requests: Vec<kvbench_engines::trace::RequestOutput>,
     pub steps: Vec<kvbench_engines::trace::StepTrace>,
+    /// Predicted by the cost model (`kvbench predict`), not measured.
+    pub predicted: bool,
 }
 
 struct Tok<'a>(&'a TextTokenizer);
@@ -91,11 +93,20 @@ fn corpus_tokens(src: &Path, tok: &TextTokenizer) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
-/// The cell's requests: `warmup` + the measured requests' prompts and scheduled arrival times,
-/// the same for every engine and repeat of a matrix point (seeded by the experiment's
-/// seed). Under a concurrency cap a measured request's arrival is when it is sent
-/// ([`drive`]).
-fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
+/// The lengths and arrival times of a cell's requests, warm-up ones first: all the
+/// cost model needs of a workload.
+pub(crate) struct Shape {
+    pub prompt_lens: Vec<usize>,
+    pub output_len: usize,
+    /// Warm-up requests arrive at 0; the measured ones follow their process.
+    pub arrivals: Vec<f64>,
+    pub warmup: usize,
+}
+
+/// The shape of the cell's workload: `warmup` + the measured requests' prompt lengths
+/// and scheduled arrival times, the same for every engine and repeat of a matrix point
+/// (seeded by the experiment's seed).
+pub(crate) fn workload_shape(plan: &Plan, cell: &Cell) -> Result<Shape> {
     let e = &plan.exp;
     let w = e
         .workload
@@ -108,13 +119,38 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
         );
     };
     let measured = w.requests(cell.batch);
-    let n = e.warmup + measured;
-    let lengths = prompt_len.dist().sample(n, e.seed)?;
+    let prompt_lens = prompt_len.dist().sample(e.warmup + measured, e.seed)?;
+    let process = if cell.request_rate.is_finite() {
+        Arrivals::Poisson {
+            rate: cell.request_rate,
+            burstiness: cell.burstiness,
+        }
+    } else {
+        Arrivals::AllAtZero
+    };
+    let times = process.times(measured, e.seed)?;
+    let mut arrivals = vec![0.0; e.warmup];
+    arrivals.extend(times);
+    Ok(Shape {
+        prompt_lens,
+        output_len,
+        arrivals,
+        warmup: e.warmup,
+    })
+}
+
+/// The cell's requests ([`workload_shape`] with their prompts' tokens). Under a
+/// concurrency cap a measured request's arrival is when it is sent ([`drive`]).
+fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
+    let e = &plan.exp;
+    let shape = workload_shape(plan, cell)?;
+    let lengths = &shape.prompt_lens;
     let vocab = setup.loaded.model.cfg.vocab_size;
-    let prompts = match &w.source {
+    let source = e.workload.as_ref().and_then(|w| w.source.as_ref());
+    let prompts = match source {
         Some(src) => {
             let tokens = corpus_tokens(src, &setup.loaded.tokenizer)?;
-            slice_prompts(&tokens, &lengths, e.seed)?
+            slice_prompts(&tokens, lengths, e.seed)?
         }
         None => {
             let mut s = e.seed ^ 0x9e37_79b9_7f4a_7c15;
@@ -124,26 +160,12 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
                 .collect()
         }
     };
-    let arrivals = if cell.request_rate.is_finite() {
-        Arrivals::Poisson {
-            rate: cell.request_rate,
-            burstiness: cell.burstiness,
-        }
-    } else {
-        Arrivals::AllAtZero
-    };
-    // Warm-up requests arrive at 0; the measured ones follow their process.
-    let times = arrivals.times(measured, e.seed)?;
     Ok(prompts
         .into_iter()
-        .enumerate()
-        .map(|(i, p)| Request {
-            arrival_s: if i < e.warmup {
-                0.0
-            } else {
-                times[i - e.warmup]
-            },
-            ..Request::greedy(p, output_len)
+        .zip(&shape.arrivals)
+        .map(|(p, &arrival_s)| Request {
+            arrival_s,
+            ..Request::greedy(p, shape.output_len)
         })
         .collect())
 }
@@ -152,54 +174,111 @@ fn engine(plan: &Plan, cell: &Cell, setup: &Setup, models_dir: &Path) -> Result<
     policy_engine(plan, cell, setup, models_dir, None)
 }
 
-/// Hand `reqs` to the engine and step it until all have finished, reporting each
-/// step's tokens to `progress`. With a cap, at most `cap` requests are in flight: a
-/// request due while the cap is full is sent when one finishes, and its arrival is the
-/// finish time that freed its slot (the engine's own finish time, so that TTFT and E2E
-/// run from the moment vLLM's client would send it). Without a cap every request goes
-/// to the engine at once with its scheduled arrival, and the engine waits for it.
-fn drive(
-    eng: &mut Engine,
-    reqs: &[Request],
-    cap: Option<usize>,
-    progress: &mut Progress,
-) -> Result<()> {
-    let mut gate = ConcurrencyGate::new(reqs.iter().map(|r| r.arrival_s).collect(), cap)?;
-    let mut seen = eng.finished().len();
-    let sleep_until = |eng: &Engine, t: f64| {
-        let wait = t - eng.now();
+/// What [`drive`] steps: the engine, or the cost model's simulation of it
+/// (`crate::prediction`), so that a predicted cell is driven exactly as a measured one.
+pub(crate) trait Stepper {
+    /// Seconds on the engine clock.
+    fn now(&self) -> f64;
+    /// Finish time of the `i`-th request to finish, once it has.
+    fn finish_time(&self, i: usize) -> Option<f64>;
+    /// Send request `i` of the workload, arriving at `arrival_s`.
+    fn submit(&mut self, i: usize, arrival_s: f64) -> Result<()>;
+    fn step(&mut self) -> Result<StepOutcome>;
+    /// Let time pass until `t` (the engine sleeps; a simulation moves its clock).
+    fn wait_until(&mut self, t: f64);
+}
+
+struct Live<'a> {
+    eng: &'a mut Engine,
+    reqs: &'a [Request],
+}
+
+impl Stepper for Live<'_> {
+    fn now(&self) -> f64 {
+        self.eng.now()
+    }
+
+    fn finish_time(&self, i: usize) -> Option<f64> {
+        self.eng.finished().get(i).map(|o| o.finished_s)
+    }
+
+    fn submit(&mut self, i: usize, arrival_s: f64) -> Result<()> {
+        self.eng.add_request(Request {
+            arrival_s,
+            ..self.reqs[i].clone()
+        })?;
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<StepOutcome> {
+        Ok(self.eng.step()?)
+    }
+
+    fn wait_until(&mut self, t: f64) {
+        let wait = t - self.eng.now();
         if wait > 0.0 {
             std::thread::sleep(Duration::from_secs_f64(wait));
         }
-    };
+    }
+}
+
+/// Hand the requests (scheduled at `arrivals`) to the engine and step it until all
+/// have finished, reporting each step's tokens to `on_step`. With a cap, at most
+/// `cap` requests are in flight: a request due while the cap is full is sent when one
+/// finishes, and its arrival is the finish time that freed its slot (the engine's own
+/// finish time, so that TTFT and E2E run from the moment vLLM's client would send it).
+/// Without a cap every request goes to the engine at once with its scheduled arrival,
+/// and the engine waits for it.
+pub(crate) fn drive(
+    eng: &mut dyn Stepper,
+    arrivals: Vec<f64>,
+    cap: Option<usize>,
+    on_step: &mut dyn FnMut(usize),
+) -> Result<()> {
+    let total = arrivals.len();
+    let mut gate = ConcurrencyGate::new(arrivals, cap)?;
+    // Requests finished before this workload (a warm-up's) hold no slot.
+    let mut seen = 0;
+    while eng.finish_time(seen).is_some() {
+        seen += 1;
+    }
     loop {
-        for out in &eng.finished()[seen..] {
-            gate.release(out.finished_s);
+        while let Some(t) = eng.finish_time(seen) {
+            gate.release(t);
+            seen += 1;
         }
-        seen = eng.finished().len();
         for (i, arrival_s) in gate.ready(eng.now()) {
-            eng.add_request(Request {
-                arrival_s,
-                ..reqs[i].clone()
-            })?;
+            eng.submit(i, arrival_s)?;
         }
         match eng.step()? {
-            StepOutcome::Ran(t) => progress.step(t.num_tokens),
+            StepOutcome::Ran(t) => on_step(t.num_tokens),
             StepOutcome::Idle { until_s } => {
-                sleep_until(eng, until_s.min(gate.next_send().unwrap_or(f64::INFINITY)))
+                eng.wait_until(until_s.min(gate.next_send().unwrap_or(f64::INFINITY)))
             }
             StepOutcome::Done => match gate.next_send() {
-                Some(t) => sleep_until(eng, t),
+                Some(t) => eng.wait_until(t),
                 None if gate.all_sent() => return Ok(()),
                 None => bail!(
                     "max concurrency: {} request(s) in flight but none in the engine, {} of {} sent",
                     gate.in_flight(),
                     gate.sent(),
-                    reqs.len()
+                    total
                 ),
             },
         }
     }
+}
+
+fn drive_live(
+    eng: &mut Engine,
+    reqs: &[Request],
+    cap: Option<usize>,
+    progress: &mut Progress,
+) -> Result<()> {
+    let arrivals = reqs.iter().map(|r| r.arrival_s).collect();
+    drive(&mut Live { eng, reqs }, arrivals, cap, &mut |n| {
+        progress.step(n)
+    })
 }
 
 /// Run one cell; errors of the run itself become the `oom` or `error` outcome.
@@ -233,6 +312,7 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         samples: Vec::new(),
         requests: Vec::new(),
         steps: Vec::new(),
+        predicted: false,
     };
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
     let mut run = || -> Result<(Engine, usize, usize)> {
@@ -247,10 +327,10 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         eng.prepare(&lengths[..cell.batch.min(lengths.len())])?;
         let (warm, measured) = requests.split_at(e.warmup);
         // Warm-up requests all go at once, whatever the cap.
-        drive(&mut eng, warm, None, &mut progress)?;
+        drive_live(&mut eng, warm, None, &mut progress)?;
         let (skip_out, skip_steps) = (eng.finished().len(), eng.traces().len());
         eng.reset_clock();
-        drive(&mut eng, measured, cell.max_concurrency, &mut progress)?;
+        drive_live(&mut eng, measured, cell.max_concurrency, &mut progress)?;
         Ok((eng, skip_out, skip_steps))
     };
     let outcome = run();

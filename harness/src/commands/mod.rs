@@ -3,9 +3,12 @@
 //! arguments and handlers of report and run-cell); `kvbench run` and `kvbench compare`
 //! keep theirs beside their logic in `crate::run` and `crate::compare`.
 
+pub mod calibrate;
 pub mod generate;
 pub mod models;
 pub mod plot;
+pub mod predict;
+pub mod recommend;
 pub mod report;
 pub mod run_cell;
 pub mod verify;
@@ -49,6 +52,18 @@ pub enum Command {
     /// grid, a table per cell, the figures, and what the data says of each of the
     /// study's claims.
     Report(report::ReportArgs),
+    /// Fit the cost model's efficiency constants of a device to the steps of measured
+    /// experiments (a calibration file); `--validate` predicts held-out experiments and
+    /// reports the error per metric.
+    Calibrate(calibrate::CalibrateArgs),
+    /// Predict every cell of a performance experiment on a device with the cost model,
+    /// recorded like measured cells (runs.parquet, `predicted = true`) in
+    /// results/<name>-predicted-<device>/.
+    Predict(predict::PredictArgs),
+    /// Rank KV strategies and budgets for a model, a device and a workload with the
+    /// cost model: predicted TTFT, TPOT, throughput and memory, whether each objective
+    /// is met, the measured accuracy cost, and why.
+    Recommend(recommend::RecommendArgs),
 }
 
 /// Run the parsed command line.
@@ -67,5 +82,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::RunCell(a) => run_cell::run(a),
         Command::Compare(a) => crate::compare::run(a),
         Command::Report(a) => report::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
+        Command::Predict(a) => predict::run(a),
+        Command::Recommend(a) => recommend::run(a),
     }
 }

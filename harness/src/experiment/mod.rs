@@ -673,8 +673,15 @@ retention:
         for x in [s, t] {
             assert_eq!(SloSpec::parse(&x.to_string()).unwrap(), x);
         }
+        // `=` and units: `kvbench recommend --slo ttft=2s,tpot=100ms`.
+        let u = SloSpec::parse("ttft=2s,tpot=100ms,e2e=1500").unwrap();
+        assert_eq!(
+            (u.ttft_ms, u.tpot_ms, u.e2e_ms),
+            (Some(2000.0), Some(100.0), Some(1500.0))
+        );
         for (bad, says) in [
-            ("ttft=500", "expected KEY:MS pairs"),
+            ("ttft500", "expected KEY:MS pairs"),
+            ("ttft=2h", "`2h` is not a number"),
             ("ttft:abc", "`abc` is not a number"),
             ("itl:5", "unknown objective `itl`"),
             ("ttft:0", "0: expected a positive number"),

@@ -119,18 +119,27 @@ impl SloSpec {
     }
 
     /// `--slo ttft:500,tpot:50,e2e:2000`: vLLM's `--goodput` pairs in milliseconds
-    /// (`e2el` is taken for `e2e`), separated by commas or spaces.
+    /// (`e2el` is taken for `e2e`), separated by commas or spaces. `=` may stand for
+    /// `:`, and a value may carry its unit: `ttft=2s,tpot=100ms`.
     pub fn parse(s: &str) -> std::result::Result<Self, String> {
-        let usage = "expected KEY:MS pairs such as ttft:500,tpot:50,e2e:2000 (keys ttft, \
-                     tpot, e2e or e2el; milliseconds > 0)";
+        let usage = "expected KEY:MS pairs such as ttft:500,tpot:50,e2e:2000 or                      ttft=2s,tpot=100ms (keys ttft, tpot, e2e or e2el; a bare number is                      milliseconds; > 0)";
         let mut slo = SloSpec::default();
         for pair in s.split([',', ' ']).filter(|p| !p.trim().is_empty()) {
             let (k, v) = pair
-                .split_once(':')
+                .split_once([':', '='])
                 .ok_or_else(|| format!("`{pair}`: {usage}"))?;
-            let v: f64 = v
+            let v = v.trim();
+            let (num, scale) = if let Some(x) = v.strip_suffix("ms") {
+                (x, 1.0)
+            } else if let Some(x) = v.strip_suffix('s') {
+                (x, 1000.0)
+            } else {
+                (v, 1.0)
+            };
+            let v: f64 = num
                 .trim()
-                .parse()
+                .parse::<f64>()
+                .map(|x| x * scale)
                 .map_err(|_| format!("`{pair}`: `{v}` is not a number; {usage}"))?;
             let slot = match k.trim() {
                 "ttft" => &mut slo.ttft_ms,

@@ -1,0 +1,236 @@
+//! `kvbench calibrate results/EXP... --device NAME`: the cost model's efficiency
+//! constants fitted to the steps of measured experiments, written as a calibration
+//! file; `--validate results/OTHER...` then predicts experiments the fit did not see
+//! and reports the error per metric against their measurements.
+
+use crate::prediction::{
+    calibrate, metric_errors, outcome_mismatches, validate, CellCheck, Measured, MetricError,
+    Target, VALIDATED,
+};
+use crate::run::write_atomic;
+use anyhow::{bail, Result};
+use clap::Args;
+use kvbench_engines::cost::calibrate::PhaseFit;
+use kvbench_engines::cost::{Calibration, Device, DeviceTable};
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+/// Which device, from the shipped table or a file of the same shape.
+#[derive(Debug, Args)]
+pub struct DeviceArgs {
+    /// Device name in the device table (engines/devices.yaml: cpu, a100-80g,
+    /// h100-sxm, h100-pcie, h200, gh200, b200, or one of `--devices`).
+    #[arg(long)]
+    pub device: String,
+    /// A YAML file of more devices, in the shape of engines/devices.yaml; its entries
+    /// replace shipped ones of the same name.
+    #[arg(long)]
+    pub devices: Option<PathBuf>,
+}
+
+pub fn load_device(a: &DeviceArgs) -> Result<Device> {
+    let mut table = DeviceTable::builtin()?;
+    if let Some(f) = &a.devices {
+        table = table.merged(DeviceTable::load(f)?);
+    }
+    Ok(table.get(&a.device)?.clone())
+}
+
+#[derive(Debug, Args)]
+pub struct CalibrateArgs {
+    /// Results directories of measured performance experiments on this device
+    /// (results/EXP, holding experiment.yaml, runs, requests and steps tables).
+    #[arg(required = true)]
+    pub results: Vec<PathBuf>,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Where the calibration goes (default: calibration-<device>.yaml in the first
+    /// results directory).
+    #[arg(long, short)]
+    pub output: Option<PathBuf>,
+    /// Measured experiments to predict with the fitted constants and compare (held
+    /// out: not fitted).
+    #[arg(long, num_args = 1..)]
+    pub validate: Vec<PathBuf>,
+    /// Write the validation as Markdown to this file too.
+    #[arg(long, requires = "validate")]
+    pub table: Option<PathBuf>,
+    /// Fit only the cells of these engines (e.g. leave out cells whose per-step times
+    /// are not their own: results recorded before the engine synchronized the GPU after
+    /// each forward). Validation predicts every cell.
+    #[arg(long, value_delimiter = ',')]
+    pub engines: Vec<String>,
+    /// Write every fitted step as CSV (phase, measured seconds, the model's time, and
+    /// the cost's features), to look at the fit.
+    #[arg(long)]
+    pub observations: Option<PathBuf>,
+    /// Directory of fetched weights (a GGUF model's config is read from it).
+    #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+}
+
+fn rate(x: Option<f64>, unit: &str, scale: f64) -> String {
+    x.map_or("hidden".into(), |r| format!("{:.3} {unit}", r / scale))
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map_or("–".into(), |f| format!("{:.0} %", f * 100.0))
+}
+
+/// One phase of a calibration in words.
+pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
+    let e = &p.fit.efficiency;
+    format!(
+        "{name}: {} steps, {} terms; overhead {:.3} ms/step + {:.3} ms/sequence; \
+         bandwidth {} ({} of peak), matmul {} ({} of peak), attention {}, host link {}; \
+         R² {:.4}, median |error| {:.1} %, largest {:.1} %",
+        p.fit.observations,
+        p.fit.active_terms,
+        e.step_overhead_s * 1e3,
+        e.per_sequence_s * 1e3,
+        rate(e.bandwidth, "GB/s", 1e9),
+        pct(p.bandwidth_of_peak),
+        rate(e.flops, "TFLOP/s", 1e12),
+        pct(p.flops_of_peak),
+        rate(e.attention_flops, "TFLOP/s", 1e12),
+        rate(e.link, "GB/s", 1e9),
+        p.fit.r_squared,
+        p.median_relative_error * 100.0,
+        p.fit.max_relative_error * 100.0
+    )
+}
+
+/// The validation of one experiment as Markdown: the error per metric, then the cells.
+pub fn validation_markdown(
+    experiment: &str,
+    calibration: &Calibration,
+    errors: &[MetricError],
+    checks: &[CellCheck],
+) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "### {experiment} predicted with the calibration of {} on {}\n",
+        calibration.device,
+        calibration.sources.join(", ")
+    );
+    let _ = writeln!(s, "| metric | cells | median abs. error | largest |");
+    let _ = writeln!(s, "|---|---:|---:|---:|");
+    for e in errors {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.1} % | {:.1} % |",
+            e.metric,
+            e.cells,
+            e.median_abs_rel * 100.0,
+            e.max_abs_rel * 100.0
+        );
+    }
+    let wrong = outcome_mismatches(checks);
+    let _ = writeln!(
+        s,
+        "\nOutcomes (ok / oom): {} of {} cells predicted right.\n",
+        checks.len() - wrong.len(),
+        checks.len()
+    );
+    let _ = write!(s, "| cell | outcome (measured / predicted) |");
+    for m in VALIDATED {
+        let _ = write!(s, " {m} (measured / predicted) |");
+    }
+    let _ = write!(s, "\n|---|---|");
+    for _ in VALIDATED {
+        let _ = write!(s, "---:|");
+    }
+    let _ = writeln!(s);
+    let num = |x: Option<f64>| x.map_or("–".to_string(), |v| format!("{v:.4}"));
+    for c in checks {
+        let _ = write!(
+            s,
+            "| {} | {} / {} |",
+            c.key, c.measured_outcome, c.predicted_outcome
+        );
+        for (m, p) in &c.values {
+            let _ = write!(s, " {} / {} |", num(*m), num(*p));
+        }
+        let _ = writeln!(s);
+    }
+    s
+}
+
+pub fn run(a: CalibrateArgs) -> Result<()> {
+    let device = load_device(&a.device)?;
+    let measured: Vec<Measured> = a
+        .results
+        .iter()
+        .map(|d| Measured::load(d, &a.models_dir))
+        .collect::<Result<_>>()?;
+    let (cal, obs) = calibrate(&measured, &device, &a.engines)?;
+    eprintln!(
+        "{} steps of {} paired with the model's schedule ({} after a divergence left out)",
+        obs.aligned,
+        cal.sources.join(", "),
+        obs.dropped
+    );
+    println!("{}", describe_phase("prefill", &cal.prefill));
+    println!("{}", describe_phase("decode", &cal.decode));
+    let out = match &a.output {
+        Some(p) => p.clone(),
+        None => a.results[0].join(format!("calibration-{}.yaml", device.name)),
+    };
+    write_atomic(&out, cal.to_yaml()?.as_bytes())?;
+    println!("calibration → {}", out.display());
+    if let Some(path) = &a.observations {
+        let eff = cal.efficiency();
+        let mut csv = String::from(
+            "phase,seconds,model_seconds,forwards,sequences,tokens,device_bytes,flops,transfer_bytes\n",
+        );
+        for (phase, obs, e) in [
+            ("prefill", &obs.prefill, &eff.prefill),
+            ("decode", &obs.decode, &eff.decode),
+        ] {
+            for o in obs {
+                let c = &o.cost;
+                let _ = writeln!(
+                    csv,
+                    "{phase},{},{},{},{},{},{},{},{}",
+                    o.seconds,
+                    e.time(c),
+                    c.forwards,
+                    c.sequences,
+                    c.tokens,
+                    c.device_bytes(),
+                    c.flops(),
+                    c.transfer_bytes()
+                );
+            }
+        }
+        write_atomic(path, csv.as_bytes())?;
+        println!("observations → {}", path.display());
+    }
+    if a.validate.is_empty() {
+        return Ok(());
+    }
+    let target = Target {
+        device: device.clone(),
+        efficiency: cal.efficiency(),
+        tensor_parallel: 1,
+    };
+    let mut md = String::new();
+    for d in &a.validate {
+        let m = Measured::load(d, &a.models_dir)?;
+        let checks = validate(&m, &target)?;
+        if checks.is_empty() {
+            bail!("{}: no recorded cell to validate against", d.display());
+        }
+        let errors = metric_errors(&checks)?;
+        let table = validation_markdown(&m.name(), &cal, &errors, &checks);
+        println!("\n{table}");
+        md.push_str(&table);
+        md.push('\n');
+    }
+    if let Some(t) = &a.table {
+        write_atomic(t, md.as_bytes())?;
+        println!("validation → {}", t.display());
+    }
+    Ok(())
+}

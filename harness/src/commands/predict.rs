@@ -1,0 +1,110 @@
+//! `kvbench predict EXP.yaml --device NAME`: every cell of a performance experiment
+//! predicted by the cost model, recorded as `kvbench run` records measured cells
+//! (runs.parquet with `predicted = true`) in results/<name>-predicted-<device>/, so
+//! `kvbench plot`, `report` and `compare` read predictions unchanged.
+
+use super::calibrate::{load_device, DeviceArgs};
+use crate::experiment::{Kind, Plan};
+use crate::prediction::{model_config, predict_cell, Target};
+use crate::recorder::write_tables;
+use crate::run::write_atomic;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvbench_engines::cost::{Calibration, Efficiency};
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct PredictArgs {
+    /// Experiment file (YAML), or a name under experiments/ (`paper/batch-scaling`).
+    pub experiment: PathBuf,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Efficiency constants fitted by `kvbench calibrate` (a calibration YAML for the
+    /// same device). Without one the prediction is the datasheet roofline: a lower
+    /// bound on every time, not an estimate.
+    #[arg(long)]
+    pub calibration: Option<PathBuf>,
+    /// GPUs in tensor parallelism (weights and KV heads split, two all-reduces per
+    /// layer).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel: usize,
+    /// Directory of fetched weights (a GGUF model's config is read from it).
+    #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
+    pub models_dir: PathBuf,
+    /// Where results go: `<results>/<experiment name>-predicted-<device>/`.
+    #[arg(long, env = "KVBENCH_RESULTS", default_value = "results")]
+    pub results: PathBuf,
+}
+
+pub fn run(a: PredictArgs) -> Result<()> {
+    let plan = Plan::load(&a.experiment, &a.models_dir)?;
+    if plan.exp.kind != Kind::Performance {
+        bail!(
+            "{}: a `kind: {}` experiment; `kvbench predict` predicts performance cells",
+            a.experiment.display(),
+            plan.exp.kind.name()
+        );
+    }
+    let device = load_device(&a.device)?;
+    let efficiency = match &a.calibration {
+        Some(p) => {
+            let c = Calibration::load(p)?;
+            if c.device != device.name {
+                bail!(
+                    "{}: a calibration of `{}`, not of `{}`",
+                    p.display(),
+                    c.device,
+                    device.name
+                );
+            }
+            c.efficiency()
+        }
+        None => {
+            eprintln!(
+                "no --calibration: predicting with {}'s datasheet peaks (the roofline, a lower \
+                 bound on every time)",
+                device.name
+            );
+            Efficiency::peak(&device)?
+        }
+    };
+    let cfg = model_config(&plan, &a.models_dir)?;
+    let target = Target {
+        device,
+        efficiency,
+        tensor_parallel: a.tensor_parallel,
+    };
+    let name = format!("{}-predicted-{}", plan.exp.name, target.device.name);
+    let exp_dir = a.results.join(&name);
+    let cells_dir = exp_dir.join("cells");
+    std::fs::create_dir_all(&cells_dir)
+        .with_context(|| format!("creating {}", cells_dir.display()))?;
+    let file = Plan::resolve(&a.experiment);
+    let spec = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+    write_atomic(&exp_dir.join("experiment.yaml"), &spec)?;
+    let (mut ok, mut oom) = (0, 0);
+    for cell in &plan.cells {
+        let r = predict_cell(&plan, cell, &cfg, &target)
+            .with_context(|| format!("predicting cell {} ({})", cell.index, cell.key()))?;
+        match r.outcome {
+            crate::cell::performance::Outcome::Oom => oom += 1,
+            _ => ok += 1,
+        }
+        let json = serde_json::to_string(&r)?;
+        write_atomic(
+            &cells_dir.join(format!("{}.json", cell.id)),
+            json.as_bytes(),
+        )?;
+    }
+    write_tables(&exp_dir, &plan.cells)?;
+    println!(
+        "{} cells predicted for {} ({} ok, {} out of memory) with {} → {}",
+        plan.cells.len(),
+        target.device.name,
+        ok,
+        oom,
+        target.efficiency.source,
+        exp_dir.join("runs.parquet").display()
+    );
+    Ok(())
+}

@@ -1,0 +1,105 @@
+//! The cost model against measurements it was not fitted on: a calibration fitted to
+//! the steps of the committed CPU batch-scaling baseline predicts the committed CPU
+//! output-scaling baseline (other prompts, outputs and batch), cell by cell, within
+//! the bounds docs/cost-model.md states. Calls the library directly.
+
+use kvbench::prediction::{
+    calibrate, metric_errors, outcome_mismatches, predict_cell, validate, Measured, Target,
+};
+use kvbench_engines::cost::{DeviceTable, Efficiency};
+use std::path::{Path, PathBuf};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the harness lives in the workspace")
+        .to_path_buf()
+}
+
+fn baseline(name: &str) -> Measured {
+    let dir = repo().join("results/baselines/cpu").join(name);
+    Measured::load(&dir, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
+}
+
+/// Bounds on the median |error| over the held-out cells (docs/cost-model.md,
+/// "Validation"). TTFT meets the model's goal of 15 %. Decode throughput does not
+/// (18.6 % when this was written): the fit sees batches 4–16 and the held-out cells
+/// run at batch 1, where the CPU engine's matrix-vector path streams the weights
+/// faster than its matrix products do at 8 and 16 rows, a kernel switch a linear
+/// model cannot follow. The bound catches the error growing past what it is now.
+const BOUNDS: [(&str, f64); 2] = [("ttft_mean_s", 0.15), ("decode_tok_s", 0.20)];
+
+#[test]
+fn a_cpu_calibration_predicts_a_held_out_cpu_experiment() {
+    let cpu = DeviceTable::builtin().unwrap().get("cpu").unwrap().clone();
+    let (cal, obs) = calibrate(&[baseline("cpu-batch-scaling")], &cpu, &[]).unwrap();
+    // The simulation schedules every measured step as the engine did.
+    assert!(obs.aligned > 1000, "{} steps paired", obs.aligned);
+    assert_eq!(obs.dropped, 0, "the schedule diverged");
+    assert!(cal.decode.fit.r_squared > 0.5, "{:?}", cal.decode.fit);
+    let target = Target {
+        device: cpu,
+        efficiency: cal.efficiency(),
+        tensor_parallel: 1,
+    };
+    let held_out = baseline("cpu-output-scaling");
+    let checks = validate(&held_out, &target).unwrap();
+    assert_eq!(checks.len(), held_out.plan.cells.len());
+    assert!(outcome_mismatches(&checks).is_empty());
+    let errors = metric_errors(&checks).unwrap();
+    for (metric, bound) in BOUNDS {
+        let e = errors
+            .iter()
+            .find(|e| e.metric == metric)
+            .unwrap_or_else(|| panic!("no {metric} compared"));
+        assert_eq!(e.cells, checks.len(), "{metric}");
+        assert!(
+            e.median_abs_rel <= bound,
+            "{metric}: median |error| {:.1} % over {} cells",
+            e.median_abs_rel * 100.0,
+            e.cells
+        );
+    }
+}
+
+#[test]
+fn a_prediction_is_recorded_as_a_measured_cell_is_with_memory_and_outcome() {
+    let m = baseline("cpu-output-scaling");
+    let h100 = DeviceTable::builtin()
+        .unwrap()
+        .get("h100-sxm")
+        .unwrap()
+        .clone();
+    let target = Target {
+        efficiency: Efficiency::peak(&h100).unwrap(),
+        device: h100,
+        tensor_parallel: 1,
+    };
+    let cell = &m.plan.cells[0];
+    let r = predict_cell(&m.plan, cell, &m.cfg, &target).unwrap();
+    assert!(r.predicted);
+    let metrics = r.metrics.as_ref().expect("an ok cell has metrics");
+    assert_eq!(metrics.num_requests, 1);
+    assert_eq!(metrics.output_tokens, cell.output_len.unwrap());
+    assert!(
+        metrics.breakdown.is_none(),
+        "the model has no walltime breakdown"
+    );
+    let mem = r.memory.expect("memory by component");
+    assert!(mem.weights > 0 && mem.kv_device > 0);
+
+    // The same cell on a device too small for the weights is an OOM, not a time.
+    let mut small = target.device.clone();
+    small.measured_memory_bytes = Some(mem.weights / 2);
+    let t = Target {
+        device: small,
+        ..target
+    };
+    let r = predict_cell(&m.plan, cell, &m.cfg, &t).unwrap();
+    assert_eq!(
+        serde_json::to_value(r.outcome).unwrap(),
+        serde_json::json!("oom")
+    );
+    assert!(r.metrics.is_none());
+    assert!(r.error.unwrap().contains("Weights"));
+}
