@@ -575,6 +575,9 @@ pub const VALIDATED: [&str; 4] = ["ttft_mean_s", "tpot_mean_s", "decode_tok_s", 
 #[derive(Debug, Clone)]
 pub struct CellCheck {
     pub key: String,
+    /// The cell's prefill attention (a calibration fitted on one implementation says
+    /// little of another's score matrices).
+    pub attention: String,
     pub measured_outcome: String,
     pub predicted_outcome: String,
     /// Per metric of [`VALIDATED`]: (measured, predicted) where both exist.
@@ -613,6 +616,7 @@ pub fn validate(m: &Measured, target: &Target) -> Result<Vec<CellCheck>> {
         };
         out.push(CellCheck {
             key: r.cell.key(),
+            attention: r.cell.attention.clone(),
             measured_outcome: r.outcome.clone(),
             predicted_outcome: serde_json::to_value(p.outcome)?
                 .as_str()

@@ -6,7 +6,7 @@
 use kvbench::prediction::{
     calibrate, metric_errors, outcome_mismatches, predict_cell, validate, Measured, Target,
 };
-use kvbench_engines::cost::{DeviceTable, Efficiency};
+use kvbench_engines::cost::{Calibration, DeviceTable, Efficiency};
 use std::path::{Path, PathBuf};
 
 fn repo() -> PathBuf {
@@ -37,6 +37,9 @@ fn a_cpu_calibration_predicts_a_held_out_cpu_experiment() {
     assert!(obs.aligned > 1000, "{} steps paired", obs.aligned);
     assert_eq!(obs.dropped, 0, "the schedule diverged");
     assert!(cal.decode.fit.r_squared > 0.5, "{:?}", cal.decode.fit);
+    // The committed calibration is this fit (`just validate-cost` rewrites both).
+    let committed = repo().join("results/baselines/cpu/calibration-cpu.yaml");
+    assert_eq!(Calibration::load(&committed).unwrap(), cal);
     let target = Target {
         device: cpu,
         efficiency: cal.efficiency(),

@@ -42,6 +42,11 @@ pub fn terms(phase: Phase) -> &'static [Term] {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PhaseFit {
     pub fit: FitReport,
+    /// Terms the fitted runs never exercised (zero in every step): they keep the
+    /// datasheet's rate, a lower bound on their time (none where the datasheet has no
+    /// figure: then they cost nothing, and predictions that need them say so).
+    #[serde(default)]
+    pub unobserved: Vec<Term>,
     /// Median |predicted − measured| / measured over the observations.
     pub median_relative_error: f64,
     /// Achieved fractions of the device's datasheet peaks (null where unknown).
@@ -52,8 +57,13 @@ pub struct PhaseFit {
 
 impl PhaseFit {
     fn new(device: &Device, phase: Phase, obs: &[Observation]) -> Result<Self> {
-        let fit = fit_phase(obs, terms(phase), &PhaseEfficiency::default())
+        let fit = fit_phase(obs, terms(phase), &PhaseEfficiency::datasheet(device))
             .map_err(|e| CostError::Fit(format!("{phase:?} steps: {e}")))?;
+        let unobserved = terms(phase)
+            .iter()
+            .copied()
+            .filter(|t| obs.iter().all(|o| t.feature(&o.cost) == 0.0))
+            .collect();
         let mut rel: Vec<f64> = obs
             .iter()
             .map(|o| ((fit.efficiency.time(&o.cost) - o.seconds) / o.seconds).abs())
@@ -63,6 +73,7 @@ impl PhaseFit {
             fit.efficiency.fractions_of_peak(device);
         Ok(Self {
             fit,
+            unobserved,
             median_relative_error: median_sorted(&rel),
             bandwidth_of_peak,
             flops_of_peak,
@@ -212,6 +223,10 @@ mod tests {
         assert!((e.per_sequence_s / 20e-6 - 1.0).abs() < 1e-6);
         assert!((c.prefill.fit.efficiency.flops.unwrap() / 6e14 - 1.0).abs() < 1e-6);
         assert!(c.decode.median_relative_error < 1e-9);
+        // No step moved bytes over the host link: the link keeps the datasheet's rate
+        // (a transfer still costs time in a prediction), and the file says so.
+        assert!(c.decode.unobserved.contains(&Term::Link));
+        assert_eq!(e.link, Some(64e9));
         let f = c.decode.bandwidth_of_peak.unwrap();
         assert!((f - 2.5e12 / 3.35e12).abs() < 1e-6, "{f}");
         let back = Calibration::from_yaml(&c.to_yaml().unwrap(), "c.yaml").unwrap();

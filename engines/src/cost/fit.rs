@@ -53,6 +53,19 @@ impl PhaseEfficiency {
         })
     }
 
+    /// The datasheet figures the device has (`None` where unknown), no overheads: what
+    /// a calibration keeps for the terms its runs never exercised.
+    pub fn datasheet(d: &Device) -> Self {
+        Self {
+            bandwidth: d.memory_bandwidth,
+            flops: d.bf16_flops,
+            attention_flops: d.bf16_flops,
+            link: d.host_link.as_ref().map(|l| l.bytes_per_s),
+            interconnect: d.interconnect.as_ref().map(|l| l.bytes_per_s),
+            ..Default::default()
+        }
+    }
+
     /// Predicted seconds of a step.
     pub fn time(&self, c: &StepCost) -> f64 {
         let per = |x: f64, rate: Option<f64>| rate.map_or(0.0, |r| x / r);
@@ -104,7 +117,7 @@ impl Term {
         Term::Interconnect,
     ];
 
-    fn feature(&self, c: &StepCost) -> f64 {
+    pub fn feature(&self, c: &StepCost) -> f64 {
         match self {
             Term::StepOverhead => c.forwards,
             Term::PerSequence => c.sequences,
@@ -199,9 +212,9 @@ fn least_squares(cols: &[Vec<f64>], y: &[f64]) -> Option<Vec<f64>> {
 }
 
 /// Fit `terms` to the observations by non-negative least squares (exhaustive over
-/// subsets of the terms, exact for these few unknowns); every other term is taken
-/// from `fixed` and its time subtracted first. Terms whose feature is zero in every
-/// observation are left at zero.
+/// subsets of the terms, exact for these few unknowns); every other term, and every
+/// term whose feature is zero in every observation, is taken from `fixed` and its
+/// time subtracted first.
 pub fn fit_phase(
     obs: &[Observation],
     terms: &[Term],
@@ -219,16 +232,19 @@ pub fn fit_phase(
             o.seconds
         )));
     }
-    let mut base = *fixed;
-    for t in terms {
-        t.clear(&mut base);
-    }
-    let y: Vec<f64> = obs.iter().map(|o| o.seconds - base.time(&o.cost)).collect();
+    // Terms whose feature is zero in every observation cannot be fitted: they keep
+    // their value in `fixed` (a calibration passes the datasheet's, so a transfer
+    // never seen in the fitted runs still costs its time at the link's peak).
     let live: Vec<Term> = terms
         .iter()
         .copied()
         .filter(|t| obs.iter().any(|o| t.feature(&o.cost) != 0.0))
         .collect();
+    let mut base = *fixed;
+    for t in &live {
+        t.clear(&mut base);
+    }
+    let y: Vec<f64> = obs.iter().map(|o| o.seconds - base.time(&o.cost)).collect();
     if live.is_empty() {
         return Err(CostError::Fit(
             "every term to fit has a zero feature in every observation".into(),

@@ -162,7 +162,14 @@ fn shard_and_memory(
     let capacity = device.capacity()?;
     let inputs = MemoryInputs {
         sequences: sc.batch,
-        prefill_sequences: if sc.sequential_prefill { 1 } else { sc.batch },
+        // Prompts held whole at once before their eviction: one in sequential mode; in
+        // chunked mode those a step's token budget reaches, and the one finishing.
+        prefill_sequences: if sc.sequential_prefill {
+            1
+        } else {
+            sc.batch
+                .min(sc.max_batched_tokens.div_ceil(sc.prompt_len.max(1)) + 1)
+        },
         info: sc.info(),
         capacity,
         memory_fraction: sc.memory_fraction,

@@ -83,7 +83,7 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
     format!(
         "{name}: {} steps, {} terms; overhead {:.3} ms/step + {:.3} ms/sequence; \
          bandwidth {} ({} of peak), matmul {} ({} of peak), attention {}, host link {}; \
-         R² {:.4}, median |error| {:.1} %, largest {:.1} %",
+         R² {:.4}, median |error| {:.1} %, largest {:.1} %{}",
         p.fit.observations,
         p.fit.active_terms,
         e.step_overhead_s * 1e3,
@@ -96,7 +96,15 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
         rate(e.link, "GB/s", 1e9),
         p.fit.r_squared,
         p.median_relative_error * 100.0,
-        p.fit.max_relative_error * 100.0
+        p.fit.max_relative_error * 100.0,
+        if p.unobserved.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; not in the fitted runs, kept at the datasheet's: {:?}",
+                p.unobserved
+            )
+        }
     )
 }
 
@@ -114,17 +122,39 @@ pub fn validation_markdown(
         calibration.device,
         calibration.sources.join(", ")
     );
-    let _ = writeln!(s, "| metric | cells | median abs. error | largest |");
-    let _ = writeln!(s, "|---|---:|---:|---:|");
-    for e in errors {
+    let _ = writeln!(
+        s,
+        "| metric | cells | attention | median abs. error | largest |"
+    );
+    let _ = writeln!(s, "|---|---:|---|---:|---:|");
+    let row = |s: &mut String, e: &MetricError, which: &str| {
         let _ = writeln!(
             s,
-            "| {} | {} | {:.1} % | {:.1} % |",
+            "| {} | {} | {which} | {:.1} % | {:.1} % |",
             e.metric,
             e.cells,
             e.median_abs_rel * 100.0,
             e.max_abs_rel * 100.0
         );
+    };
+    for e in errors {
+        row(&mut s, e, "all");
+    }
+    // Per attention implementation, when the experiment has several.
+    let mut kinds: Vec<&str> = checks.iter().map(|c| c.attention.as_str()).collect();
+    kinds.sort_unstable();
+    kinds.dedup();
+    if kinds.len() > 1 {
+        for k in kinds {
+            let some: Vec<CellCheck> = checks
+                .iter()
+                .filter(|c| c.attention == k)
+                .cloned()
+                .collect();
+            for e in metric_errors(&some).unwrap_or_default() {
+                row(&mut s, &e, k);
+            }
+        }
     }
     let wrong = outcome_mismatches(checks);
     let _ = writeln!(

@@ -24,6 +24,10 @@ pub struct PredictArgs {
     /// bound on every time, not an estimate.
     #[arg(long)]
     pub calibration: Option<PathBuf>,
+    /// Host memory an offloading strategy may use (`512GiB`); default: the size of the
+    /// device's KV pool, the engine's default without a host capacity.
+    #[arg(long)]
+    pub host_memory: Option<String>,
     /// GPUs in tensor parallelism (weights and KV heads split, two all-reduces per
     /// layer).
     #[arg(long, default_value_t = 1)]
@@ -37,7 +41,12 @@ pub struct PredictArgs {
 }
 
 pub fn run(a: PredictArgs) -> Result<()> {
-    let plan = Plan::load(&a.experiment, &a.models_dir)?;
+    let mut plan = Plan::load(&a.experiment, &a.models_dir)?;
+    if let Some(h) = &a.host_memory {
+        kvbench_engines::device::parse_bytes(h)
+            .map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
+        plan.exp.device.host_memory = Some(h.clone());
+    }
     if plan.exp.kind != Kind::Performance {
         bail!(
             "{}: a `kind: {}` experiment; `kvbench predict` predicts performance cells",

@@ -78,6 +78,10 @@ pub struct RecommendArgs {
     /// Prefill attention (flash, chunked, eager).
     #[arg(long, default_value = "flash")]
     pub attention: String,
+    /// Host memory an offloading strategy may use (`512GiB`); default: the size of the
+    /// device's KV pool, the engine's default without a host capacity.
+    #[arg(long)]
+    pub host_memory: Option<String>,
     /// GPUs in tensor parallelism.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
@@ -260,6 +264,13 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         DeviceKind::Cpu => "cpu",
         DeviceKind::Gpu => "cuda",
     };
+    let host_line = match &a.host_memory {
+        Some(h) => {
+            parse_bytes(h).map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
+            format!("\n  host_memory: \"{h}\"")
+        }
+        None => String::new(),
+    };
     let target = Target {
         device: device.clone(),
         efficiency,
@@ -268,7 +279,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     let mut rows: Vec<Candidate> = Vec::new();
     for prefill in ["chunked", "sequential"] {
         let yaml = format!(
-            "name: recommend\nmodel: \"{}\"\ndtype: auto\ndevice:\n  name: {device_name}\n\
+            "name: recommend\nmodel: \"{}\"\ndtype: auto\ndevice:\n  name: {device_name}{host_line}\n\
              engines:{engines}\nmatrix:\n  batch: [{batch}]\n  prompt_len: [{prompt}]\n  \
              output_len: [{}]\n  budget: [{}]\n  attention: [{}]{rate_line}\n\
              workload:\n  {workload}\nscheduler:\n  prefill: {prefill}{slo_yaml}\n",
