@@ -330,7 +330,11 @@ impl Tables {
                     .iter()
                     .filter_map(|(k, v)| v[i].map(|x| (*k, x)))
                     .collect();
+                let predicted_for = dev[i].as_deref().and_then(|d| d.strip_prefix("predicted:"));
                 let device = match (&gpu[i], &cpu[i], &dev[i]) {
+                    // A cell of `kvbench predict`: said in every figure's subtitle.
+                    _ if predicted_for.is_some() => predicted_for
+                        .map(|d| format!("{d} (PREDICTED by the cost model, not measured)")),
                     (Some(g), _, _) => Some(g.clone()),
                     (None, Some(c), d) if d.as_deref().is_none_or(|d| d == "cpu") => {
                         Some(match cores[i] {
