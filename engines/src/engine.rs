@@ -101,6 +101,22 @@ fn hold_kv_device(ledger: &mut MemoryLedger, policy: &dyn KvPolicy) -> Result<()
     }
 }
 
+/// The KV pool the engine plans on a device of `capacity` bytes: the `fraction` it
+/// may use (or what is `available`, when less), less the weights and the start-up
+/// profile's activations (`non_kv`), in whole blocks. `full` reserves it up front;
+/// the other strategies grow to it on demand. The cost model plans with it too.
+pub fn planned_kv_bytes(
+    capacity: u64,
+    fraction: f64,
+    available: Option<u64>,
+    non_kv: u64,
+    block_bytes: u64,
+) -> u64 {
+    let usable = (capacity as f64 * fraction) as u64;
+    let usable = available.map_or(usable, |a| usable.min(a));
+    usable.saturating_sub(non_kv) / block_bytes.max(1) * block_bytes
+}
+
 /// A request to generate greedily.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -201,12 +217,13 @@ impl Engine {
         let block_bytes = FullPolicy::block_bytes(&model.cfg, &full_opts);
         let kv_bytes = match (cfg.num_blocks, cfg.device_memory) {
             (Some(n), _) => n as u64 * block_bytes,
-            (None, Some(cap)) => {
-                let fraction = (cap as f64 * cfg.memory_fraction) as u64;
-                let usable = cfg.device_available.map_or(fraction, |a| fraction.min(a));
-                let non_kv = model.weights_bytes() + profile;
-                usable.saturating_sub(non_kv) / block_bytes * block_bytes
-            }
+            (None, Some(cap)) => planned_kv_bytes(
+                cap,
+                cfg.memory_fraction,
+                cfg.device_available,
+                model.weights_bytes() + profile,
+                block_bytes,
+            ),
             (None, None) => {
                 return Err(Error::Config(
                     "the KV pool needs a device memory capacity or a block count".into(),

@@ -210,9 +210,15 @@ pub fn predict_cell(
         model: tp.shard(cfg)?,
         ..setup
     };
+    let mut sched = sched;
     let kv_blocks = match shard.policy {
         PolicySpec::Full => Some((mem.kv_pool / block_bytes(&shard)?) as usize),
-        _ => None,
+        _ => {
+            // The engine's on-demand pool preempts past its plan; the model admits no
+            // more sequences than the plan holds at their peak.
+            sched.max_num_seqs = sched.max_num_seqs.min(mem.concurrency.max(1));
+            None
+        }
     };
     let eff = &target.efficiency;
     let eng = SimEngine::new(

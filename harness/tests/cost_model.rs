@@ -106,3 +106,58 @@ fn a_prediction_is_recorded_as_a_measured_cell_is_with_memory_and_outcome() {
     assert!(r.metrics.is_none());
     assert!(r.error.unwrap().contains("Weights"));
 }
+
+#[test]
+fn recommend_ranks_what_runs_before_what_does_not_and_explains_each() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .current_dir(repo())
+        .args([
+            "recommend",
+            "--model",
+            "preset:llama-3.1-8b",
+            "--device",
+            "h100-sxm",
+            "--prompt-len",
+            "1K-10K",
+            "--output-len",
+            "64",
+            "--batch",
+            "32",
+            "--slo",
+            "tpot=100ms",
+            "--max-device-memory",
+            "30GB",
+            "--calibration",
+            "results/baselines/h100/calibration-h100-sxm.yaml",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    // 4 engines: full once, three others at 4 budgets; chunked and sequential prefill.
+    assert_eq!(rows.len(), 2 * (1 + 3 * 4));
+    let ok: Vec<bool> = rows.iter().map(|r| r["outcome"] == "ok").collect();
+    assert!(ok[0], "the first configuration runs");
+    assert!(
+        ok.windows(2).all(|w| w[0] || !w[1]),
+        "a configuration that runs is never ranked after one that does not: {ok:?}"
+    );
+    // 30 GB leaves `full` a pool smaller than one 131K-token sequence (17.2 GB).
+    for r in rows.iter().filter(|r| r["engine"] == "full") {
+        assert_eq!(r["outcome"], "oom", "{r}");
+    }
+    for (i, r) in rows.iter().enumerate() {
+        assert_eq!(r["rank"], i + 1);
+        assert!(!r["why"].as_str().unwrap().is_empty(), "{r}");
+        if r["outcome"] == "ok" {
+            let tpot = r["tpot_mean_s"].as_f64().unwrap();
+            assert!(tpot.is_finite() && tpot > 0.0);
+            assert!(r["slo_met"].is_boolean());
+        }
+    }
+}

@@ -21,6 +21,7 @@
 //! ```
 
 mod bars;
+pub mod crossover;
 mod data;
 mod fig1;
 mod fig2;
@@ -271,7 +272,7 @@ fn emit<F: Draw>(
     let png = base.with_extension("png");
     let svg = base.with_extension("svg");
     let title = style::Title {
-        figure: fig,
+        heading: format!("Fig. {} — {}", &fig.name()[3..], fig.subject()),
         context: tables.meta.describe(),
     };
     let (notes, no_data) = match &prepared {

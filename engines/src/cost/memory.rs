@@ -3,6 +3,7 @@
 
 use super::{CostError, Result, Setup};
 use crate::attention::prefill::{scratch_bytes, AttentionImpl, ColumnStats, PrefillShape};
+use crate::engine::planned_kv_bytes;
 use crate::error::Component;
 use crate::kv::KvDtype;
 use crate::kv::PagedKv;
@@ -118,13 +119,17 @@ pub fn profile_activations(s: &Setup, max_num_seqs: usize, max_batched_tokens: u
     )
 }
 
-/// The KV pool `Engine::new` plans: `⌊(capacity·fraction − weights − profile) /
-/// block⌋` blocks.
+/// The KV pool `Engine::new` plans ([`planned_kv_bytes`]): `⌊(capacity·fraction −
+/// weights − profile) / block⌋` blocks.
 pub fn kv_pool_bytes(s: &Setup, m: &MemoryInputs, weights: u64) -> Result<u64> {
-    let block = block_bytes(s)?;
-    let usable = (m.capacity as f64 * m.memory_fraction) as u64;
     let non_kv = weights + profile_activations(s, m.max_num_seqs, m.max_batched_tokens);
-    Ok(usable.saturating_sub(non_kv) / block * block)
+    Ok(planned_kv_bytes(
+        m.capacity,
+        m.memory_fraction,
+        None,
+        non_kv,
+        block_bytes(s)?,
+    ))
 }
 
 /// Largest activation footprint of a prefill forward of `rows` rows of one sequence
@@ -205,8 +210,27 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
             )
             .max(kv_device_bytes(s, &info, l0));
             let kept = kv_device_bytes(s, &info, n_final);
-            let peak = pre as u64 * full_prompt.max(kept) + (m.sequences - pre) as u64 * kept;
-            (peak, m.sequences)
+            let peak = |k: usize| {
+                let p = pre.min(k);
+                p as u64 * full_prompt.max(kept) + (k - p) as u64 * kept
+            };
+            // The pool grows on demand up to the plan: past it `reserve` fails and the
+            // scheduler preempts or waits, so fewer sequences run at once. Only a
+            // sequence that cannot fit alone is out of memory.
+            let mut conc = m.sequences.min(m.max_num_seqs).max(1);
+            if peak(conc) > pool {
+                let (mut lo, mut hi) = (1, conc);
+                while lo < hi {
+                    let mid = (lo + hi).div_ceil(2);
+                    if peak(mid) <= pool {
+                        lo = mid;
+                    } else {
+                        hi = mid - 1;
+                    }
+                }
+                conc = lo;
+            }
+            (peak(conc), conc)
         }
     };
     let kv_host = kv_host_bytes(s, &info) * m.sequences as u64;
@@ -237,6 +261,14 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
         Some(Oom {
             component: Component::KvDevice,
             requested: m.max_model_len.div_ceil(s.block_size) as u64 * block_bytes(s)?,
+            available: pool,
+            capacity: cap,
+        })
+    } else if !matches!(s.policy, PolicySpec::Full) && kv_device > pool {
+        // One sequence alone needs more than the pool may grow to.
+        Some(Oom {
+            component: Component::KvDevice,
+            requested: kv_device,
             available: pool,
             capacity: cap,
         })
@@ -327,5 +359,64 @@ mod tests {
         let l = crate::config::preset("llama-3.1-8b").unwrap();
         let s = Setup::new(l, PolicySpec::Full, Precision::BF16);
         assert_eq!(kv_device_bytes(&s, &info, 10), 10 * 128 * 1024);
+    }
+
+    #[test]
+    fn a_budget_pool_past_its_plan_runs_fewer_sequences_rather_than_out_of_memory() {
+        let cfg = crate::config::preset("smollm2-135m").unwrap();
+        let s = Setup::new(
+            cfg,
+            PolicySpec::H2o(H2oParams {
+                budget: 0.5,
+                ..Default::default()
+            }),
+            Precision::F32,
+        );
+        let info = SeqInfo {
+            prompt_len: 4000,
+            max_new_tokens: 100,
+            prefill_len: 4000,
+        };
+        let m = |sequences: usize, capacity: u64| MemoryInputs {
+            sequences,
+            prefill_sequences: 1,
+            info,
+            capacity,
+            memory_fraction: 0.9,
+            max_model_len: 8192,
+            max_num_seqs: 256,
+            max_batched_tokens: 8192,
+            host_memory: None,
+        };
+        let big = memory_held(&s, &m(4, 4 << 30)).unwrap();
+        assert_eq!((big.concurrency, big.oom), (4, None));
+        // 64 sequences need far more than a 2 GiB card's plan: as many run as fit.
+        let held = memory_held(&s, &m(64, 2 << 30)).unwrap();
+        assert!(held.oom.is_none(), "{:?}", held.oom);
+        assert!(
+            held.concurrency > 1 && held.concurrency < 64,
+            "{}",
+            held.concurrency
+        );
+        assert!(held.report.kv_device <= held.kv_pool);
+        let one_more = held.concurrency + 1;
+        let p = |k: usize| {
+            (k - 1) as u64 * kv_device_bytes(&s, &info, 4100)
+                + kv_device_bytes(
+                    &Setup {
+                        policy: PolicySpec::Full,
+                        ..s.clone()
+                    },
+                    &info,
+                    4000,
+                )
+                .max(kv_device_bytes(&s, &info, 4100))
+        };
+        assert!(p(held.concurrency) <= held.kv_pool && p(one_more) > held.kv_pool);
+        // A card whose plan cannot hold one prompt: out of memory, in the KV.
+        let non_kv = held.report.weights + profile_activations(&s, 256, 8192);
+        let cap = ((non_kv + (100 << 20)) as f64 / 0.9) as u64;
+        let tiny = memory_held(&s, &m(1, cap)).unwrap();
+        assert_eq!(tiny.oom.map(|o| o.component), Some(Component::KvDevice));
     }
 }

@@ -15,6 +15,7 @@ use clap::Args;
 use kvbench_engines::cost::{Calibration, DeviceKind, Efficiency};
 use kvbench_engines::device::parse_bytes;
 use kvbench_engines::ledger::MemoryReport;
+use kvbench_plots::crossover::{draw_crossover, CrossoverMap, Winner};
 use kvbench_plots::schema;
 use kvbench_plots::schema::read_table as read_parquet;
 use serde::Serialize;
@@ -35,13 +36,13 @@ pub struct RecommendArgs {
     pub calibration: Option<PathBuf>,
     /// Prompt lengths: `N`, or `MIN-MAX` drawn uniformly; `K` is a thousand
     /// (`1K-10K`, the study's batch-scaling prompts).
-    #[arg(long)]
-    pub prompt_len: String,
+    #[arg(long, required_unless_present = "map")]
+    pub prompt_len: Option<String>,
     /// Output tokens per request.
     #[arg(long)]
     pub output_len: usize,
     /// Requests in flight at once; one batch of this many requests, all arriving at 0.
-    #[arg(long, required_unless_present = "rate", conflicts_with = "rate")]
+    #[arg(long, required_unless_present_any = ["rate", "map"], conflicts_with = "rate")]
     pub batch: Option<usize>,
     /// Requests per second (Poisson arrivals), `--num-requests` of them, at most 256
     /// in flight.
@@ -85,6 +86,15 @@ pub struct RecommendArgs {
     /// GPUs in tensor parallelism.
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel: usize,
+    /// Draw the crossover map instead of one ranking: the configuration ranked first at
+    /// each batch × prompt length (`--map-batches` × `--map-prompts`), as PATH.png and
+    /// PATH.svg; `--prompt-len` and `--batch` are then not needed.
+    #[arg(long, value_name = "PATH")]
+    pub map: Option<PathBuf>,
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,128")]
+    pub map_batches: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1K,4K,16K,32K,64K,128K")]
+    pub map_prompts: Vec<String>,
     /// Print the ranking as JSON.
     #[arg(long)]
     pub json: bool,
@@ -226,7 +236,11 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     let full_acc = accuracy
         .as_ref()
         .and_then(|m| m.get(&("full".to_string(), "1".to_string())).copied());
-    let prompt = prompt_yaml(&a.prompt_len)?;
+    let prompt = match (&a.prompt_len, &a.map) {
+        (Some(p), _) => prompt_yaml(p)?,
+        (None, Some(_)) => String::new(),
+        (None, None) => bail!("give --prompt-len (or --map)"),
+    };
     let (batch, rate_line, workload) = match (a.batch, a.rate) {
         (Some(b), None) => (b, String::new(), "batches: 1".to_string()),
         (None, Some(r)) => {
@@ -239,6 +253,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
                 format!("num_requests: {}", a.num_requests),
             )
         }
+        _ if a.map.is_some() => (0, String::new(), String::new()),
         _ => bail!("give --batch or --rate"),
     };
     let engines: String = a
@@ -271,67 +286,25 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         }
         None => String::new(),
     };
-    let target = Target {
-        device: device.clone(),
-        efficiency,
-        tensor_parallel: a.tensor_parallel,
+    let search = Search {
+        a: &a,
+        target: Target {
+            device: device.clone(),
+            efficiency,
+            tensor_parallel: a.tensor_parallel,
+        },
+        head: format!("name: recommend\nmodel: \"{}\"\ndtype: auto\ndevice:\n  name: {device_name}{host_line}\nengines:{engines}\n", a.model),
+        budgets: budgets.join(", "),
+        slo,
+        slo_yaml,
+        accuracy,
+        full_acc,
     };
-    let mut rows: Vec<Candidate> = Vec::new();
-    for prefill in ["chunked", "sequential"] {
-        let yaml = format!(
-            "name: recommend\nmodel: \"{}\"\ndtype: auto\ndevice:\n  name: {device_name}{host_line}\n\
-             engines:{engines}\nmatrix:\n  batch: [{batch}]\n  prompt_len: [{prompt}]\n  \
-             output_len: [{}]\n  budget: [{}]\n  attention: [{}]{rate_line}\n\
-             workload:\n  {workload}\nscheduler:\n  prefill: {prefill}{slo_yaml}\n",
-            a.model,
-            a.output_len,
-            budgets.join(", "),
-            a.attention
-        );
-        let plan = Plan::parse(&yaml, Path::new("recommend.yaml"), &a.models_dir)
-            .context("building the configurations to compare")?;
-        let cfg = model_config(&plan, &a.models_dir)?;
-        for cell in &plan.cells {
-            let r = predict_cell(&plan, cell, &cfg, &target)
-                .with_context(|| format!("predicting {}", cell.key()))?;
-            let m: Option<&CellMetrics> = r.metrics.as_ref();
-            let fracs = m.map(|m| [m.slo_ttft_frac, m.slo_tpot_frac, m.slo_e2e_frac]);
-            let slo_met = slo.map(|_| {
-                r.outcome == Outcome::Ok && fracs.iter().flatten().flatten().all(|f| *f >= 1.0)
-            });
-            let acc = accuracy.as_ref().and_then(|t| {
-                let mine = t.get(&(cell.engine.clone(), format!("{}", cell.budget)))?;
-                Some((mine - full_acc?) * 100.0)
-            });
-            rows.push(Candidate {
-                rank: 0,
-                engine: cell.engine.clone(),
-                budget: cell.budget,
-                prefill: prefill.to_string(),
-                attention: cell.attention.clone(),
-                batch: cell.batch,
-                outcome: match r.outcome {
-                    Outcome::Ok => "ok",
-                    Outcome::Oom => "oom",
-                    Outcome::Error => "error",
-                }
-                .to_string(),
-                ttft_mean_s: m.and_then(|m| m.ttft_s.as_ref().map(|d| d.mean)),
-                tpot_mean_s: m.and_then(|m| m.tpot_s.as_ref().map(|d| d.mean)),
-                output_tok_s: m.and_then(|m| m.output_throughput),
-                e2e_mean_s: m.and_then(|m| m.e2e_s.as_ref().map(|d| d.mean)),
-                memory: r.memory,
-                slo_ttft_frac: fracs.and_then(|f| f[0]),
-                slo_tpot_frac: fracs.and_then(|f| f[1]),
-                slo_e2e_frac: fracs.and_then(|f| f[2]),
-                slo_met,
-                accuracy_drop_pp: acc,
-                why: r.error.unwrap_or_default(),
-            });
-        }
+    if let Some(base) = &a.map {
+        return search.map(base);
     }
-    rank(&mut rows, a.max_accuracy_drop);
-    explain(&mut rows, &slo);
+    let target = &search.target;
+    let rows = search.ranked(&prompt, batch, &rate_line, &workload)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
@@ -345,7 +318,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         } else {
             String::new()
         },
-        a.prompt_len,
+        a.prompt_len.as_deref().unwrap_or_default(),
         a.output_len,
         match a.rate {
             Some(r) => format!("{r} requests/s"),
@@ -379,6 +352,153 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Everything fixed across the workloads one `recommend` compares.
+struct Search<'a> {
+    a: &'a RecommendArgs,
+    target: Target,
+    /// The experiment's name, model, device and engines, as YAML.
+    head: String,
+    budgets: String,
+    slo: Option<SloSpec>,
+    slo_yaml: String,
+    accuracy: Option<BTreeMap<(String, String), f64>>,
+    full_acc: Option<f64>,
+}
+
+impl Search<'_> {
+    /// Every configuration predicted on one workload, ranked and explained.
+    fn ranked(
+        &self,
+        prompt: &str,
+        batch: usize,
+        rate_line: &str,
+        workload: &str,
+    ) -> Result<Vec<Candidate>> {
+        let a = self.a;
+        let mut rows: Vec<Candidate> = Vec::new();
+        for prefill in ["chunked", "sequential"] {
+            let yaml = format!(
+                "{}matrix:\n  batch: [{batch}]\n  prompt_len: [{prompt}]\n  \
+                 output_len: [{}]\n  budget: [{}]\n  attention: [{}]{rate_line}\n\
+                 workload:\n  {workload}\nscheduler:\n  prefill: {prefill}{}\n",
+                self.head, a.output_len, self.budgets, a.attention, self.slo_yaml
+            );
+            let plan = Plan::parse(&yaml, Path::new("recommend.yaml"), &a.models_dir)
+                .context("building the configurations to compare")?;
+            let cfg = model_config(&plan, &a.models_dir)?;
+            for cell in &plan.cells {
+                let r = predict_cell(&plan, cell, &cfg, &self.target)
+                    .with_context(|| format!("predicting {}", cell.key()))?;
+                let m: Option<&CellMetrics> = r.metrics.as_ref();
+                let fracs = m.map(|m| [m.slo_ttft_frac, m.slo_tpot_frac, m.slo_e2e_frac]);
+                let slo_met = self.slo.map(|_| {
+                    r.outcome == Outcome::Ok && fracs.iter().flatten().flatten().all(|f| *f >= 1.0)
+                });
+                let acc = self.accuracy.as_ref().and_then(|t| {
+                    let mine = t.get(&(cell.engine.clone(), format!("{}", cell.budget)))?;
+                    Some((mine - self.full_acc?) * 100.0)
+                });
+                rows.push(Candidate {
+                    rank: 0,
+                    engine: cell.engine.clone(),
+                    budget: cell.budget,
+                    prefill: prefill.to_string(),
+                    attention: cell.attention.clone(),
+                    batch: cell.batch,
+                    outcome: match r.outcome {
+                        Outcome::Ok => "ok",
+                        Outcome::Oom => "oom",
+                        Outcome::Error => "error",
+                    }
+                    .to_string(),
+                    ttft_mean_s: m.and_then(|m| m.ttft_s.as_ref().map(|d| d.mean)),
+                    tpot_mean_s: m.and_then(|m| m.tpot_s.as_ref().map(|d| d.mean)),
+                    output_tok_s: m.and_then(|m| m.output_throughput),
+                    e2e_mean_s: m.and_then(|m| m.e2e_s.as_ref().map(|d| d.mean)),
+                    memory: r.memory,
+                    slo_ttft_frac: fracs.and_then(|f| f[0]),
+                    slo_tpot_frac: fracs.and_then(|f| f[1]),
+                    slo_e2e_frac: fracs.and_then(|f| f[2]),
+                    slo_met,
+                    accuracy_drop_pp: acc,
+                    why: r.error.unwrap_or_default(),
+                });
+            }
+        }
+        rank(&mut rows, a.max_accuracy_drop);
+        explain(&mut rows, &self.slo);
+        Ok(rows)
+    }
+
+    /// The crossover map: the first-ranked configuration at every batch × prompt
+    /// length of `--map-batches` × `--map-prompts` (one batch of requests each).
+    fn map(&self, base: &Path) -> Result<()> {
+        let a = self.a;
+        let prompts: Vec<usize> = a
+            .map_prompts
+            .iter()
+            .map(|p| {
+                prompt_yaml(p)?
+                    .parse::<usize>()
+                    .map_err(|_| anyhow::anyhow!("--map-prompts `{p}`: expected one length"))
+            })
+            .collect::<Result<_>>()?;
+        if a.map_batches.is_empty() || prompts.is_empty() || a.map_batches.contains(&0) {
+            bail!("--map-batches and --map-prompts need at least one value each, batches ≥ 1");
+        }
+        let total = a.map_batches.len() * prompts.len();
+        let mut cells = Vec::new();
+        let mut done = 0;
+        for &b in &a.map_batches {
+            let mut row = Vec::new();
+            for &l in &prompts {
+                let ranked = self.ranked(&l.to_string(), b, "", "batches: 1")?;
+                done += 1;
+                eprintln!("crossover map: {done}/{total} (batch {b}, prompt {l})");
+                row.push(
+                    ranked
+                        .first()
+                        .filter(|c| c.outcome == "ok")
+                        .map(|c| Winner {
+                            engine: c.engine.clone(),
+                            detail: if c.engine == "full" {
+                                c.prefill.clone()
+                            } else {
+                                format!("b={} · {}", c.budget, c.prefill)
+                            },
+                            tok_s: c.output_tok_s.unwrap_or(0.0),
+                        }),
+                );
+            }
+            cells.push(row);
+        }
+        let mut notes = vec![format!(
+            "Ranked as `kvbench recommend` ranks: fits in memory, {}then output throughput; engines {}, budgets {}, chunked and sequential prefill, {} attention.",
+            if self.slo.is_some() { "meets every objective, " } else { "" },
+            a.engines.join(", "),
+            self.budgets,
+            a.attention
+        )];
+        notes.push(format!(
+            "Predicted by the cost model ({}), not measured: docs/cost-model.md gives its validation and limits.",
+            self.target.efficiency.source
+        ));
+        let map = CrossoverMap {
+            context: format!(
+                "{} on {} (PREDICTED) · {} output tokens per request, one batch of requests",
+                a.model, self.target.device.name, a.output_len
+            ),
+            batches: a.map_batches.clone(),
+            prompt_lens: prompts,
+            cells,
+            notes,
+        };
+        let (png, svg) = draw_crossover(base, &map)?;
+        println!("crossover map → {} and {}", png.display(), svg.display());
+        Ok(())
+    }
 }
 
 /// Order: runs, within the accuracy allowed (measured first), meets the objectives,

@@ -132,9 +132,9 @@ pub fn legend<DB: DrawingBackend>(
     Ok(())
 }
 
-/// The figure's title lines.
+/// The figure's title lines: its heading (`Fig. 4 — …`) and what the data is.
 pub struct Title {
-    pub figure: FigureId,
+    pub heading: String,
     pub context: String,
 }
 

@@ -4,7 +4,7 @@
 //! area, legends outside the data, markers for cells that ran out of memory, and error
 //! bars over repeats.
 
-use crate::{Draw, Error, FigureId};
+use crate::{Draw, Error};
 use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint, Ranged};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -400,13 +400,8 @@ pub fn frame<DB: DrawingBackend>(
     root.fill(&WHITE).drawn()?;
     let (_, h) = root.dim_in_pixel();
     let (head, rest) = root.split_vertically(92);
-    let num = &title.figure.name()[3..];
-    head.draw_text(
-        &format!("Fig. {num} — {}", title.figure.subject()),
-        &font(31),
-        (24, 14),
-    )
-    .drawn()?;
+    head.draw_text(&title.heading, &font(31), (24, 14))
+        .drawn()?;
     head.draw_text(&title.context, &font(20).color(&MUTED), (24, 56))
         .drawn()?;
     let mut lines: Vec<String> = notes.iter().flat_map(|n| wrap(n, 150)).collect();
