@@ -48,9 +48,14 @@ pub struct RecommendArgs {
     /// in flight.
     #[arg(long)]
     pub rate: Option<f64>,
-    /// Requests of a `--rate` workload.
-    #[arg(long, default_value_t = 200)]
-    pub num_requests: usize,
+    /// Requests of the workload (default: one batch with `--batch`, 200 with `--rate`).
+    #[arg(long)]
+    pub num_requests: Option<usize>,
+    /// Measured experiments (results directories of the same model and device): a
+    /// measured cell of the same engine, budget, batch, prompt lengths, output length,
+    /// attention and prefill mode is shown beside the prediction.
+    #[arg(long, num_args = 1..)]
+    pub measured: Vec<PathBuf>,
     /// Objectives: `ttft=2s,tpot=100ms,e2e=30s` (a bare number is milliseconds). An
     /// objective is met when every request meets it.
     #[arg(long)]
@@ -156,7 +161,79 @@ pub struct Candidate {
     pub slo_met: Option<bool>,
     /// Mean accuracy over the tasks minus `full`'s, in points (`None`: not measured).
     pub accuracy_drop_pp: Option<f64>,
+    /// A measured cell of the same configuration (`--measured`), when there is one.
+    pub measured: Option<MeasuredPoint>,
     pub why: String,
+}
+
+/// A measured cell beside a prediction.
+#[derive(Debug, Clone, Serialize)]
+pub struct MeasuredPoint {
+    pub experiment: String,
+    pub requests: Option<i64>,
+    pub outcome: String,
+    pub ttft_mean_s: Option<f64>,
+    pub tpot_mean_s: Option<f64>,
+    pub output_tok_s: Option<f64>,
+}
+
+/// What identifies a configuration across experiments.
+#[derive(Debug, Clone, PartialEq)]
+struct Point {
+    engine: String,
+    budget: f64,
+    batch: usize,
+    prompt: Option<crate::experiment::PromptLen>,
+    output_len: Option<usize>,
+    attention: String,
+    prefill: String,
+    rate: f64,
+}
+
+fn point(plan: &Plan, c: &crate::experiment::Cell) -> Point {
+    Point {
+        engine: c.engine.clone(),
+        budget: c.budget,
+        batch: c.batch,
+        prompt: c.prompt_len.clone(),
+        output_len: c.output_len,
+        attention: c.attention.clone(),
+        prefill: plan.exp.scheduler.prefill.clone(),
+        rate: c.request_rate,
+    }
+}
+
+/// Every recorded cell of the measured experiments with its metrics.
+fn measured_points(dirs: &[PathBuf], models_dir: &Path) -> Result<Vec<(Point, MeasuredPoint)>> {
+    let mut out = Vec::new();
+    for d in dirs {
+        let m = crate::prediction::Measured::load(d, models_dir)?;
+        let path = d.join(schema::RUNS_FILE);
+        let df = read_parquet(&path)?;
+        let col = |n: &str| -> Result<Vec<Option<f64>>> {
+            Ok(floats(&df, n)?.unwrap_or_else(|| vec![None; df.height()]))
+        };
+        let (ttft, tpot, tok) = (
+            col("ttft_mean_s")?,
+            col("tpot_mean_s")?,
+            col("throughput_tok_s")?,
+        );
+        let reqs = col("metrics_num_requests")?;
+        for r in m.runs()? {
+            out.push((
+                point(&m.plan, &r.cell),
+                MeasuredPoint {
+                    experiment: m.name(),
+                    requests: reqs[r.row].map(|x| x as i64),
+                    outcome: r.outcome.clone(),
+                    ttft_mean_s: ttft[r.row],
+                    tpot_mean_s: tpot[r.row],
+                    output_tok_s: tok[r.row],
+                },
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// Mean accuracy per (engine, budget) of an accuracy experiment, and `full`'s.
@@ -242,7 +319,11 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         (None, None) => bail!("give --prompt-len (or --map)"),
     };
     let (batch, rate_line, workload) = match (a.batch, a.rate) {
-        (Some(b), None) => (b, String::new(), "batches: 1".to_string()),
+        (Some(b), None) => (
+            b,
+            String::new(),
+            format!("num_requests: {}", a.num_requests.unwrap_or(b)),
+        ),
         (None, Some(r)) => {
             if !(r.is_finite() && r > 0.0) {
                 bail!("--rate {r}: expected requests per second > 0");
@@ -250,7 +331,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
             (
                 256,
                 format!("\n  request_rate: [{r}]"),
-                format!("num_requests: {}", a.num_requests),
+                format!("num_requests: {}", a.num_requests.unwrap_or(200)),
             )
         }
         _ if a.map.is_some() => (0, String::new(), String::new()),
@@ -299,6 +380,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         slo_yaml,
         accuracy,
         full_acc,
+        measured: measured_points(&a.measured, &a.models_dir)?,
     };
     if let Some(base) = &a.map {
         return search.map(base);
@@ -365,6 +447,7 @@ struct Search<'a> {
     slo_yaml: String,
     accuracy: Option<BTreeMap<(String, String), f64>>,
     full_acc: Option<f64>,
+    measured: Vec<(Point, MeasuredPoint)>,
 }
 
 impl Search<'_> {
@@ -423,6 +506,13 @@ impl Search<'_> {
                     slo_e2e_frac: fracs.and_then(|f| f[2]),
                     slo_met,
                     accuracy_drop_pp: acc,
+                    measured: {
+                        let p = point(&plan, cell);
+                        self.measured
+                            .iter()
+                            .find(|(q, _)| *q == p)
+                            .map(|(_, m)| m.clone())
+                    },
                     why: r.error.unwrap_or_default(),
                 });
             }
@@ -582,6 +672,17 @@ fn explain(rows: &mut [Candidate], slo: &Option<SloSpec>) {
                 } else {
                     String::new()
                 }
+            ));
+        }
+        if let Some(m) = &c.measured {
+            why.push(format!(
+                "measured in {} ({} requests, {}): TTFT {}, TPOT {}, {} tok/s",
+                m.experiment,
+                m.requests.map_or("?".into(), |n| n.to_string()),
+                m.outcome,
+                secs(m.ttft_mean_s),
+                secs(m.tpot_mean_s),
+                m.output_tok_s.map_or("–".into(), |t| format!("{t:.0}"))
             ));
         }
         c.why = why.join("; ");
