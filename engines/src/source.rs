@@ -195,8 +195,12 @@ pub fn hub_files(repo: &str, revision: &str, cache: &hf_hub::Cache) -> Result<Hf
 /// What to load and how.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
-    /// `None`: quantized for GGUF, f32 on CPU and bf16 on CUDA otherwise.
+    /// `None`: for GGUF quantized (or f32, see `gguf_f32_max_bytes`), f32 on CPU and
+    /// bf16 on CUDA otherwise.
     pub dtype: Option<WeightDtype>,
+    /// With `dtype: None`, a GGUF model whose f32 weights take at most this many bytes
+    /// loads as f32 ([`gguf_dtype`]); decided from the header the load reads anyway.
+    pub gguf_f32_max_bytes: Option<u64>,
     /// Seed of preset weights.
     pub seed: u64,
     pub models_dir: PathBuf,
@@ -207,10 +211,21 @@ impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             dtype: None,
+            gguf_f32_max_bytes: None,
             seed: 0,
             models_dir: models_dir(),
             hub_cache: hf_hub::Cache::from_env(),
         }
+    }
+}
+
+/// The weight format of a GGUF model of `num_params` parameters loaded without a
+/// dtype: f32 (dequantized) when its f32 weights take at most `f32_max_bytes`,
+/// quantized otherwise or without a limit.
+pub fn gguf_dtype(num_params: u64, f32_max_bytes: Option<u64>) -> WeightDtype {
+    match f32_max_bytes {
+        Some(max) if num_params.saturating_mul(4) <= max => WeightDtype::F32,
+        _ => WeightDtype::Quantized,
     }
 }
 
@@ -304,7 +319,10 @@ impl ModelSource {
             ModelSource::Named(_) | ModelSource::Gguf(_) => {
                 let path = self.gguf_path(opts)?;
                 let file = GgufFile::open(&path)?;
-                let wd = opts.dtype.unwrap_or(WeightDtype::Quantized);
+                let wd = match opts.dtype {
+                    Some(d) => d,
+                    None => gguf_dtype(file.config()?.num_params(), opts.gguf_f32_max_bytes),
+                };
                 let model = load::load_gguf(&file, wd, device)?;
                 let tokenizer = TextTokenizer::from_gguf(&file.content)?;
                 Ok(Loaded {

@@ -26,7 +26,7 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_plots::schema;
-use polars::prelude::{DataFrame, DataType, ParquetReader, SerReader};
+use polars::prelude::{DataFrame, DataType};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -293,13 +293,8 @@ pub(crate) fn strings(df: &DataFrame, name: &str) -> Result<Option<Vec<Option<St
 
 fn load(p: &Path) -> Result<Run> {
     let file = runs_path(p)?;
-    let f = std::fs::File::open(&file).with_context(|| format!("opening {}", file.display()))?;
-    let df = ParquetReader::new(f).finish().map_err(|e| {
-        anyhow::anyhow!(
-            "{}: not a readable Parquet table ({e}); expected the runs.parquet written by `kvbench run`",
-            file.display()
-        )
-    })?;
+    let df = schema::read_table(&file)
+        .map_err(|e| anyhow::anyhow!("{e}; expected the runs.parquet written by `kvbench run`"))?;
     if df.height() == 0 {
         bail!("{}: no cells recorded", file.display());
     }

@@ -311,11 +311,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 /// quantized otherwise. On CPU candle's f32 matmuls decode several times faster than
 /// its quantized ones (docs/correctness-and-performance.md).
 pub fn auto_gguf_dtype_on_cpu(num_params: u64, host_memory: u64) -> WeightDtype {
-    if num_params.saturating_mul(4) <= host_memory / 2 {
-        WeightDtype::F32
-    } else {
-        WeightDtype::Quantized
-    }
+    kvbench_engines::source::gguf_dtype(num_params, Some(host_memory / 2))
 }
 
 /// Physical memory of this machine, the CPU device's default capacity.
@@ -354,13 +350,8 @@ pub fn load_model(m: &ModelArgs, device: &str) -> Result<Setup> {
         ..Default::default()
     };
     if m.dtype == DtypeArg::Auto && device == DeviceKind::Cpu && src.is_gguf() {
-        let cfg = src
-            .config(&opts)
-            .with_context(|| format!("reading model `{}`", m.model))?;
-        opts.dtype = Some(auto_gguf_dtype_on_cpu(
-            cfg.num_params(),
-            host_memory_bytes(),
-        ));
+        // Decided by the load from the header it reads (auto_gguf_dtype_on_cpu's rule).
+        opts.gguf_f32_max_bytes = Some(host_memory_bytes() / 2);
     }
     let loaded = src
         .load(&cd, &opts)

@@ -163,7 +163,7 @@ pub(crate) fn render(
     // src/report/claims/); changing it would change every report.
     writeln!(
         md,
-        "Judged on this experiment's cells only, the repeats of a cell averaged; each verdict gives the claim's number, the tolerance accepted and ours, and what it does not check (thresholds in src/report.rs).\n"
+        "Judged on this experiment's cells only, the repeats of a cell averaged; each verdict gives the claim's number, the tolerance accepted and ours, and what it does not check (thresholds in harness/src/report/claims/).\n"
     )?;
     for c in judge_all(runs, read_accuracy(dir).as_deref()) {
         writeln!(

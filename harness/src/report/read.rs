@@ -1,10 +1,10 @@
 //! The tables a report reads: runs.parquet as [`Run`]s (one per cell, or per point
 //! with the repeats averaged), accuracy.parquet, and the figure files.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use kvbench_plots::schema;
 use kvbench_plots::AccRow;
-use polars::prelude::{DataFrame, ParquetReader, SerReader};
+use polars::prelude::DataFrame;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -199,16 +199,14 @@ pub(crate) fn floats(df: &DataFrame, name: &str) -> Vec<Option<f64>> {
 /// Read runs.parquet of `dir`.
 pub fn read_runs(dir: &Path) -> Result<(DataFrame, Vec<Run>)> {
     let path = dir.join(schema::RUNS_FILE);
-    let f = std::fs::File::open(&path).with_context(|| {
-        format!(
+    if !path.is_file() {
+        anyhow::bail!(
             "{}: expected the runs table of an experiment (run `kvbench run EXP.yaml`, or \
              `--tables-only` to rebuild it from the cells)",
             path.display()
-        )
-    })?;
-    let df = ParquetReader::new(f)
-        .finish()
-        .with_context(|| format!("reading {}", path.display()))?;
+        );
+    }
+    let df = schema::read_table(&path)?;
     let runs = runs_of(&df);
     Ok((df, runs))
 }
