@@ -32,6 +32,7 @@ fn write_hf_dir(dir: &Path) {
 fn opts(models_dir: &Path, hub: &Path) -> LoadOptions {
     LoadOptions {
         dtype: None,
+        gguf_f32_max_bytes: None,
         seed: 7,
         models_dir: models_dir.into(),
         hub_cache: hf_hub::Cache::new(hub.into()),

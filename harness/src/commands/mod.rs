@@ -1,15 +1,16 @@
-//! The command line: the arguments and the handler of each subcommand. Subcommands
-//! whose whole file is the command live here (generate, models, plot, verify, and the
-//! arguments and handlers of report and run-cell); `kvbench run` and `kvbench compare`
-//! keep theirs beside their logic in `crate::run` and `crate::compare`.
+//! The command line: the arguments and the handler of each subcommand, one file each;
+//! the logic they call lives in the library's modules (`crate::run` the sweep,
+//! `crate::compare` the comparison, `crate::report`, `crate::prediction`, ...).
 
 pub mod calibrate;
+pub mod compare;
 pub mod generate;
 pub mod models;
 pub mod plot;
 pub mod predict;
 pub mod recommend;
 pub mod report;
+pub mod run;
 pub mod run_cell;
 pub mod verify;
 
@@ -38,7 +39,7 @@ pub enum Command {
     /// Run an experiment (performance, accuracy or retention): each cell in its own
     /// process, resumable, results as Parquet in results/<name>/ (`--dry-run` lists
     /// the cells).
-    Run(crate::run::RunArgs),
+    Run(run::RunArgs),
     /// Run one cell of an experiment and print its outcome and metrics as one JSON
     /// object (what the orchestrator runs in a child process per cell).
     RunCell(run_cell::RunCellArgs),
@@ -47,7 +48,7 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.
-    Compare(crate::compare::CompareArgs),
+    Compare(compare::CompareArgs),
     /// Write results/EXP/report.md and a self-contained report.html: environment,
     /// grid, a table per cell, the figures, and what the data says of each of the
     /// study's claims.
@@ -78,9 +79,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Models(a) => models::run(a),
         Command::Plot(a) => plot::run(a),
         Command::Verify(a) => verify::run(a),
-        Command::Run(a) => crate::run::run(a),
+        Command::Run(a) => run::run(a),
         Command::RunCell(a) => run_cell::run(a),
-        Command::Compare(a) => crate::compare::run(a),
+        Command::Compare(a) => compare::run(a),
         Command::Report(a) => report::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Predict(a) => predict::run(a),
