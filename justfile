@@ -92,7 +92,8 @@ validate-cost: build
     trap 'rm -rf "$tmp"' EXIT
     "$kvbench" calibrate results/baselines/cpu/cpu-batch-scaling --device cpu \
         -o results/baselines/cpu/calibration-cpu.yaml \
-        --validate results/baselines/cpu/cpu-output-scaling --table "$tmp/cpu.md" > "$tmp/cpu.log"
+        --validate results/baselines/cpu/cpu-output-scaling results/baselines/cpu/cpu-quickstart \
+        --table "$tmp/cpu.md" > "$tmp/cpu.log"
     # The full cells of gpu-batch-scaling were recorded before the engine synchronized
     # the GPU after each forward: their per-step times are not their own (NOTES.md).
     "$kvbench" calibrate results/baselines/h100/gpu-batch-scaling --device h100-sxm --engines h2o \

@@ -21,13 +21,19 @@ fn baseline(name: &str) -> Measured {
     Measured::load(&dir, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
 }
 
-/// Bounds on the median |error| over the held-out cells (docs/cost-model.md,
-/// "Validation"). TTFT meets the model's goal of 15 %. Decode throughput does not
-/// (18.6 % when this was written): the fit sees batches 4–16 and the held-out cells
-/// run at batch 1, where the CPU engine's matrix-vector path streams the weights
-/// faster than its matrix products do at 8 and 16 rows, a kernel switch a linear
-/// model cannot follow. The bound catches the error growing past what it is now.
-const BOUNDS: [(&str, f64); 2] = [("ttft_mean_s", 0.15), ("decode_tok_s", 0.20)];
+/// Bounds on the median |error| over the held-out cells of each experiment
+/// (docs/cost-model.md, "Validation"), a little above what they are now. The model's
+/// goal is 15 %. cpu-output-scaling's decode throughput misses it (18.6 %): the fit
+/// sees batches 4–16 and those cells run at batch 1, where the CPU engine's
+/// matrix-vector path streams the weights faster than its matrix products do at 8 and
+/// 16 rows, a kernel switch a linear model cannot follow. cpu-quickstart's TTFT misses
+/// it too (15.5 %).
+const BOUNDS: [(&str, &str, f64); 4] = [
+    ("cpu-output-scaling", "ttft_mean_s", 0.15),
+    ("cpu-output-scaling", "decode_tok_s", 0.20),
+    ("cpu-quickstart", "ttft_mean_s", 0.18),
+    ("cpu-quickstart", "decode_tok_s", 0.15),
+];
 
 #[test]
 fn a_cpu_calibration_predicts_a_held_out_cpu_experiment() {
@@ -45,23 +51,25 @@ fn a_cpu_calibration_predicts_a_held_out_cpu_experiment() {
         efficiency: cal.efficiency(),
         tensor_parallel: 1,
     };
-    let held_out = baseline("cpu-output-scaling");
-    let checks = validate(&held_out, &target).unwrap();
-    assert_eq!(checks.len(), held_out.plan.cells.len());
-    assert!(outcome_mismatches(&checks).is_empty());
-    let errors = metric_errors(&checks).unwrap();
-    for (metric, bound) in BOUNDS {
-        let e = errors
-            .iter()
-            .find(|e| e.metric == metric)
-            .unwrap_or_else(|| panic!("no {metric} compared"));
-        assert_eq!(e.cells, checks.len(), "{metric}");
-        assert!(
-            e.median_abs_rel <= bound,
-            "{metric}: median |error| {:.1} % over {} cells",
-            e.median_abs_rel * 100.0,
-            e.cells
-        );
+    for held in ["cpu-output-scaling", "cpu-quickstart"] {
+        let held_out = baseline(held);
+        let checks = validate(&held_out, &target).unwrap();
+        assert_eq!(checks.len(), held_out.plan.cells.len());
+        assert!(outcome_mismatches(&checks).is_empty(), "{held}");
+        let errors = metric_errors(&checks).unwrap();
+        for (_, metric, bound) in BOUNDS.iter().filter(|b| b.0 == held) {
+            let e = errors
+                .iter()
+                .find(|e| e.metric == *metric)
+                .unwrap_or_else(|| panic!("{held}: no {metric} compared"));
+            assert_eq!(e.cells, checks.len(), "{held} {metric}");
+            assert!(
+                e.median_abs_rel <= *bound,
+                "{held} {metric}: median |error| {:.1} % over {} cells",
+                e.median_abs_rel * 100.0,
+                e.cells
+            );
+        }
     }
 }
 
