@@ -70,6 +70,7 @@ fn cell_setup(
     cell: &Cell,
     cfg: &ModelConfig,
     precision: Precision,
+    kind: DeviceKind,
 ) -> Result<cost::Setup> {
     let pairs: Vec<(String, String)> = cell
         .params
@@ -79,6 +80,7 @@ fn cell_setup(
     let policy = PolicySpec::parse(&cell.engine, cell.budget, &pairs)
         .with_context(|| format!("cell {}: engine `{}`", cell.index, cell.engine))?;
     let mut s = cost::Setup::new(cfg.clone(), policy, precision);
+    s.backend = kind;
     s.block_size = plan.exp.scheduler.block_size;
     s.attention = cell.attention.parse().map_err(anyhow::Error::msg)?;
     s.chunk_size = cell.chunk_size.unwrap_or(512);
@@ -159,7 +161,7 @@ pub fn predict_cell(
 ) -> Result<CellResult> {
     let device = cell_device(plan, &target.device)?;
     let precision = precision(plan, device.kind)?;
-    let setup = cell_setup(plan, cell, cfg, precision)?;
+    let setup = cell_setup(plan, cell, cfg, precision, device.kind)?;
     let shape = workload_shape(plan, cell)?;
     let sched = scheduler(plan, cell);
     let tp = TensorParallel::new(target.tensor_parallel)?;
@@ -288,7 +290,7 @@ pub fn cell_observations(
 ) -> Result<CellObservations> {
     let device = cell_device(plan, device)?;
     let precision = precision(plan, device.kind)?;
-    let setup = cell_setup(plan, cell, cfg, precision)?;
+    let setup = cell_setup(plan, cell, cfg, precision, device.kind)?;
     let sched = scheduler(plan, cell);
     let kv_blocks = match setup.policy {
         PolicySpec::Full => {

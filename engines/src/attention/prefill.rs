@@ -205,6 +205,30 @@ pub fn prefill_attention(
     Ok(output(out, lse, col))
 }
 
+/// Bytes per score element the CUDA cuBLAS paths (eager and chunked) hold at their
+/// peak: the bf16 product, f32 scores, the f32 softmax and bf16 probabilities.
+pub const CUDA_SCORE_BYTES: u64 = 14;
+
+/// Scratch of the CUDA eager or chunked prefill of `tq` rows over `n` keys: one
+/// `[H, chunk, n]` score block at [`CUDA_SCORE_BYTES`] each (eager: the whole `tq`
+/// rows at once). H2O's statistics on these paths come from the same matrix. The
+/// flash kernels hold tiles only: as the CPU's [`scratch_bytes`].
+pub fn cuda_scratch_bytes(
+    tq: usize,
+    n: usize,
+    shape: PrefillShape,
+    imp: AttentionImpl,
+    chunk: usize,
+    stats: Option<ColumnStats>,
+) -> u64 {
+    let rows = match imp {
+        AttentionImpl::Eager => tq,
+        AttentionImpl::Chunked => chunk.clamp(1, tq.max(1)),
+        AttentionImpl::Flash => return scratch_bytes(tq, n, shape, imp, chunk, stats),
+    };
+    (shape.num_heads * rows * n) as u64 * CUDA_SCORE_BYTES
+}
+
 /// Bytes of scratch `imp` (and `stats`) would need for this call, without running it:
 /// the largest buffer the call allocates (score matrices; for the tiled paths one work
 /// item's tile buffers). Output, LSE and statistics vectors are not counted.

@@ -1,8 +1,11 @@
 //! Memory held by component, per GPU, and the out-of-memory check in the ledger's
 //! order (docs/cost-model.md §4).
 
+use super::DeviceKind;
 use super::{CostError, Result, Setup};
-use crate::attention::prefill::{scratch_bytes, AttentionImpl, ColumnStats, PrefillShape};
+use crate::attention::prefill::{
+    cuda_scratch_bytes, scratch_bytes, AttentionImpl, ColumnStats, PrefillShape,
+};
 use crate::engine::planned_kv_bytes;
 use crate::error::Component;
 use crate::kv::KvDtype;
@@ -147,8 +150,11 @@ pub fn prefill_activations(s: &Setup, rows: usize, n: usize, sampled: usize) -> 
         _ => None,
     };
     let imp: AttentionImpl = s.attention;
-    activation_bytes(c, s.precision.activation, rows, sampled)
-        + scratch_bytes(rows, n, shape, imp, s.chunk_size, stats)
+    let scratch = match s.backend {
+        DeviceKind::Cpu => scratch_bytes(rows, n, shape, imp, s.chunk_size, stats),
+        DeviceKind::Gpu => cuda_scratch_bytes(rows, n, shape, imp, s.chunk_size, stats),
+    };
+    activation_bytes(c, s.precision.activation, rows, sampled) + scratch
 }
 
 /// Memory held by component on one GPU (`s.model` is the shard) and whether each

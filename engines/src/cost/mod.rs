@@ -121,11 +121,20 @@ pub struct Setup {
     pub attention: AttentionImpl,
     /// Query rows per chunk for chunked attention.
     pub chunk_size: usize,
+    /// Which engine backend's kernels: their attention scratch differs (f32 scores on
+    /// the CPU, [`crate::attention::prefill::CUDA_SCORE_BYTES`] per score on CUDA).
+    pub backend: DeviceKind,
 }
 
 impl Setup {
-    /// `model` running `policy` with kvbench's defaults (block 16, flash, chunk 512).
+    /// `model` running `policy` with kvbench's defaults (block 16, flash, chunk 512),
+    /// on the CPU engine for f32 and the CUDA engine for bf16 (set `backend` otherwise).
     pub fn new(model: ModelConfig, policy: PolicySpec, precision: Precision) -> Self {
+        let backend = if precision == Precision::F32 {
+            DeviceKind::Cpu
+        } else {
+            DeviceKind::Gpu
+        };
         Self {
             model,
             policy,
@@ -133,6 +142,7 @@ impl Setup {
             block_size: 16,
             attention: AttentionImpl::Flash,
             chunk_size: 512,
+            backend,
         }
     }
 

@@ -572,7 +572,7 @@ pub fn prefill_attention_stats(
     let g = h / kvh;
     let chunk = chunk.clamp(1, t.max(1));
     // Peak bytes per score element: bf16 product, f32 scores, f32 softmax, bf16 probs.
-    let scratch = (h * chunk * n * 14) as u64;
+    let scratch = (h * chunk * n) as u64 * crate::attention::prefill::CUDA_SCORE_BYTES;
     if let Some(limit) = scratch_limit.filter(|&l| scratch > l) {
         return Err(Error::OutOfMemory {
             device: format!("{:?}", q.device().location()),
