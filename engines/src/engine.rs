@@ -12,7 +12,7 @@ use crate::model::Llama;
 use crate::policy::audit::{allowed_device_bytes, nominal_attended, nominal_device_bytes};
 use crate::policy::full::{FullOptions, FullPolicy};
 use crate::policy::spec::{PolicyEnv, PolicySpec, Reservation};
-use crate::policy::{KvPolicy, SeqId, StepBatch};
+use crate::policy::{KvPolicy, SeqId, SeqInfo, StepBatch};
 use crate::scheduler::{Plan, Scheduler, SchedulerConfig, Sequence};
 use crate::trace::{EventKind, FinishReason, RequestEvent, RequestOutput, StepKind, StepTrace};
 use candle_core::DType;
@@ -317,9 +317,11 @@ impl Engine {
     }
 
     /// Allocate ahead what the policy would otherwise allocate inside timed steps, for
-    /// sequences of `held` tokens each held at once (see [`KvPolicy::prepare`]).
-    pub fn prepare(&mut self, held: &[usize]) -> Result<()> {
-        self.policy.prepare(held)
+    /// the `held` sequences running at once (see [`KvPolicy::prepare`]), and hold it
+    /// in the ledger.
+    pub fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
+        self.policy.prepare(held)?;
+        hold_kv_device(&mut self.ledger, self.policy.as_ref())
     }
 
     /// Restart the engine clock (call just before submitting a workload).

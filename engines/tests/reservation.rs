@@ -210,3 +210,49 @@ fn the_option_is_split_off_the_strategy_parameters_and_checked() {
     let h2o = PolicySpec::parse("h2o", 0.3, &[]).unwrap();
     assert_eq!(Reservation::default_for(&h2o), Reservation::Budget);
 }
+
+#[test]
+fn a_prepared_budget_pool_holds_the_batch_peak_before_the_timed_steps() {
+    use kvbench_engines::policy::SeqInfo;
+    let model = tiny();
+    let b = block(model.cfg.num_layers);
+    let (prompt, output) = (100, 8);
+    for name in ["h2o", "streaming"] {
+        // One prompt prefilled at a time (the study's H2O): the peak is every sequence
+        // at its capacity plus one prompt whole.
+        let mut c = cfg(spec(&model, name, 0.3, &[]), None);
+        c.scheduler.prefill = PrefillMode::Sequential;
+        let run = |prepare: bool| {
+            let mut e = Engine::new(tiny(), c.clone()).unwrap();
+            let info = SeqInfo {
+                prompt_len: prompt,
+                max_new_tokens: output,
+                prefill_len: prompt,
+            };
+            if prepare {
+                e.prepare(&[info; BATCH]).unwrap();
+            }
+            let before = e.memory().kv_device;
+            let mut seed = 7;
+            for _ in 0..BATCH {
+                e.add_request(Request::greedy(random_tokens(prompt, &mut seed), output))
+                    .unwrap();
+            }
+            e.run().unwrap();
+            (before, e.memory().kv_device)
+        };
+        let (none, grown) = run(false);
+        assert_eq!(none, 0, "{name}: nothing held before the first step");
+        let (before, after) = run(true);
+        // Prepared: the steps grow nothing, and the pool is the peak the unprepared
+        // engine grew to inside its steps.
+        assert_eq!(before, after, "{name}");
+        assert_eq!(
+            before,
+            grown,
+            "{name}: {} vs {} blocks",
+            before / b,
+            grown / b
+        );
+    }
+}

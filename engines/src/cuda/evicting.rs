@@ -32,7 +32,7 @@ use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv::{BlockId, BlockPool};
-use crate::policy::evicting::{Counts, Eviction, SeqState, VictimKind};
+use crate::policy::evicting::{peak_blocks, Counts, Eviction, SeqState, VictimKind};
 use crate::policy::spec::{PolicyEnv, Reservation};
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
@@ -661,6 +661,14 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) {
         self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+    }
+
+    fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
+        // A pool reserved on demand grows to the batch's peak before the timed steps
+        // (device buffers included), not inside them.
+        self.pool
+            .grow_to(peak_blocks(&self.rule, held, self.block_size));
+        self.grow_device()
     }
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {

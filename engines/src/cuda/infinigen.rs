@@ -1625,7 +1625,11 @@ impl KvPolicy for CudaInfinigenPolicy {
     /// Pin the host tier and size the step buffers for the workload ahead: pinning
     /// takes tens of milliseconds per chunk, which would otherwise land in the steps
     /// that first reach it.
-    fn prepare(&mut self, held: &[usize]) -> Result<()> {
+    fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
+        let held: Vec<usize> = held
+            .iter()
+            .map(|i| i.prompt_len + i.max_new_tokens)
+            .collect();
         if self.off() == 0 || held.is_empty() {
             return Ok(());
         }

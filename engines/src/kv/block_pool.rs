@@ -84,6 +84,20 @@ impl BlockPool {
         Some(out.into_iter().rev().collect())
     }
 
+    /// An on-demand pool grows to hold at least `blocks` blocks (within its limit)
+    /// without handing them out; a pool allocated up front already holds its limit.
+    pub fn grow_to(&mut self, blocks: usize) {
+        let target = blocks.min(self.limit);
+        if target > self.num_blocks() {
+            let start = self.ref_counts.len();
+            let extra = target - start;
+            self.ref_counts.resize(target, 0);
+            // As `allocate`: new ids under the free list.
+            self.free
+                .splice(0..0, (start as BlockId..(start + extra) as BlockId).rev());
+        }
+    }
+
     /// Grow a block table to `blocks` blocks, all or nothing (`false`: the pool is
     /// short). A table already that long is left as it is.
     pub fn grow(&mut self, table: &mut Vec<BlockId>, blocks: usize) -> bool {

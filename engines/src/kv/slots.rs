@@ -113,6 +113,13 @@ impl SlotStore {
         (2 * self.num_layers * self.kv.token_stride() * self.kv.dtype().size()) as u64
     }
 
+    /// Grow a pool reserved on demand to `blocks` blocks ahead of need (see
+    /// [`BlockPool::grow_to`]).
+    pub fn grow_to(&mut self, blocks: usize) {
+        self.pool.grow_to(blocks);
+        self.kv.ensure_blocks(self.pool.num_blocks());
+    }
+
     /// Make `seq` own at least `slots` slots; all or nothing.
     pub fn reserve(&mut self, seq: SeqId, slots: usize) -> bool {
         let (layers, hkv) = (self.num_layers, self.num_kv_heads);

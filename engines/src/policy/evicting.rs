@@ -107,6 +107,30 @@ impl SeqState {
     }
 }
 
+/// Blocks of `block_size` slots the `held` sequences need at once at their peak:
+/// each at its capacity after eviction plus the token being added, and the largest
+/// prompt whole besides (a prefill holds every token until the eviction that ends it).
+/// Exact for one prompt prefilled at a time; a chunked step that prefills several
+/// grows the pool past it.
+pub(crate) fn peak_blocks<E: Eviction>(rule: &E, held: &[SeqInfo], block_size: usize) -> usize {
+    let bs = block_size.max(1);
+    let total = |i: &SeqInfo| i.prompt_len + i.max_new_tokens;
+    let kept = |i: &SeqInfo| match rule.counts(i) {
+        Some(c) => (c.capacity + 1).min(total(i)),
+        None => total(i),
+    };
+    let prompt_extra = held
+        .iter()
+        .map(|i| {
+            i.prefill_len
+                .div_ceil(bs)
+                .saturating_sub(kept(i).div_ceil(bs))
+        })
+        .max()
+        .unwrap_or(0);
+    held.iter().map(|i| kept(i).div_ceil(bs)).sum::<usize>() + prompt_extra
+}
+
 pub struct EvictingPolicy<E: Eviction> {
     rule: E,
     env: PolicyEnv,
@@ -240,6 +264,13 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) {
         self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+    }
+
+    fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
+        // A pool reserved on demand grows to the batch's peak before the timed steps.
+        let blocks = peak_blocks(&self.rule, held, self.store.block_size());
+        self.store.grow_to(blocks);
+        Ok(())
     }
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {

@@ -190,10 +190,11 @@ pub trait KvPolicy: Send {
     /// A sequence is (re-)admitted; called before its first `reserve`.
     fn admit(&mut self, _seq: SeqId, _info: SeqInfo) {}
 
-    /// Before a workload: make room ahead for sequences of `held` tokens each (prompt
-    /// and output) held at once, so that one-off allocations (pinning an offloading
-    /// policy's host memory, its transfer buffers) do not fall inside timed steps.
-    fn prepare(&mut self, _held: &[usize]) -> Result<()> {
+    /// Before a workload: make room ahead for the `held` sequences running at once, so
+    /// that one-off allocations (pinning an offloading policy's host memory, its
+    /// transfer buffers, growing a pool reserved on demand) do not fall inside timed
+    /// steps.
+    fn prepare(&mut self, _held: &[SeqInfo]) -> Result<()> {
         Ok(())
     }
 

@@ -12,6 +12,7 @@ use kvbench_datasets::prompts::slice_prompts;
 use kvbench_datasets::Tokenize;
 use kvbench_engines::engine::{Engine, Request, StepOutcome};
 use kvbench_engines::ledger::MemoryReport;
+use kvbench_engines::policy::SeqInfo;
 use kvbench_engines::tokenizer::TextTokenizer;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -319,12 +320,16 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         let mut eng = engine(plan, cell, &setup, models_dir)?;
         // At most `batch` requests are held at once: room for the longest ones is
         // allocated before anything is timed.
-        let mut lengths: Vec<usize> = requests
+        let mut held: Vec<SeqInfo> = requests
             .iter()
-            .map(|r| r.prompt.len() + r.max_new_tokens)
+            .map(|r| SeqInfo {
+                prompt_len: r.prompt.len(),
+                max_new_tokens: r.max_new_tokens,
+                prefill_len: r.prompt.len(),
+            })
             .collect();
-        lengths.sort_unstable_by(|a, b| b.cmp(a));
-        eng.prepare(&lengths[..cell.batch.min(lengths.len())])?;
+        held.sort_unstable_by_key(|i| std::cmp::Reverse(i.prompt_len + i.max_new_tokens));
+        eng.prepare(&held[..cell.batch.min(held.len())])?;
         let (warm, measured) = requests.split_at(e.warmup);
         // Warm-up requests all go at once, whatever the cap.
         drive_live(&mut eng, warm, None, &mut progress)?;
