@@ -211,3 +211,53 @@ fn the_h100_calibration_predicts_the_ttft_grid_it_was_not_fitted_on() {
     assert_eq!(ttft.cells, 12);
     assert!(ttft.median_abs_rel <= 0.05, "{ttft:?}");
 }
+
+#[test]
+fn predict_records_a_results_directory_that_plot_overlays_on_the_measured_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kvbench = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .current_dir(repo())
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let results = tmp.path().to_str().unwrap();
+    let said = kvbench(&[
+        "predict",
+        "results/baselines/cpu/cpu-output-scaling/experiment.yaml",
+        "--device",
+        "cpu",
+        "--calibration",
+        "results/baselines/cpu/calibration-cpu.yaml",
+        "--results",
+        results,
+    ]);
+    assert!(said.contains("9 cells predicted for cpu (9 ok"), "{said}");
+    let dir = tmp.path().join("cpu-output-scaling-predicted-cpu");
+    let runs = kvbench_plots::schema::read_table(&dir.join("runs.parquet")).unwrap();
+    let predicted = runs.column("predicted").unwrap().bool().unwrap();
+    assert!(predicted.iter().all(|p| p == Some(true)));
+    // The walltime breakdown is not modelled: null, never zero.
+    let prefill = runs.column("wall_prefill_s").unwrap();
+    assert_eq!(prefill.null_count(), runs.height());
+    let figs = tmp.path().join("figs");
+    kvbench(&[
+        "plot",
+        "results/baselines/cpu/cpu-output-scaling",
+        "--with",
+        dir.to_str().unwrap(),
+        "--out",
+        figs.to_str().unwrap(),
+        "--figures",
+        "fig6",
+    ]);
+    let svg = std::fs::read_to_string(figs.join("fig6.svg")).unwrap();
+    assert!(svg.contains("h2o (predicted)") && svg.contains("PREDICTED by the cost model"));
+}

@@ -135,6 +135,31 @@ pub struct Tables {
     pub accuracy_missing: Option<String>,
 }
 
+impl Tables {
+    /// Add another results directory's cells to these, for figures that overlay them
+    /// (a measured experiment and its prediction): runs and devices join, the
+    /// experiment names are listed, the accuracy table stays this one's.
+    pub fn merge(&mut self, other: Tables) {
+        if !other.runs.is_empty() {
+            self.runs_missing = None;
+        }
+        self.runs.extend(other.runs);
+        for d in other.meta.devices {
+            if !self.meta.devices.contains(&d) {
+                self.meta.devices.push(d);
+            }
+        }
+        self.meta.cells += other.meta.cells;
+        if !other.meta.experiment.is_empty() && other.meta.experiment != self.meta.experiment {
+            self.meta.experiment = format!("{} + {}", self.meta.experiment, other.meta.experiment);
+        }
+        if self.meta.model.is_none() {
+            self.meta.model = other.meta.model;
+        }
+        self.missing_columns.extend(other.missing_columns);
+    }
+}
+
 /// A column as f64 values (numbers cast, strings parsed where they are numbers).
 pub fn f64s(df: &DataFrame, name: &str) -> Option<Vec<Option<f64>>> {
     let c = df.column(name).ok()?;
@@ -304,6 +329,7 @@ impl Tables {
                     opt_s("cell_model")
                 }
             };
+            let predicted = opt_s(schema::PREDICTED);
             let gpu = opt_s("env_gpu_name");
             let cpu = opt_s("env_cpu_model");
             let cores = opt_f("env_cpu_cores");
@@ -317,10 +343,15 @@ impl Tables {
                     (Some(s), None) => Prompt::Dist(dist_label(s)),
                     (None, None) => Prompt::Unknown,
                 };
-                let params: Vec<String> = params
+                let mut params: Vec<String> = params
                     .iter()
                     .filter_map(|(k, v)| v[i].as_ref().map(|v| format!("{k}={v}")))
                     .collect();
+                // A cell of `kvbench predict` is a series of its own beside the
+                // measured one of the same engine (figures overlaying both).
+                if predicted[i].as_deref() == Some("true") {
+                    params.push("predicted".into());
+                }
                 let outcome = match outcome[i].as_deref() {
                     Some("ok") => Outcome::Ok,
                     Some("oom") => Outcome::Oom,

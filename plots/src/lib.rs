@@ -229,6 +229,24 @@ pub fn render(dir: &Path, figures: &[FigureId], ctx: &Context) -> Result<Vec<Rep
     render_tables(&tables, figures, ctx)
 }
 
+/// [`render`] over several results directories drawn together: the first gives the
+/// output directory, the others' cells join it (a measured experiment and its
+/// prediction, whose cells are series of their own, `(predicted)`).
+pub fn render_overlay(
+    dirs: &[PathBuf],
+    figures: &[FigureId],
+    ctx: &Context,
+) -> Result<Vec<Report>, Error> {
+    let Some((first, rest)) = dirs.split_first() else {
+        return Ok(Vec::new());
+    };
+    let mut tables = Tables::load(first, ctx.model.clone())?;
+    for d in rest {
+        tables.merge(Tables::load(d, ctx.model.clone())?);
+    }
+    render_tables(&tables, figures, ctx)
+}
+
 /// Render from tables already loaded (tests build them in memory).
 pub fn render_tables(
     tables: &Tables,

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, Result};
 use clap::Args;
-use kvbench_plots::{parse_figures, render, Context as PlotContext, FigureId};
+use kvbench_plots::{parse_figures, render, render_overlay, Context as PlotContext, FigureId};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Args)]
@@ -19,6 +19,12 @@ pub struct PlotArgs {
     /// Where to write the figures (default: RESULTS/figures/).
     #[arg(long)]
     pub out: Option<PathBuf>,
+
+    /// More results directories drawn in the same figures, e.g. the prediction of the
+    /// same experiment (`kvbench predict`): its cells are series of their own, marked
+    /// `(predicted)`. Give `--out` to keep RESULTS/figures/ as it is.
+    #[arg(long, num_args = 1..)]
+    pub with: Vec<PathBuf>,
 }
 
 /// `results/EXP` as given, else `./results/EXP` when only a name was given.
@@ -51,7 +57,13 @@ pub fn run(a: PlotArgs) -> Result<()> {
         model: model_of(&dir),
         out_dir: a.out.clone(),
     };
-    let reports = render(&dir, &figures, &ctx)?;
+    let reports = if a.with.is_empty() {
+        render(&dir, &figures, &ctx)?
+    } else {
+        let mut dirs = vec![dir.clone()];
+        dirs.extend(a.with.iter().map(|d| resolve(d)));
+        render_overlay(&dirs, &figures, &ctx)?
+    };
     let empty = reports.iter().filter(|r| r.no_data.is_some()).count();
     for r in &reports {
         println!("{r}");
