@@ -260,4 +260,12 @@ fn predict_records_a_results_directory_that_plot_overlays_on_the_measured_one() 
     ]);
     let svg = std::fs::read_to_string(figs.join("fig6.svg")).unwrap();
     assert!(svg.contains("h2o (predicted)") && svg.contains("PREDICTED by the cost model"));
+    // The report of predicted cells says so before anything else.
+    kvbench(&["report", dir.to_str().unwrap()]);
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    let banner = md.lines().nth(2).unwrap_or_default();
+    assert!(
+        banner.starts_with("> **Predicted, not measured.** 9 of 9 cells"),
+        "{banner}"
+    );
 }

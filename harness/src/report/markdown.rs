@@ -21,6 +21,20 @@ pub(crate) fn render(
     let name =
         first(df, kvbench_plots::schema::EXPERIMENT).unwrap_or_else(|| dir.display().to_string());
     writeln!(md, "# kvbench report: {name}\n")?;
+    let predicted = strings(df, kvbench_plots::schema::PREDICTED)
+        .iter()
+        .filter(|p| p.as_deref() == Some("true"))
+        .count();
+    if predicted > 0 {
+        writeln!(
+            md,
+            "> **Predicted, not measured.** {predicted} of {} cells were predicted by the cost \
+             model (`kvbench predict`{}); every number and verdict below is the model's \
+             (docs/cost-model.md gives its validation and limits).\n",
+            df.height(),
+            first(df, "env_prediction").map_or(String::new(), |p| format!(": {p}"))
+        )?;
+    }
     writeln!(md, "## Environment\n")?;
     // The model as the experiment names it (its YAML is kept beside the results).
     let spec: Option<serde_yaml::Value> = std::fs::read_to_string(dir.join("experiment.yaml"))
