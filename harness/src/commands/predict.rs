@@ -69,12 +69,20 @@ pub fn run(a: PredictArgs) -> Result<()> {
             c.efficiency()
         }
         None => {
+            let e = Efficiency::peak(&device).with_context(|| {
+                format!(
+                    "{} has no datasheet peaks to predict with: give --calibration (a file \
+                     of `kvbench calibrate`; results/baselines/cpu/calibration-cpu.yaml is \
+                     the development machine's)",
+                    device.name
+                )
+            })?;
             eprintln!(
                 "no --calibration: predicting with {}'s datasheet peaks (the roofline, a lower \
                  bound on every time)",
                 device.name
             );
-            Efficiency::peak(&device)?
+            e
         }
     };
     let cfg = model_config(&plan, &a.models_dir)?;

@@ -295,7 +295,14 @@ pub fn run(a: RecommendArgs) -> Result<()> {
             }
             c.efficiency()
         }
-        None => Efficiency::peak(&device)?,
+        None => Efficiency::peak(&device).with_context(|| {
+            format!(
+                "{} has no datasheet peaks to predict with: give --calibration (a file of \
+                 `kvbench calibrate`; results/baselines/cpu/calibration-cpu.yaml is the \
+                 development machine's)",
+                device.name
+            )
+        })?,
     };
     let slo = a
         .slo
