@@ -79,6 +79,27 @@ impl Linear {
         })
     }
 
+    /// Several products of the same input: as one pass over the thread pool when all
+    /// take the matrix-vector path, one by one otherwise.
+    pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+        let dense: Option<Vec<&Tensor>> = ls
+            .iter()
+            .map(|l| match l {
+                Linear::Dense(w) => Some(w),
+                Linear::Quantized { .. } => None,
+            })
+            .collect();
+        if let Some(ws) = dense {
+            if let Some(ys) = gemv_many(&ws, x)? {
+                if let Ok(ys) = <[Tensor; N]>::try_from(ys) {
+                    return Ok(ys);
+                }
+            }
+        }
+        let ys: Vec<Tensor> = ls.iter().map(|l| l.forward(x)).collect::<Result<_>>()?;
+        Ok(<[Tensor; N]>::try_from(ys).unwrap_or_else(|_| unreachable!("one output per input")))
+    }
+
     pub fn bytes(&self) -> u64 {
         match self {
             Linear::Quantized { bytes, .. } => *bytes,
@@ -94,47 +115,68 @@ const GEMV_MAX_ROWS: usize = 4;
 /// (`[out, in]`) on the CPU: each weight row is read once and dotted with every input
 /// row while it is in cache. `None` where it does not apply (gemm then runs).
 fn gemv(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    Ok(gemv_many(&[w], x)?.map(|mut ys| ys.remove(0)))
+}
+
+/// [`gemv`] of several matrices on the same input in one pass over the thread pool
+/// (one hand-off per group instead of one per matrix: Q, K and V; gate and up).
+/// `None` unless every matrix takes the matrix-vector path.
+fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     use candle_core::{CpuStorage, Storage};
     use rayon::prelude::*;
-    if !x.device().is_cpu()
-        || x.rank() != 2
-        || x.dim(0)? > GEMV_MAX_ROWS
-        || x.dtype() != DType::F32
-        || w.dtype() != DType::F32
-        || w.rank() != 2
-        || !w.is_contiguous()
-        || w.dim(1)? != x.dim(1)?
+    if !x.device().is_cpu() || x.rank() != 2 || x.dim(0)? > GEMV_MAX_ROWS || x.dtype() != DType::F32
     {
         return Ok(None);
     }
-    let (rows, k, n) = (x.dim(0)?, x.dim(1)?, w.dim(0)?);
+    let (rows, k) = (x.dim(0)?, x.dim(1)?);
+    for w in ws {
+        if w.dtype() != DType::F32 || w.rank() != 2 || !w.is_contiguous() || w.dim(1)? != k {
+            return Ok(None);
+        }
+    }
     let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-    let (storage, layout) = w.storage_and_layout();
-    let Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
-        return Ok(None);
-    };
-    let wd = &data[layout.start_offset()..layout.start_offset() + n * k];
+    let guards: Vec<_> = ws.iter().map(|w| w.storage_and_layout()).collect();
+    let mut datas = Vec::with_capacity(ws.len());
+    for (storage, layout) in &guards {
+        let Storage::Cpu(CpuStorage::F32(data)) = &**storage else {
+            return Ok(None);
+        };
+        datas.push(&data[layout.start_offset()..]);
+    }
+    let ns: Vec<usize> = ws
+        .iter()
+        .map(|w| w.dim(0))
+        .collect::<candle_core::Result<_>>()?;
     let avx = crate::attention::paged::has_avx2_fma();
-    // Output-major ([n, rows]) so each thread writes one contiguous run; blocks of 64
-    // weight rows keep the work coarse enough for the thread pool.
+    // Output-major ([n, rows]) so each work item writes one contiguous run; blocks of
+    // 64 weight rows keep the work coarse enough for the thread pool.
     const BLOCK: usize = 64;
-    let mut yt = vec![0f32; n * rows];
-    yt.par_chunks_mut(BLOCK * rows)
-        .zip(wd.par_chunks(BLOCK * k))
-        .for_each(|(ys, ws)| {
-            for (yr, wr) in ys.chunks_exact_mut(rows).zip(ws.chunks_exact(k)) {
-                for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
-                    *y = crate::attention::paged::dot_with(avx, wr, xr);
-                }
+    let mut outs: Vec<Vec<f32>> = ns.iter().map(|&n| vec![0f32; n * rows]).collect();
+    let mut items: Vec<(&mut [f32], &[f32])> = Vec::new();
+    for ((y, wd), &n) in outs.iter_mut().zip(&datas).zip(&ns) {
+        items.extend(
+            y.chunks_mut(BLOCK * rows)
+                .zip(wd[..n * k].chunks(BLOCK * k)),
+        );
+    }
+    items.into_par_iter().for_each(|(ys, ws)| {
+        for (yr, wr) in ys.chunks_exact_mut(rows).zip(ws.chunks_exact(k)) {
+            for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
+                *y = crate::attention::paged::dot_with(avx, wr, xr);
             }
+        }
+    });
+    drop(guards);
+    let mut ys = Vec::with_capacity(outs.len());
+    for (yt, n) in outs.into_iter().zip(ns) {
+        let y = Tensor::from_vec(yt, (n, rows), x.device())?;
+        ys.push(if rows == 1 {
+            y.reshape((1, n))?
+        } else {
+            y.t()?.contiguous()?
         });
-    drop(storage);
-    let y = Tensor::from_vec(yt, (n, rows), x.device())?;
-    Ok(Some(if rows == 1 {
-        y.reshape((1, n))?
-    } else {
-        y.t()?.contiguous()?
-    }))
+    }
+    Ok(Some(ys))
 }
 
 /// [`Llama::activation_bytes`] from the shape alone (elements of `elem` bytes): the
@@ -384,9 +426,10 @@ impl Llama {
         let (cos, sin) = self.rope_tables(positions)?;
         for (li, l) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &l.attn_norm, eps)?;
-            let q_raw = l.wq.forward(&h)?.reshape((t, c.num_heads, c.head_dim))?;
-            let k_raw = l.wk.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
-            let v = l.wv.forward(&h)?.reshape((t, c.num_kv_heads, c.head_dim))?;
+            let [q_raw, k_raw, v] = Linear::forward_many([&l.wq, &l.wk, &l.wv], &h)?;
+            let q_raw = q_raw.reshape((t, c.num_heads, c.head_dim))?;
+            let k_raw = k_raw.reshape((t, c.num_kv_heads, c.head_dim))?;
+            let v = v.reshape((t, c.num_kv_heads, c.head_dim))?;
             let q = self.rope(&q_raw, &cos, &sin)?;
             let k = self.rope(&k_raw, &cos, &sin)?;
             let a = attend(&LayerInput {
@@ -403,8 +446,8 @@ impl Llama {
             let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
             x = (x + a)?;
             let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
-            let gate = candle_nn::ops::silu(&l.gate.forward(&h)?)?;
-            let m = l.down.forward(&(gate * l.up.forward(&h)?)?)?;
+            let [gate, up] = Linear::forward_many([&l.gate, &l.up], &h)?;
+            let m = l.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
             x = (x + m)?;
         }
         if sample_rows.is_empty() {
@@ -471,5 +514,34 @@ mod tests {
         assert!(gemv(&w, &x).unwrap().is_none());
         let x = Tensor::randn(0f32, 1.0, (1, n), &dev).unwrap();
         assert!(gemv(&w.t().unwrap(), &x).unwrap().is_none());
+    }
+
+    #[test]
+    fn products_of_one_input_in_one_pass_match_each_alone() {
+        let dev = Device::Cpu;
+        let k = 45;
+        // Q, K, V of unequal heights, one not a multiple of the 64-row block.
+        let ws: Vec<Linear> = [130, 64, 7]
+            .iter()
+            .map(|&n| Linear::Dense(Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap()))
+            .collect();
+        for rows in [1, 3, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 3] {
+            let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
+            let got = Linear::forward_many([&ws[0], &ws[1], &ws[2]], &x).unwrap();
+            for (g, l) in got.iter().zip(&ws) {
+                let Linear::Dense(w) = l else { unreachable!() };
+                let want = x.matmul(&w.t().unwrap()).unwrap();
+                assert_eq!(g.dims(), want.dims());
+                let diff = crate::compare::max_abs_diff(
+                    g.flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                        .into_iter()
+                        .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
+                );
+                assert!(diff <= 1e-4, "rows {rows}: {diff}");
+            }
+        }
     }
 }
