@@ -96,8 +96,10 @@ pub struct RecommendArgs {
     /// PATH.svg; `--prompt-len` and `--batch` are then not needed.
     #[arg(long, value_name = "PATH")]
     pub map: Option<PathBuf>,
+    /// Batches of the crossover map (its rows).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,128")]
     pub map_batches: Vec<usize>,
+    /// Prompt lengths of the crossover map (its columns; `K` is a thousand).
     #[arg(long, value_delimiter = ',', default_value = "1K,4K,16K,32K,64K,128K")]
     pub map_prompts: Vec<String>,
     /// Print the ranking as JSON.
