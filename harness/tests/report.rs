@@ -98,3 +98,43 @@ fn the_report_lists_every_figure_and_judges_the_claims_the_data_can_speak_to() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("results/none"));
 }
+
+#[test]
+fn one_report_over_several_experiments_takes_each_claim_from_the_one_with_its_data() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let o = out.path().join("combined");
+    let dirs = [
+        "results/baselines/h100/gpu-ttft",
+        "results/baselines/cpu/cpu-accuracy",
+    ];
+    let mut args = vec!["report"];
+    args.extend(dirs);
+    // Several directories need a place for the combined report.
+    let no_out = kvbench(&args, repo);
+    assert!(!no_out.status.success());
+    assert!(String::from_utf8_lossy(&no_out.stderr).contains("give --out DIR"));
+    args.extend(["--out", o.to_str().unwrap()]);
+    let r = kvbench(&args, repo);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let md = std::fs::read_to_string(o.join("report.md")).unwrap();
+    assert!(md.starts_with("# kvbench report: gpu-ttft + cpu-accuracy"));
+    for name in ["gpu-ttft", "cpu-accuracy"] {
+        assert!(md.contains(&format!("## Experiment {name}")), "{name}");
+    }
+    let claim = |id: &str| {
+        let at = md.find(&format!("- **{id}**")).unwrap();
+        md[at..].lines().nth(1).unwrap_or_default().to_string()
+    };
+    // C1 from the TTFT grid, C10 from the accuracy runs, C2 from neither.
+    assert!(claim("C1").contains("(from gpu-ttft)"), "{}", claim("C1"));
+    assert!(
+        claim("C10").contains("(from cpu-accuracy)"),
+        "{}",
+        claim("C10")
+    );
+    assert!(claim("C2").contains("*cannot tell*"), "{}", claim("C2"));
+    // The figures are linked from where the report is.
+    assert!(md.contains("gpu-ttft/figures/fig1.png"));
+    assert!(o.join("report.html").is_file());
+}

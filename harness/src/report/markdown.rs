@@ -21,6 +21,111 @@ pub(crate) fn render(
     let name =
         first(df, kvbench_plots::schema::EXPERIMENT).unwrap_or_else(|| dir.display().to_string());
     writeln!(md, "# kvbench report: {name}\n")?;
+    md.push_str(&sections(dir, df, runs, figs, img)?);
+    writeln!(md, "## The study's claims\n")?;
+    writeln!(
+        md,
+        "Judged on this experiment's cells only, the repeats of a cell averaged; each verdict gives the claim's number, the tolerance accepted and ours, and what it does not check (thresholds in harness/src/report/claims/).\n"
+    )?;
+    for c in judge_all(runs, read_accuracy(dir).as_deref()) {
+        writeln!(
+            md,
+            "- **{}** {}  \n  *{}*: {}",
+            c.id, c.text, c.verdict, c.evidence
+        )?;
+    }
+    Ok(md)
+}
+
+/// One experiment of a combined report.
+pub(crate) struct Part {
+    pub dir: PathBuf,
+    pub df: DataFrame,
+    pub runs: Vec<Run>,
+    pub figs: Vec<PathBuf>,
+}
+
+impl Part {
+    fn name(&self) -> String {
+        first(&self.df, kvbench_plots::schema::EXPERIMENT)
+            .unwrap_or_else(|| self.dir.display().to_string())
+    }
+}
+
+/// One report over several experiments: each one's environment, grid, cells and
+/// figures, then each claim judged from the experiments that have its data, in the
+/// order given (the first informative verdict leads; the others follow it).
+pub(crate) fn render_many(parts: &[Part], img: &dyn Fn(&Path) -> Result<String>) -> Result<String> {
+    let mut md = String::new();
+    let names: Vec<String> = parts.iter().map(Part::name).collect();
+    writeln!(md, "# kvbench report: {}\n", names.join(" + "))?;
+    for (p, name) in parts.iter().zip(&names) {
+        writeln!(md, "## Experiment {name}\n\n`{}`\n", p.dir.display())?;
+        // One level down: the experiment's sections under its own heading.
+        let body = sections(&p.dir, &p.df, &p.runs, &p.figs, img)?
+            .replace("\n### ", "\n#### ")
+            .replace("\n## ", "\n### ");
+        let body = body
+            .strip_prefix("## ")
+            .map_or(body.clone(), |b| format!("### {b}"));
+        md.push_str(&body);
+        md.push('\n');
+    }
+    writeln!(md, "## The study's claims\n")?;
+    writeln!(
+        md,
+        "Each claim judged on each experiment's cells alone (repeats averaged), then taken from the first experiment above whose data can speak to it; the others' verdicts follow (thresholds in harness/src/report/claims/).\n"
+    )?;
+    let judged: Vec<Vec<Claim>> = parts
+        .iter()
+        .map(|p| judge_all(&p.runs, read_accuracy(&p.dir).as_deref()))
+        .collect();
+    for (i, c) in judged[0].iter().enumerate() {
+        let all: Vec<(&String, &Claim)> = names.iter().zip(judged.iter().map(|j| &j[i])).collect();
+        let told: Vec<&(&String, &Claim)> = all
+            .iter()
+            .filter(|(_, c)| c.verdict != Verdict::CannotTell)
+            .collect();
+        match told.split_first() {
+            None => {
+                let why: Vec<String> = all
+                    .iter()
+                    .map(|(n, c)| format!("{n}: {}", c.evidence))
+                    .collect();
+                writeln!(
+                    md,
+                    "- **{}** {}  \n  *{}*: {}",
+                    c.id,
+                    c.text,
+                    Verdict::CannotTell,
+                    why.join("; ")
+                )?;
+            }
+            Some((lead, rest)) => {
+                writeln!(
+                    md,
+                    "- **{}** {}  \n  *{}* (from {}): {}",
+                    c.id, c.text, lead.1.verdict, lead.0, lead.1.evidence
+                )?;
+                for (n, other) in rest {
+                    writeln!(md, "  - also {n}: *{}*: {}", other.verdict, other.evidence)?;
+                }
+            }
+        }
+    }
+    Ok(md)
+}
+
+/// An experiment's sections: the predicted banner, environment, grid, cells and
+/// figures.
+fn sections(
+    dir: &Path,
+    df: &DataFrame,
+    runs: &[Run],
+    figs: &[PathBuf],
+    img: &dyn Fn(&Path) -> Result<String>,
+) -> Result<String> {
+    let mut md = String::new();
     let predicted = strings(df, kvbench_plots::schema::PREDICTED)
         .iter()
         .filter(|p| p.as_deref() == Some("true"))
@@ -171,20 +276,6 @@ pub(crate) fn render(
             .file_stem()
             .map_or(String::new(), |s| s.to_string_lossy().into_owned());
         writeln!(md, "### {stem}\n\n{}\n", img(f)?)?;
-    }
-    writeln!(md, "## The study's claims\n")?;
-    // The path is kept as the committed reports print it (the thresholds are now in
-    // src/report/claims/); changing it would change every report.
-    writeln!(
-        md,
-        "Judged on this experiment's cells only, the repeats of a cell averaged; each verdict gives the claim's number, the tolerance accepted and ours, and what it does not check (thresholds in harness/src/report/claims/).\n"
-    )?;
-    for c in judge_all(runs, read_accuracy(dir).as_deref()) {
-        writeln!(
-            md,
-            "- **{}** {}  \n  *{}*: {}",
-            c.id, c.text, c.verdict, c.evidence
-        )?;
     }
     Ok(md)
 }

@@ -19,6 +19,6 @@ mod tests;
 
 pub use claims::{judge_all, Claim, Verdict};
 pub(crate) use html::to_html;
-pub(crate) use markdown::render;
+pub(crate) use markdown::{render, render_many, Part};
 pub(crate) use read::{figures, first, read_accuracy};
 pub use read::{read_runs, Run};
