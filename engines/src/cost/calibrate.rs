@@ -14,28 +14,11 @@ use std::path::Path;
 /// holds one prompt in the study's sequential mode, so it cannot be told from the
 /// step overhead. Terms whose feature is zero in every observation (the host link
 /// without offloading, all-reduces on one device) stay at zero.
-pub fn terms(phase: Phase) -> &'static [Term] {
-    match phase {
-        Phase::Prefill => &[
-            Term::StepOverhead,
-            Term::Bandwidth,
-            Term::Flops,
-            Term::AttentionFlops,
-            Term::Link,
-            Term::AllreduceLatency,
-            Term::Interconnect,
-        ],
-        Phase::Decode => &[
-            Term::StepOverhead,
-            Term::PerSequence,
-            Term::Bandwidth,
-            Term::Flops,
-            Term::AttentionFlops,
-            Term::Link,
-            Term::AllreduceLatency,
-            Term::Interconnect,
-        ],
-    }
+pub fn terms(phase: Phase) -> Vec<Term> {
+    Term::ALL
+        .into_iter()
+        .filter(|&t| phase == Phase::Decode || t != Term::PerSequence)
+        .collect()
 }
 
 /// One phase's fit.
@@ -57,11 +40,10 @@ pub struct PhaseFit {
 
 impl PhaseFit {
     fn new(device: &Device, phase: Phase, obs: &[Observation]) -> Result<Self> {
-        let fit = fit_phase(obs, terms(phase), &PhaseEfficiency::datasheet(device))
+        let fit = fit_phase(obs, &terms(phase), &PhaseEfficiency::datasheet(device))
             .map_err(|e| CostError::Fit(format!("{phase:?} steps: {e}")))?;
         let unobserved = terms(phase)
-            .iter()
-            .copied()
+            .into_iter()
             .filter(|t| obs.iter().all(|o| t.feature(&o.cost) == 0.0))
             .collect();
         let mut rel: Vec<f64> = obs

@@ -8,12 +8,12 @@ use crate::prediction::{
     Target, VALIDATED,
 };
 use crate::run::write_atomic;
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_engines::cost::calibrate::PhaseFit;
-use kvbench_engines::cost::{Calibration, Device, DeviceTable};
+use kvbench_engines::cost::{Calibration, Device, DeviceTable, Efficiency};
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Which device, from the shipped table or a file of the same shape.
 #[derive(Debug, Args)]
@@ -26,6 +26,33 @@ pub struct DeviceArgs {
     /// replace shipped ones of the same name.
     #[arg(long)]
     pub devices: Option<PathBuf>,
+}
+
+/// The constants a prediction for `device` uses: the calibration file given (of that
+/// device), else the datasheet roofline.
+pub fn efficiency_for(calibration: Option<&Path>, device: &Device) -> Result<Efficiency> {
+    match calibration {
+        Some(p) => {
+            let c = Calibration::load(p)?;
+            if c.device != device.name {
+                bail!(
+                    "{}: a calibration of `{}`, not of `{}`",
+                    p.display(),
+                    c.device,
+                    device.name
+                );
+            }
+            Ok(c.efficiency())
+        }
+        None => Efficiency::peak(device).with_context(|| {
+            format!(
+                "{} has no datasheet peaks to predict with: give --calibration (a file of \
+                 `kvbench calibrate`; results/baselines/cpu/calibration-cpu.yaml is the \
+                 development machine's)",
+                device.name
+            )
+        }),
+    }
 }
 
 pub fn load_device(a: &DeviceArgs) -> Result<Device> {

@@ -3,14 +3,13 @@
 //! (runs.parquet with `predicted = true`) in results/<name>-predicted-<device>/, so
 //! `kvbench plot`, `report` and `compare` read predictions unchanged.
 
-use super::calibrate::{load_device, DeviceArgs};
+use super::calibrate::{efficiency_for, load_device, DeviceArgs};
 use crate::experiment::{Kind, Plan};
 use crate::prediction::{model_config, predict_cell, Target};
 use crate::recorder::write_tables;
 use crate::run::write_atomic;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvbench_engines::cost::{Calibration, Efficiency};
 use std::path::PathBuf;
 
 #[derive(Debug, Args)]
@@ -55,36 +54,14 @@ pub fn run(a: PredictArgs) -> Result<()> {
         );
     }
     let device = load_device(&a.device)?;
-    let efficiency = match &a.calibration {
-        Some(p) => {
-            let c = Calibration::load(p)?;
-            if c.device != device.name {
-                bail!(
-                    "{}: a calibration of `{}`, not of `{}`",
-                    p.display(),
-                    c.device,
-                    device.name
-                );
-            }
-            c.efficiency()
-        }
-        None => {
-            let e = Efficiency::peak(&device).with_context(|| {
-                format!(
-                    "{} has no datasheet peaks to predict with: give --calibration (a file \
-                     of `kvbench calibrate`; results/baselines/cpu/calibration-cpu.yaml is \
-                     the development machine's)",
-                    device.name
-                )
-            })?;
-            eprintln!(
-                "no --calibration: predicting with {}'s datasheet peaks (the roofline, a lower \
-                 bound on every time)",
-                device.name
-            );
-            e
-        }
-    };
+    let efficiency = efficiency_for(a.calibration.as_deref(), &device)?;
+    if a.calibration.is_none() {
+        eprintln!(
+            "no --calibration: predicting with {}'s datasheet peaks (the roofline, a lower \
+             bound on every time)",
+            device.name
+        );
+    }
     let cfg = model_config(&plan, &a.models_dir)?;
     let target = Target {
         device,

@@ -4,7 +4,7 @@
 //! `kvbench predict` does), then ranked: runs in memory, meets the objectives, within
 //! the accuracy cost allowed, highest output throughput.
 
-use super::calibrate::{load_device, DeviceArgs};
+use super::calibrate::{efficiency_for, load_device, DeviceArgs};
 use crate::cell::performance::Outcome;
 use crate::compare::{floats, strings};
 use crate::experiment::{Plan, SloSpec};
@@ -12,7 +12,7 @@ use crate::metrics::CellMetrics;
 use crate::prediction::{model_config, predict_cell, Target};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvbench_engines::cost::{Calibration, DeviceKind, Efficiency};
+use kvbench_engines::cost::DeviceKind;
 use kvbench_engines::device::parse_bytes;
 use kvbench_engines::ledger::MemoryReport;
 use kvbench_plots::crossover::{draw_crossover, CrossoverMap, Winner};
@@ -284,28 +284,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         let cap = parse_bytes(m).map_err(|e| anyhow::anyhow!("--max-device-memory: {e}"))?;
         device.measured_memory_bytes = Some(cap.min(device.capacity()?));
     }
-    let efficiency = match &a.calibration {
-        Some(p) => {
-            let c = Calibration::load(p)?;
-            if c.device != device.name {
-                bail!(
-                    "{}: a calibration of `{}`, not of `{}`",
-                    p.display(),
-                    c.device,
-                    device.name
-                );
-            }
-            c.efficiency()
-        }
-        None => Efficiency::peak(&device).with_context(|| {
-            format!(
-                "{} has no datasheet peaks to predict with: give --calibration (a file of \
-                 `kvbench calibrate`; results/baselines/cpu/calibration-cpu.yaml is the \
-                 development machine's)",
-                device.name
-            )
-        })?,
-    };
+    let efficiency = efficiency_for(a.calibration.as_deref(), &device)?;
     let slo = a
         .slo
         .as_deref()
