@@ -21,6 +21,7 @@ use kvbench_engines::config::preset;
 use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::model::load::load_preset;
 use kvbench_engines::model::{Llama, WeightDtype};
+use kvbench_engines::policy::registry::registry;
 use kvbench_engines::policy::skew::calibrate;
 use kvbench_engines::policy::spec::PolicySpec;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
@@ -85,18 +86,17 @@ fn bench(c: &mut Criterion) {
         .sample_size(10)
         .warm_up_time(Duration::from_secs(2))
         .measurement_time(Duration::from_secs(10));
-    for name in ["full", "h2o", "streaming", "infinigen"] {
-        let budget = if name == "full" { 1.0 } else { 0.3 };
-        // InfiniGen's cap relative to the current length (`⌈b·n⌉`), so the budget does
-        // not depend on how many tokens the bench happens to decode.
-        let params: Vec<(String, String)> = if name == "infinigen" {
-            vec![("relative_to_current".into(), "true".into())]
-        } else {
-            vec![]
-        };
+    for strategy in registry() {
+        let name = strategy.name;
+        let budget = if strategy.budgeted { 0.3 } else { 1.0 };
+        let params: Vec<(String, String)> = strategy
+            .bench
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let mut spec = PolicySpec::parse(name, budget, &params).unwrap();
-        if let PolicySpec::Infinigen(p) = &mut spec {
-            p.skewing = Some(skew.clone());
+        if spec.needs_skewing() {
+            spec.set_skewing(skew.clone());
         }
         let mut e: Option<Engine> = None;
         g.bench_function(name, |b| {

@@ -70,7 +70,7 @@ impl Default for EngineConfig {
             scheduler: SchedulerConfig::default(),
             shuffle_blocks_seed: None,
             check_invariants: false,
-            policy: PolicySpec::Full,
+            policy: PolicySpec::full(),
             attention: AttentionImpl::Flash,
             chunk_size: 512,
             host_memory: None,
@@ -231,7 +231,7 @@ impl Engine {
             }
         };
         let reservation = cfg.reservation();
-        if matches!(cfg.policy, PolicySpec::Full) {
+        if matches!(cfg.policy, PolicySpec::Full(_)) {
             // As vLLM: fail at start-up if one max_model_len sequence cannot fit.
             let need = max_model_len.div_ceil(cfg.block_size) as u64 * block_bytes;
             if kv_bytes < need {

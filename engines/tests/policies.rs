@@ -63,7 +63,11 @@ fn every_policy_and_attention_at_budget_one_reproduces_full_eager() {
     let model = tiny();
     let (prompts, forced) = workload();
     let reference = run_forced(
-        cfg(PolicySpec::Full, AttentionImpl::Eager, PrefillMode::Chunked),
+        cfg(
+            PolicySpec::full(),
+            AttentionImpl::Eager,
+            PrefillMode::Chunked,
+        ),
         &prompts,
         &forced,
     )
@@ -107,7 +111,7 @@ fn small_budgets_change_the_logits_and_pass_the_audit() {
     let (prompts, forced) = workload();
     let reference = run_forced(
         cfg(
-            PolicySpec::Full,
+            PolicySpec::full(),
             AttentionImpl::Flash,
             PrefillMode::Sequential,
         ),

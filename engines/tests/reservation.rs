@@ -74,7 +74,7 @@ fn full_holds_the_fraction_and_the_evicting_policies_what_their_batch_needs() {
     let model = tiny();
     let layers = model.cfg.num_layers;
     let (prompt, output) = (100, 8);
-    let full = held(cfg(PolicySpec::Full, None), prompt, output);
+    let full = held(cfg(PolicySpec::full(), None), prompt, output);
     assert_eq!(full, fraction_pool(), "full: the fraction, up front");
 
     // H2O and StreamingLLM hold every prompt token during the prefill (all four in
@@ -141,7 +141,7 @@ fn the_other_reservation_is_an_option_for_every_engine() {
     }
     // `budget` makes `full` grow to what its batch holds: every token, in blocks.
     let kv = held(
-        cfg(PolicySpec::Full, Some(Reservation::Budget)),
+        cfg(PolicySpec::full(), Some(Reservation::Budget)),
         prompt,
         output,
     );
@@ -151,7 +151,7 @@ fn the_other_reservation_is_an_option_for_every_engine() {
 #[test]
 fn a_budget_of_one_holds_what_full_holds_when_both_grow_on_demand() {
     let model = tiny();
-    let full = held(cfg(PolicySpec::Full, Some(Reservation::Budget)), 100, 8);
+    let full = held(cfg(PolicySpec::full(), Some(Reservation::Budget)), 100, 8);
     for name in ["h2o", "streaming"] {
         assert_eq!(
             held(cfg(spec(&model, name, 1.0, &[]), None), 100, 8),
@@ -204,7 +204,7 @@ fn the_option_is_split_off_the_strategy_parameters_and_checked() {
         "{e}"
     );
     assert_eq!(
-        Reservation::default_for(&PolicySpec::Full),
+        Reservation::default_for(&PolicySpec::full()),
         Reservation::Fraction
     );
     let h2o = PolicySpec::parse("h2o", 0.3, &[]).unwrap();

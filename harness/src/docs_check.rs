@@ -301,3 +301,32 @@ fn a_wrong_flag_or_recipe_would_be_caught() {
     let models = tempfile::tempdir().expect("temporary directory");
     assert!(Plan::parse(bad, Path::new("x.yaml"), models.path()).is_err());
 }
+
+/// Every registered strategy has a row of docs/strategies.md's table naming each of its
+/// parameters, and a fixed colour of its own in the figures.
+#[test]
+fn every_registered_strategy_is_documented_and_coloured() {
+    use kvbench_engines::policy::registry::registry;
+    let page = std::fs::read_to_string(repo().join("docs/strategies.md")).expect("readable");
+    let mut colours = Vec::new();
+    for s in registry() {
+        let row = page
+            .lines()
+            .find(|l| l.starts_with(&format!("| `{}` |", s.name)))
+            .unwrap_or_else(|| panic!("docs/strategies.md: no table row for `{}`", s.name));
+        for p in s.params {
+            assert!(
+                row.contains(&format!("`{}`", p.key)),
+                "docs/strategies.md: `{}`'s row does not name `{}`",
+                s.name,
+                p.key
+            );
+        }
+        let fixed = kvbench_plots::ENGINE_COLOURS
+            .iter()
+            .find(|(e, _)| *e == s.name)
+            .unwrap_or_else(|| panic!("plots: no fixed colour for `{}`", s.name));
+        assert!(!colours.contains(&fixed.1), "`{}` shares a colour", s.name);
+        colours.push(fixed.1);
+    }
+}

@@ -214,7 +214,7 @@ pub fn predict_cell(
     };
     let mut sched = sched;
     let kv_blocks = match shard.policy {
-        PolicySpec::Full => Some((mem.kv_pool / block_bytes(&shard)?) as usize),
+        PolicySpec::Full(_) => Some((mem.kv_pool / block_bytes(&shard)?) as usize),
         _ => {
             // The engine's on-demand pool preempts past its plan; the model admits no
             // more sequences than the plan holds at their peak.
@@ -293,7 +293,7 @@ pub fn cell_observations(
     let setup = cell_setup(plan, cell, cfg, precision, device.kind)?;
     let sched = scheduler(plan, cell);
     let kv_blocks = match setup.policy {
-        PolicySpec::Full => {
+        PolicySpec::Full(_) => {
             let longest = requests.iter().map(|r| r.prompt_len).max().unwrap_or(1);
             let out = requests.iter().map(|r| r.max_new_tokens).max().unwrap_or(1);
             let mut sc = Scenario::new(setup.clone(), cell.batch, longest, out);

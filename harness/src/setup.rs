@@ -8,6 +8,14 @@ use kvbench_engines::engine::{Engine, EngineConfig};
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::policy::skew::{load_or_calibrate, Skewing};
 use kvbench_engines::policy::spec::{split_reservation, PolicySpec};
+
+/// The registered strategies, with what each is (`--engine`'s values).
+fn strategy_names() -> Vec<clap::builder::PossibleValue> {
+    kvbench_engines::policy::registry::registry()
+        .iter()
+        .map(|s| clap::builder::PossibleValue::new(s.name).help(s.about))
+        .collect()
+}
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::source::{LoadOptions, Loaded, ModelSource};
 use std::sync::Arc;
@@ -33,29 +41,6 @@ impl DtypeArg {
             DtypeArg::F32 => Some(WeightDtype::F32),
             DtypeArg::F16 => Some(WeightDtype::F16),
             DtypeArg::Bf16 => Some(WeightDtype::Bf16),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum EngineArg {
-    /// Paged full cache with continuous batching (the vLLM paradigm).
-    Full,
-    /// Heavy hitters + recent window, permanent eviction (H2O).
-    H2o,
-    /// Full KV in host memory, per-step speculative selection and prefetch (InfiniGen).
-    Infinigen,
-    /// Attention sinks + sliding window (StreamingLLM).
-    Streaming,
-}
-
-impl EngineArg {
-    pub fn name(self) -> &'static str {
-        match self {
-            EngineArg::Full => "full",
-            EngineArg::H2o => "h2o",
-            EngineArg::Infinigen => "infinigen",
-            EngineArg::Streaming => "streaming",
         }
     }
 }
@@ -116,9 +101,9 @@ pub struct ModelArgs {
 
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// KV-cache strategy.
-    #[arg(long, value_enum, default_value_t = EngineArg::Full)]
-    pub engine: EngineArg,
+    /// KV-cache strategy (docs/strategies.md): one of the registered names.
+    #[arg(long, default_value = "full", value_parser = clap::builder::PossibleValuesParser::new(strategy_names()))]
+    pub engine: String,
 
     /// Device: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu", env = "KVBENCH_DEVICE")]
@@ -239,9 +224,9 @@ pub fn policy_spec(
     e: &EngineArgs,
     models_dir: &std::path::Path,
 ) -> Result<PolicySpec> {
-    let mut spec = PolicySpec::parse(e.engine.name(), e.budget, &e.set)?;
-    if let PolicySpec::Infinigen(p) = &mut spec {
-        p.skewing = Some(skewing(setup, e.calibration.as_deref(), models_dir)?);
+    let mut spec = PolicySpec::parse(&e.engine, e.budget, &e.set)?;
+    if spec.needs_skewing() {
+        spec.set_skewing(skewing(setup, e.calibration.as_deref(), models_dir)?);
     }
     Ok(spec)
 }

@@ -37,6 +37,7 @@ mod select;
 mod style;
 
 pub use data::{f64s, strs, AccRow, Tables};
+pub use style::ENGINE_COLOURS;
 
 use plotters::coord::Shift;
 use plotters::prelude::*;

@@ -123,14 +123,12 @@ pub struct SeriesKey {
     pub attention: String,
 }
 
+/// Legend order: the fixed colour table's, then the others.
 pub fn engine_rank(e: &str) -> u8 {
-    match e {
-        "full" => 0,
-        "h2o" => 1,
-        "infinigen" => 2,
-        "streaming" => 3,
-        _ => 9,
-    }
+    crate::style::ENGINE_COLOURS
+        .iter()
+        .position(|(name, _)| *name == e)
+        .map_or(u8::MAX, |i| i as u8)
 }
 
 impl SeriesKey {

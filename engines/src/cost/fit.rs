@@ -363,7 +363,7 @@ mod tests {
         });
         let mut rng = 7u64;
         let mut obs = Vec::new();
-        for policy in [PolicySpec::Full, ig] {
+        for policy in [PolicySpec::full(), ig] {
             let s = Setup::new(cfg.clone(), policy, Precision::BF16);
             for batch in [1, 4, 16, 64] {
                 for l0 in [1000, 4000, 16000] {

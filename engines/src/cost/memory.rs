@@ -197,7 +197,7 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
     let act = act_prefill.max(act_decode);
 
     let (kv_device, concurrency) = match &s.policy {
-        PolicySpec::Full => {
+        PolicySpec::Full(_) => {
             let per_seq = n_final.div_ceil(s.block_size) as u64 * block_bytes(s)?;
             let conc = (pool / per_seq.max(1)) as usize;
             (pool, conc.min(m.sequences).min(m.max_num_seqs))
@@ -208,7 +208,7 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
             let pre = m.prefill_sequences.clamp(1, m.sequences.max(1));
             let full_prompt = kv_device_bytes(
                 &Setup {
-                    policy: PolicySpec::Full,
+                    policy: PolicySpec::full(),
                     ..s.clone()
                 },
                 &info,
@@ -260,7 +260,7 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
         Some(oom(Component::Weights, weights, 0))
     } else if weights + profile > cap {
         Some(oom(Component::Activations, profile, weights))
-    } else if matches!(s.policy, PolicySpec::Full)
+    } else if matches!(s.policy, PolicySpec::Full(_))
         && pool < m.max_model_len.div_ceil(s.block_size) as u64 * block_bytes(s)?
     {
         // As `Engine::new`: the pool must hold one `max_model_len` sequence.
@@ -270,7 +270,7 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
             available: pool,
             capacity: cap,
         })
-    } else if !matches!(s.policy, PolicySpec::Full) && kv_device > pool {
+    } else if !matches!(s.policy, PolicySpec::Full(_)) && kv_device > pool {
         // One sequence alone needs more than the pool may grow to.
         Some(Oom {
             component: Component::KvDevice,
@@ -312,7 +312,7 @@ mod tests {
             prefill_len: 700,
         };
         let specs = [
-            PolicySpec::Full,
+            PolicySpec::full(),
             PolicySpec::H2o(H2oParams {
                 budget: 0.3,
                 ..Default::default()
@@ -337,7 +337,7 @@ mod tests {
                 );
             }
         }
-        let s = Setup::new(cfg.clone(), PolicySpec::Full, Precision::BF16);
+        let s = Setup::new(cfg.clone(), PolicySpec::full(), Precision::BF16);
         assert_eq!(
             block_bytes(&s).unwrap(),
             crate::policy::full::FullPolicy::block_bytes(
@@ -363,7 +363,7 @@ mod tests {
         assert!(memory_held(&s, &bad).is_err());
         // Llama-3.1-8B bf16: 128 KiB per token (algorithms.md §1).
         let l = crate::config::preset("llama-3.1-8b").unwrap();
-        let s = Setup::new(l, PolicySpec::Full, Precision::BF16);
+        let s = Setup::new(l, PolicySpec::full(), Precision::BF16);
         assert_eq!(kv_device_bytes(&s, &info, 10), 10 * 128 * 1024);
     }
 
@@ -410,7 +410,7 @@ mod tests {
             (k - 1) as u64 * kv_device_bytes(&s, &info, 4100)
                 + kv_device_bytes(
                     &Setup {
-                        policy: PolicySpec::Full,
+                        policy: PolicySpec::full(),
                         ..s.clone()
                     },
                     &info,

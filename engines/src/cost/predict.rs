@@ -70,7 +70,7 @@ impl Scenario {
     /// prefill for every strategy but `full`.
     pub fn new(setup: Setup, batch: usize, prompt_len: usize, output_len: usize) -> Self {
         let sched = SchedulerConfig::default();
-        let sequential_prefill = !matches!(setup.policy, PolicySpec::Full);
+        let sequential_prefill = !matches!(setup.policy, PolicySpec::Full(_));
         Self {
             setup,
             batch,
@@ -364,7 +364,7 @@ mod tests {
         let d = h100();
         let s = Setup::new(
             preset("llama-3.1-8b").unwrap(),
-            PolicySpec::Full,
+            PolicySpec::full(),
             Precision::BF16,
         );
         let mut sc = Scenario::new(s, 1, 16, 2);
@@ -429,7 +429,7 @@ mod tests {
         let eff = Efficiency::peak(&d).unwrap();
         let s = Setup::new(
             preset("llama-3.1-70b").unwrap(),
-            PolicySpec::Full,
+            PolicySpec::full(),
             Precision::BF16,
         );
         let mut sc = Scenario::new(s, 8, 1000, 32);
@@ -449,7 +449,7 @@ mod tests {
         // 8B on two GPUs: each reads half the weights, and pays the all-reduces.
         let s = Setup::new(
             preset("llama-3.1-8b").unwrap(),
-            PolicySpec::Full,
+            PolicySpec::full(),
             Precision::BF16,
         );
         let mut sc = Scenario::new(s, 1, 16, 2);

@@ -482,7 +482,7 @@ mod tests {
 
     #[test]
     fn a_full_pool_preempts_as_the_scheduler_does() {
-        let s = setup(PolicySpec::Full);
+        let s = setup(PolicySpec::full());
         // 4 blocks of 16: two sequences of 20 + 8 tokens need 2 blocks each to start,
         // then a third block each past 32 tokens: one is preempted and recomputed.
         let mut e = sim(&s, sched(8, PrefillMode::Chunked), Some(4), |_, _, _| 0.5);
@@ -506,7 +506,7 @@ mod tests {
             .clone();
         let eff = Efficiency::peak(&d).unwrap();
         for policy in [
-            PolicySpec::Full,
+            PolicySpec::full(),
             PolicySpec::H2o(H2oParams {
                 budget: 0.3,
                 ..Default::default()

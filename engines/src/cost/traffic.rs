@@ -195,7 +195,7 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
         seq.kv_read += a * tl;
         seq.flops_attention += 4.0 * h * dh * a;
         match &s.policy {
-            PolicySpec::Full => {
+            PolicySpec::Full(_) => {
                 seq.kv_write += tl;
                 // The block table (u32 ids) of the sequence.
                 seq.metadata += n.div_ceil(s.block_size) as f64 * 4.0;
@@ -411,7 +411,7 @@ mod tests {
     #[test]
     fn full_decode_by_hand() {
         assert_eq!(matmul_params(&tiny()), 7744);
-        let c = decode_step(&setup(PolicySpec::Full), &info(100, 10), 101, 1);
+        let c = decode_step(&setup(PolicySpec::full()), &info(100, 10), 101, 1);
         assert_eq!(c.weight_read, 31_360.0);
         assert_eq!(c.kv_read, 2.0 * 101.0 * 128.0);
         assert_eq!(c.kv_write, 2.0 * 128.0);
@@ -421,7 +421,7 @@ mod tests {
         assert_eq!(c.flops_attention, 2.0 * 4.0 * 4.0 * 8.0 * 101.0);
         assert_eq!((c.h2d, c.d2h, c.flops_speculation), (0.0, 0.0, 0.0));
         // Batch 3: weights once (+2 embedding rows), the rest ×3.
-        let c3 = decode_step(&setup(PolicySpec::Full), &info(100, 10), 101, 3);
+        let c3 = decode_step(&setup(PolicySpec::full()), &info(100, 10), 101, 3);
         assert_eq!(c3.weight_read, 31_360.0 + 2.0 * 16.0 * 4.0);
         assert_eq!(c3.kv_read, 3.0 * c.kv_read);
         assert_eq!(c3.flops_linear, 3.0 * c.flops_linear);
@@ -511,7 +511,7 @@ mod tests {
 
     #[test]
     fn budget_one_of_evicting_strategies_costs_what_full_costs() {
-        let full = decode_step(&setup(PolicySpec::Full), &info(1000, 50), 1020, 4);
+        let full = decode_step(&setup(PolicySpec::full()), &info(1000, 50), 1020, 4);
         for policy in [
             PolicySpec::H2o(H2oParams {
                 budget: 1.0,
@@ -549,7 +549,7 @@ mod tests {
     #[test]
     fn prefill_by_hand() {
         // Full, flash, 10 tokens in one forward.
-        let c = prefill(&setup(PolicySpec::Full), &info(10, 5), 8192);
+        let c = prefill(&setup(PolicySpec::full()), &info(10, 5), 8192);
         assert_eq!(c.forwards, 1.0);
         assert_eq!(c.weight_read, (7744.0 + 80.0 + 10.0 * 16.0) * 4.0);
         assert_eq!(
@@ -561,13 +561,13 @@ mod tests {
         assert_eq!(c.kv_read, 2.0 * 10.0 * 128.0);
         assert_eq!(c.scores, 0.0);
         // Two forwards of 8 and 2: weights read twice, keys 8 + 10.
-        let c2 = prefill(&setup(PolicySpec::Full), &info(10, 5), 8);
+        let c2 = prefill(&setup(PolicySpec::full()), &info(10, 5), 8);
         assert_eq!(c2.forwards, 2.0);
         assert_eq!(c2.weight_read, c.weight_read + (7744.0 + 80.0) * 4.0);
         assert_eq!(c2.kv_read, 2.0 * 18.0 * 128.0);
         assert_eq!(c2.flops_attention, c.flops_attention);
         // Eager over two forwards: 8×8 and 2×10 score entries per head.
-        let mut e = setup(PolicySpec::Full);
+        let mut e = setup(PolicySpec::full());
         e.attention = AttentionImpl::Eager;
         let c3 = prefill(&e, &info(10, 5), 8);
         assert_eq!(c3.scores, 2.0 * 2.0 * 4.0 * (64.0 + 20.0) * 4.0);

@@ -7,7 +7,6 @@
 //! bytes may exceed the nominal bytes by one block of tokens (paged allocation rounds
 //! up) plus 1 %.
 
-use super::budget::{h2o_counts, infinigen_k_max, infinigen_selection_cap, streaming_counts};
 use super::spec::PolicySpec;
 use super::SeqInfo;
 use crate::config::ModelConfig;
@@ -16,34 +15,14 @@ use crate::config::ModelConfig;
 pub const BYTES_MARGIN: f64 = 0.01;
 
 /// Keys one decode query of `layer` may attend with `n` tokens of context (its own
-/// included).
+/// included), from the strategy's own formula (its `StrategyParams`).
 pub fn nominal_attended(spec: &PolicySpec, layer: usize, info: &SeqInfo, n: usize) -> usize {
-    match spec {
-        PolicySpec::Full => n,
-        PolicySpec::H2o(p) => h2o_counts(p.budget, info.prompt_len, p.heavy_fraction, p.ratio)
-            .map_or(n, |c| (c.capacity + 1).min(n)),
-        PolicySpec::Streaming(p) => streaming_counts(p.budget, info.prompt_len, p.sinks)
-            .map_or(n, |(s, w)| (s + w + 1).min(n)),
-        PolicySpec::Infinigen(p) => {
-            if layer < p.dense_layers {
-                n
-            } else {
-                let k = infinigen_k_max(
-                    p.budget,
-                    info.prompt_len,
-                    info.max_new_tokens,
-                    n,
-                    p.relative_to_current,
-                );
-                (k + 1).min(n)
-            }
-        }
-    }
+    spec.params().nominal_attended(layer, info, n)
 }
 
 /// Device KV bytes one sequence may hold after a decode step with `n` tokens of
-/// context, for strategies whose storage is f32 slots (`h2o`, `streaming`,
-/// `infinigen` on CPU) or `elem` bytes (`full`), before the margin.
+/// context, the CPU policy storing K/V in its own element size (`full`: the model's
+/// `elem`; the slot stores: f32) and statistics in f32, before the margin.
 pub fn nominal_device_bytes(
     spec: &PolicySpec,
     cfg: &ModelConfig,
@@ -51,16 +30,13 @@ pub fn nominal_device_bytes(
     n: usize,
     elem: usize,
 ) -> u64 {
-    let kv = match spec {
-        PolicySpec::Full => elem,
-        _ => 4,
-    };
-    device_kv_bytes(spec, cfg, info, n, kv, 4)
+    device_kv_bytes(spec, cfg, info, n, spec.params().cpu_kv_elem(elem), 4)
 }
 
 /// Device KV bytes of one sequence after a step with `n` tokens of context, its K/V
-/// rows stored in `kv` bytes per element and InfiniGen's partial keys in `statistic`
-/// bytes: the audit's bound ([`nominal_device_bytes`]) and the cost model's memory.
+/// rows stored in `kv` bytes per element and statistics (InfiniGen's partial keys) in
+/// `statistic` bytes: the audit's bound ([`nominal_device_bytes`]) and the cost
+/// model's memory.
 pub fn device_kv_bytes(
     spec: &PolicySpec,
     cfg: &ModelConfig,
@@ -69,41 +45,7 @@ pub fn device_kv_bytes(
     kv: usize,
     statistic: usize,
 ) -> u64 {
-    let token = |layers: usize| (2 * layers * cfg.num_kv_heads * cfg.head_dim * kv) as u64;
-    let d = cfg.num_layers;
-    match spec {
-        PolicySpec::Full => n as u64 * token(d),
-        PolicySpec::H2o(p) => {
-            let kept = h2o_counts(p.budget, info.prompt_len, p.heavy_fraction, p.ratio)
-                .map_or(n, |c| c.capacity.min(n));
-            kept as u64 * token(d)
-        }
-        PolicySpec::Streaming(p) => {
-            let kept = streaming_counts(p.budget, info.prompt_len, p.sinks)
-                .map_or(n, |(s, w)| (s + w).min(n));
-            kept as u64 * token(d)
-        }
-        PolicySpec::Infinigen(p) => {
-            let dense = p.dense_layers.min(d);
-            let off = (d - dense) as u64;
-            let (hkv, dh) = (cfg.num_kv_heads as u64, cfg.head_dim as u64);
-            let r = ((p.partial_ratio * cfg.head_dim as f64).floor() as u64).clamp(1, dh);
-            let n_max = (info.prefill_len + info.max_new_tokens) as u64;
-            let cap = infinigen_selection_cap(
-                p.budget,
-                info.prompt_len,
-                info.max_new_tokens,
-                info.prefill_len,
-                p.relative_to_current,
-            ) as u64;
-            let staging = if off == 0 {
-                0
-            } else {
-                2 * 2 * hkv * cap * dh * kv as u64
-            };
-            n as u64 * token(dense) + off * hkv * (n_max * r + dh * r) * statistic as u64 + staging
-        }
-    }
+    spec.params().device_kv_bytes(cfg, info, n, kv, statistic)
 }
 
 /// Allowed device bytes: nominal, one block of tokens and the relative margin.
@@ -129,7 +71,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(nominal_attended(&h2o, 5, &info, 1050), 301);
-        assert_eq!(nominal_attended(&PolicySpec::Full, 5, &info, 1050), 1050);
+        assert_eq!(nominal_attended(&PolicySpec::full(), 5, &info, 1050), 1050);
         let ig = PolicySpec::Infinigen(InfinigenParams {
             budget: 0.3,
             ..Default::default()

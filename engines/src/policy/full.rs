@@ -1,14 +1,104 @@
 //! `full`: the vLLM paradigm. One paged block pool sized at start-up, a block table per
 //! sequence, no eviction; attention reads K/V through the block tables.
 
-use super::{AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, StepBatch};
+use super::registry::{Param, Strategy, StrategyParams, Variant};
+use super::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
+use super::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
 use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use crate::attention::prefill::{prefill_attention, AttentionImpl, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
 use crate::kv::{BlockId, KvDtype, PagedKv, SeqTables};
+use crate::model::Llama;
 use candle_core::{DType, Tensor};
 use std::time::Instant;
+
+/// `full` takes no parameters but the engine's `reservation`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FullParams;
+
+impl StrategyParams for FullParams {
+    const STRATEGY: &'static Strategy = &Strategy {
+        name: "full",
+        about: "paged full cache with continuous batching (the vLLM paradigm)",
+        params: &[] as &[Param],
+        budgeted: false,
+        verify: &[Variant::DEFAULT],
+        audit: &[],
+        bench: &[],
+        cuda: true,
+    };
+
+    fn at_budget(budget: f64) -> Result<Self> {
+        if budget < 1.0 {
+            return Err(Error::Config(format!(
+                "budget {budget}: `full` keeps every token; budgets apply to the other strategies"
+            )));
+        }
+        Ok(FullParams)
+    }
+
+    fn budget(&self) -> f64 {
+        1.0
+    }
+
+    fn set(&mut self, k: &str, v: &str) -> Result<()> {
+        Err(Error::Config(format!(
+            "`full` takes no parameters but `{RESERVATION_KEY}` (got `{k}={v}`)"
+        )))
+    }
+
+    fn params_json(&self) -> serde_json::Value {
+        serde_json::json!({})
+    }
+
+    fn default_reservation(&self) -> Reservation {
+        Reservation::Fraction
+    }
+
+    fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        let opts = env.full_options();
+        let num_blocks = env.kv_blocks(FullPolicy::block_bytes(&model.cfg, &opts));
+        Ok(Box::new(match env.reservation {
+            Reservation::Fraction => FullPolicy::new(&model.cfg, opts, num_blocks),
+            Reservation::Budget => FullPolicy::on_demand(&model.cfg, opts, num_blocks),
+        }))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        let opts = env.full_options();
+        let num_blocks = env.kv_blocks(FullPolicy::block_bytes(&model.cfg, &opts));
+        Ok(Box::new(crate::cuda::full::CudaFullPolicy::new(
+            model.device(),
+            &model.cfg,
+            opts,
+            num_blocks,
+            env.reservation,
+        )?))
+    }
+
+    fn nominal_attended(&self, _layer: usize, _info: &SeqInfo, n: usize) -> usize {
+        n
+    }
+
+    fn device_kv_bytes(
+        &self,
+        cfg: &ModelConfig,
+        _info: &SeqInfo,
+        n: usize,
+        kv: usize,
+        _statistic: usize,
+    ) -> u64 {
+        n as u64 * (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv) as u64
+    }
+
+    fn cpu_kv_elem(&self, elem: usize) -> usize {
+        elem
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FullOptions {

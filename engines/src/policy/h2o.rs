@@ -5,8 +5,16 @@
 
 use super::budget::{h2o_counts, H2oRatio};
 use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
-use super::SeqInfo;
+use super::registry::{
+    bad, parse_bool, parse_f64, unknown, Param, Strategy, StrategyParams, Variant,
+};
+use super::spec::PolicyEnv;
+use super::{KvPolicy, SeqInfo};
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::model::Llama;
+use serde_json::json;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct H2oParams {
@@ -32,6 +40,132 @@ impl Default for H2oParams {
             stats: None,
             decode_update: true,
         }
+    }
+}
+
+impl StrategyParams for H2oParams {
+    const STRATEGY: &'static Strategy = &Strategy {
+        name: "h2o",
+        about:
+            "heavy hitters by accumulated attention plus a recent window, permanent eviction (H2O)",
+        params: &[
+            Param {
+                key: "heavy_fraction",
+                values: "a fraction in [0, 1]; default 0.5",
+                about: "share φ of the kept tokens that are heavy hitters",
+            },
+            Param {
+                key: "ratio",
+                values: "`total` (default) or `flexgen_hh`",
+                about: "how b splits into heavy and recent: C = b·L0, or FlexGen's b·L0 each",
+            },
+            Param {
+                key: "stats",
+                values: "`eager`, `chunked` or `exact`; default follows the attention",
+                about: "prefill column statistics",
+            },
+            Param {
+                key: "decode_update",
+                values: "true (default) or false",
+                about:
+                    "keep evicting by score in decode; false freezes the prefill's heavy hitters",
+            },
+        ],
+        budgeted: true,
+        verify: &[Variant::DEFAULT],
+        audit: &[Variant::DEFAULT, Variant::cuda(&[("stats", "eager")])],
+        bench: &[],
+        cuda: true,
+    };
+
+    fn at_budget(budget: f64) -> Result<Self> {
+        Ok(Self {
+            budget,
+            ..Default::default()
+        })
+    }
+
+    fn budget(&self) -> f64 {
+        self.budget
+    }
+
+    fn set(&mut self, k: &str, v: &str) -> Result<()> {
+        let s = Self::STRATEGY.name;
+        match k {
+            "heavy_fraction" => {
+                self.heavy_fraction = parse_f64(s, k, v)?;
+                if !(0.0..=1.0).contains(&self.heavy_fraction) {
+                    return Err(bad(s, k, v, "a fraction in [0, 1]"));
+                }
+            }
+            "ratio" => {
+                self.ratio = match v {
+                    "total" => H2oRatio::Total,
+                    "flexgen_hh" => H2oRatio::FlexgenHh,
+                    _ => return Err(bad(s, k, v, "`total` or `flexgen_hh`")),
+                }
+            }
+            "stats" => {
+                self.stats = Some(
+                    v.parse::<ColumnStats>()
+                        .map_err(|_| bad(s, k, v, "`eager`, `chunked` or `exact`"))?,
+                )
+            }
+            "decode_update" => self.decode_update = parse_bool(s, k, v)?,
+            _ => return Err(unknown(Self::STRATEGY, k)),
+        }
+        Ok(())
+    }
+
+    fn params_json(&self) -> serde_json::Value {
+        json!({
+            "heavy_fraction": self.heavy_fraction,
+            "ratio": self.ratio,
+            "stats": self.stats.map(|s| s.to_string()),
+            "decode_update": self.decode_update,
+        })
+    }
+
+    fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(H2oPolicy::new(H2o(*self), &model.cfg, env)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(crate::cuda::evicting::CudaEvictingPolicy::new(
+            H2o(*self),
+            model.device(),
+            &model.cfg,
+            env,
+        )?))
+    }
+
+    fn nominal_attended(&self, _layer: usize, info: &SeqInfo, n: usize) -> usize {
+        h2o_counts(
+            self.budget,
+            info.prompt_len,
+            self.heavy_fraction,
+            self.ratio,
+        )
+        .map_or(n, |c| (c.capacity + 1).min(n))
+    }
+
+    fn device_kv_bytes(
+        &self,
+        cfg: &ModelConfig,
+        info: &SeqInfo,
+        n: usize,
+        kv: usize,
+        _statistic: usize,
+    ) -> u64 {
+        let kept = h2o_counts(
+            self.budget,
+            info.prompt_len,
+            self.heavy_fraction,
+            self.ratio,
+        )
+        .map_or(n, |c| c.capacity.min(n));
+        kept as u64 * cfg.kv_bytes_per_token(kv)
     }
 }
 

@@ -10,6 +10,9 @@
 //! over its query heads; `n ≤ k_max` fetches everything.
 
 use super::budget::{infinigen_k_max, infinigen_selection_cap};
+use super::registry::{
+    bad, parse_bool, parse_f64, parse_usize, unknown, Param, Strategy, StrategyParams, Variant,
+};
 use super::skew::Skewing;
 use super::spec::{PolicyEnv, Reservation};
 use super::to_f32;
@@ -18,11 +21,13 @@ use super::{
 };
 use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
 use crate::attention::prefill::{prefill_attention, PrefillShape};
+use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
 use crate::kv::host::{CpuHostTier, HostTier};
 use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
 use crate::model::{Linear, Llama};
 use candle_core::Tensor;
+use serde_json::json;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -103,6 +108,191 @@ impl InfinigenParams {
         let r =
             ((self.partial_ratio * cfg.head_dim as f64).floor() as usize).clamp(1, cfg.head_dim);
         Ok((skew, dense, r))
+    }
+}
+
+impl StrategyParams for InfinigenParams {
+    const STRATEGY: &'static Strategy = &Strategy {
+        name: "infinigen",
+        about: "full KV in host memory, per-step speculative selection and prefetch (InfiniGen)",
+        params: &[
+            Param {
+                key: "alpha",
+                values: "a threshold ≥ 0 or `inf`; default 5",
+                about: "speculation threshold in the scaled-logit domain",
+            },
+            Param {
+                key: "partial_ratio",
+                values: "a fraction in (0, 1]; default 0.2",
+                about: "share ρ of head dimensions kept in the partial keys",
+            },
+            Param {
+                key: "relative_to_current",
+                values: "true or false (default)",
+                about: "k_max = ⌈b·n⌉ of the current length instead of ⌈b·(L0 + T)⌉",
+            },
+            Param {
+                key: "dense_layers",
+                values: "an integer ≥ 1; default 2",
+                about: "leading layers attended densely from device memory",
+            },
+            Param {
+                key: "speculate",
+                values: "`previous` (default) or `oracle`",
+                about: "layer ℓ's selection from layer ℓ−1's input, or from its own query (tests)",
+            },
+            Param {
+                key: "transfer",
+                values: "`zero_copy` (default) or `memcpy`",
+                about: "CUDA: gather from mapped host memory, or the original's copies",
+            },
+        ],
+        budgeted: true,
+        // One dense layer, so that a two-layer test model offloads one.
+        verify: &[
+            Variant::both(&[("dense_layers", "1")]),
+            Variant::both(&[("dense_layers", "1"), ("alpha", "inf")]),
+            Variant::cuda(&[("dense_layers", "1"), ("transfer", "memcpy")]),
+        ],
+        audit: &[Variant::both(&[("dense_layers", "1")])],
+        // The cap relative to the current length (`⌈b·n⌉`), so the budget does not
+        // depend on how many tokens the bench happens to decode.
+        bench: &[("relative_to_current", "true")],
+        cuda: true,
+    };
+
+    fn at_budget(budget: f64) -> Result<Self> {
+        Ok(Self {
+            budget,
+            ..Default::default()
+        })
+    }
+
+    fn budget(&self) -> f64 {
+        self.budget
+    }
+
+    fn set(&mut self, k: &str, v: &str) -> Result<()> {
+        let s = Self::STRATEGY.name;
+        match k {
+            "alpha" => {
+                self.alpha = parse_f64(s, k, v)?;
+                if self.alpha < 0.0 {
+                    return Err(bad(s, k, v, "a threshold ≥ 0 (inf: no threshold)"));
+                }
+            }
+            "partial_ratio" => {
+                self.partial_ratio = parse_f64(s, k, v)?;
+                if !(self.partial_ratio > 0.0 && self.partial_ratio <= 1.0) {
+                    return Err(bad(s, k, v, "a fraction in (0, 1]"));
+                }
+            }
+            "relative_to_current" => self.relative_to_current = parse_bool(s, k, v)?,
+            "dense_layers" => {
+                self.dense_layers = parse_usize(s, k, v)?;
+                if self.dense_layers == 0 && self.speculation == Speculation::Previous {
+                    return Err(bad(
+                        s,
+                        k,
+                        v,
+                        "at least 1: layer ℓ's selection is speculated in layer ℓ−1",
+                    ));
+                }
+            }
+            "speculate" => {
+                self.speculation = match v {
+                    "previous" => Speculation::Previous,
+                    "oracle" => Speculation::Oracle,
+                    _ => return Err(bad(s, k, v, "`previous` or `oracle`")),
+                }
+            }
+            "transfer" => {
+                self.transfer = match v {
+                    "zero_copy" => Transfer::ZeroCopy,
+                    "memcpy" => Transfer::Memcpy,
+                    _ => return Err(bad(s, k, v, "`zero_copy` or `memcpy`")),
+                }
+            }
+            _ => return Err(unknown(Self::STRATEGY, k)),
+        }
+        Ok(())
+    }
+
+    fn params_json(&self) -> serde_json::Value {
+        json!({
+            "alpha": if self.alpha.is_finite() { json!(self.alpha) } else { json!("inf") },
+            "partial_ratio": self.partial_ratio,
+            "relative_to_current": self.relative_to_current,
+            "dense_layers": self.dense_layers,
+            "speculate": match self.speculation { Speculation::Previous => "previous", Speculation::Oracle => "oracle" },
+            "transfer": self.transfer.name(),
+        })
+    }
+
+    fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(InfinigenPolicy::new(self.clone(), model, env)?))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(crate::cuda::infinigen::CudaInfinigenPolicy::new(
+            self.clone(),
+            model,
+            env,
+        )?))
+    }
+
+    fn nominal_attended(&self, layer: usize, info: &SeqInfo, n: usize) -> usize {
+        if layer < self.dense_layers {
+            n
+        } else {
+            let k = infinigen_k_max(
+                self.budget,
+                info.prompt_len,
+                info.max_new_tokens,
+                n,
+                self.relative_to_current,
+            );
+            (k + 1).min(n)
+        }
+    }
+
+    fn device_kv_bytes(
+        &self,
+        cfg: &ModelConfig,
+        info: &SeqInfo,
+        n: usize,
+        kv: usize,
+        statistic: usize,
+    ) -> u64 {
+        let d = cfg.num_layers;
+        let token = |layers: usize| (2 * layers * cfg.num_kv_heads * cfg.head_dim * kv) as u64;
+        let dense = self.dense_layers.min(d);
+        let off = (d - dense) as u64;
+        let (hkv, dh) = (cfg.num_kv_heads as u64, cfg.head_dim as u64);
+        let r = ((self.partial_ratio * cfg.head_dim as f64).floor() as u64).clamp(1, dh);
+        let n_max = (info.prefill_len + info.max_new_tokens) as u64;
+        let cap = infinigen_selection_cap(
+            self.budget,
+            info.prompt_len,
+            info.max_new_tokens,
+            info.prefill_len,
+            self.relative_to_current,
+        ) as u64;
+        let staging = if off == 0 {
+            0
+        } else {
+            2 * 2 * hkv * cap * dh * kv as u64
+        };
+        n as u64 * token(dense) + off * hkv * (n_max * r + dh * r) * statistic as u64 + staging
+    }
+
+    fn needs_skewing(&self) -> bool {
+        true
+    }
+
+    fn set_skewing(&mut self, skewing: Arc<Skewing>) {
+        self.skewing = Some(skewing);
     }
 }
 

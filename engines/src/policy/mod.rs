@@ -12,6 +12,7 @@ pub mod evicting;
 pub mod full;
 pub mod h2o;
 pub mod infinigen;
+pub mod registry;
 pub mod skew;
 pub mod spec;
 pub mod streaming;

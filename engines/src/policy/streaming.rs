@@ -5,8 +5,14 @@
 
 use super::budget::streaming_counts;
 use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
-use super::SeqInfo;
+use super::registry::{parse_bool, parse_usize, unknown, Param, Strategy, StrategyParams, Variant};
+use super::spec::PolicyEnv;
+use super::{KvPolicy, SeqInfo};
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::model::Llama;
+use serde_json::json;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StreamingParams {
@@ -23,6 +29,100 @@ impl Default for StreamingParams {
             sinks: 4,
             rolling_positions: true,
         }
+    }
+}
+
+impl StrategyParams for StreamingParams {
+    const STRATEGY: &'static Strategy = &Strategy {
+        name: "streaming",
+        about: "attention sinks plus a sliding window (StreamingLLM)",
+        params: &[
+            Param {
+                key: "sinks",
+                values: "an integer ≥ 0; default 4",
+                about: "attention sinks S kept at the start",
+            },
+            Param {
+                key: "rolling_positions",
+                values: "true (default) or false",
+                about: "keys rotated by their index in the cache at every step (the original); false keeps true positions",
+            },
+        ],
+        budgeted: true,
+        verify: &[
+            Variant::DEFAULT,
+            Variant::both(&[("rolling_positions", "false")]),
+        ],
+        audit: &[
+            Variant::DEFAULT,
+            Variant::cuda(&[("rolling_positions", "false")]),
+        ],
+        bench: &[],
+        cuda: true,
+    };
+
+    fn at_budget(budget: f64) -> Result<Self> {
+        Ok(Self {
+            budget,
+            ..Default::default()
+        })
+    }
+
+    fn budget(&self) -> f64 {
+        self.budget
+    }
+
+    fn set(&mut self, k: &str, v: &str) -> Result<()> {
+        let s = Self::STRATEGY.name;
+        match k {
+            "sinks" => self.sinks = parse_usize(s, k, v)?,
+            "rolling_positions" => self.rolling_positions = parse_bool(s, k, v)?,
+            _ => return Err(unknown(Self::STRATEGY, k)),
+        }
+        Ok(())
+    }
+
+    fn params_json(&self) -> serde_json::Value {
+        json!({
+            "sinks": self.sinks,
+            "rolling_positions": self.rolling_positions,
+        })
+    }
+
+    fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(StreamingPolicy::new(
+            Streaming(*self),
+            &model.cfg,
+            env,
+        )))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(crate::cuda::evicting::CudaEvictingPolicy::new(
+            Streaming(*self),
+            model.device(),
+            &model.cfg,
+            env,
+        )?))
+    }
+
+    fn nominal_attended(&self, _layer: usize, info: &SeqInfo, n: usize) -> usize {
+        streaming_counts(self.budget, info.prompt_len, self.sinks)
+            .map_or(n, |(s, w)| (s + w + 1).min(n))
+    }
+
+    fn device_kv_bytes(
+        &self,
+        cfg: &ModelConfig,
+        info: &SeqInfo,
+        n: usize,
+        kv: usize,
+        _statistic: usize,
+    ) -> u64 {
+        let kept = streaming_counts(self.budget, info.prompt_len, self.sinks)
+            .map_or(n, |(s, w)| (s + w).min(n));
+        kept as u64 * cfg.kv_bytes_per_token(kv)
     }
 }
 

@@ -68,10 +68,10 @@ pub fn spec(model: &Llama, name: &str, budget: f64, params: &[(&str, &str)]) -> 
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     let mut s = PolicySpec::parse(name, budget, &params).unwrap();
-    if let PolicySpec::Infinigen(p) = &mut s {
+    if s.needs_skewing() {
         let mut seed = 99;
         let cal = random_tokens(96, &mut seed);
-        p.skewing = Some(Arc::new(calibrate(model, &cal).unwrap()));
+        s.set_skewing(Arc::new(calibrate(model, &cal).unwrap()));
     }
     s
 }

@@ -325,6 +325,7 @@ mod tests {
     use kvbench_engines::engine::EngineConfig;
     use kvbench_engines::model::load::load_preset;
     use kvbench_engines::model::{Llama, WeightDtype};
+    use kvbench_engines::policy::registry::registry;
     use kvbench_engines::policy::spec::PolicySpec;
 
     fn tiny() -> Llama {
@@ -496,7 +497,7 @@ mod tests {
         let want: Vec<f64> = reqs.iter().map(|p| dense(&model, p)).collect();
         for mode in [ScoringMode::Decode, ScoringMode::OnePass] {
             let full = score(
-                &mut engine(&model, PolicySpec::Full),
+                &mut engine(&model, PolicySpec::full()),
                 &reqs,
                 mode,
                 3,
@@ -509,12 +510,21 @@ mod tests {
                     "{mode:?} request {i}: full {a} vs dense {b}"
                 );
             }
-            for name in ["h2o", "infinigen", "streaming"] {
-                let mut spec = PolicySpec::parse(name, 1.0, &[]).unwrap();
-                if let PolicySpec::Infinigen(p) = &mut spec {
-                    let calib: Vec<u32> = (0..128u32).map(|i| (i * 7) % 250 + 1).collect();
-                    let skew = kvbench_engines::policy::skew::calibrate(&model, &calib).unwrap();
-                    p.skewing = Some(std::sync::Arc::new(skew));
+            // Every compressing strategy at budget 1.0, with its first verify set.
+            let calib: Vec<u32> = (0..128u32).map(|i| (i * 7) % 250 + 1).collect();
+            let skew = std::sync::Arc::new(
+                kvbench_engines::policy::skew::calibrate(&model, &calib).unwrap(),
+            );
+            for s in registry().iter().filter(|s| s.budgeted) {
+                let name = s.name;
+                let params: Vec<(String, String)> = s.verify[0]
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                let mut spec = PolicySpec::parse(name, 1.0, &params).unwrap();
+                if spec.needs_skewing() {
+                    spec.set_skewing(skew.clone());
                 }
                 let got = score(&mut engine(&model, spec), &reqs, mode, 3, |_| {}).unwrap();
                 for (i, (a, b)) in got.iter().zip(&full).enumerate() {

@@ -333,6 +333,7 @@ mod tests {
     use kvbench_engines::engine::EngineConfig;
     use kvbench_engines::model::load::{load_gguf, load_preset, GgufFile};
     use kvbench_engines::model::WeightDtype;
+    use kvbench_engines::policy::registry::registry;
     use kvbench_engines::policy::spec::PolicySpec;
     use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 
@@ -462,20 +463,22 @@ mod tests {
             let mut e = Engine::new(model.clone(), engine_cfg(spec, 1024)).unwrap();
             run_retention(&mut e, &tok, &prompts, 12, 3, &mut |_| {}).unwrap()
         };
-        let full = run(PolicySpec::Full);
+        let full = run(PolicySpec::full());
         assert_eq!(full.len(), 4);
         assert!(full.iter().any(|r| !r.response.is_empty()));
         let calib: Vec<u32> = prompts[0].ids.clone();
         let skew =
             std::sync::Arc::new(kvbench_engines::policy::skew::calibrate(&model, &calib).unwrap());
-        for name in ["h2o", "infinigen", "streaming"] {
-            let params: Vec<(String, String)> = match name {
-                "infinigen" => vec![("dense_layers".into(), "1".into())],
-                _ => vec![],
-            };
+        for s in registry().iter().filter(|s| s.budgeted) {
+            let name = s.name;
+            let params: Vec<(String, String)> = s.verify[0]
+                .params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
             let mut spec = PolicySpec::parse(name, 1.0, &params).unwrap();
-            if let PolicySpec::Infinigen(p) = &mut spec {
-                p.skewing = Some(skew.clone());
+            if spec.needs_skewing() {
+                spec.set_skewing(skew.clone());
             }
             let rows = run(spec);
             assert_eq!(rows.len(), full.len());
@@ -519,7 +522,7 @@ mod tests {
         let model = load_gguf(&file, WeightDtype::F32, &Device::Cpu).unwrap();
         let o = opts(Form::Passkey, &["256-768"], &[1], 2);
         let prompts = build_prompts(&o, &tok, 8192).unwrap();
-        let mut e = Engine::new(model, engine_cfg(PolicySpec::Full, 1024)).unwrap();
+        let mut e = Engine::new(model, engine_cfg(PolicySpec::full(), 1024)).unwrap();
         let mut tokens = 0;
         let rows = run_retention(&mut e, &tok, &prompts, 24, 2, &mut |n| tokens += n).unwrap();
         let prompt_tokens: usize = prompts.iter().map(|p| p.ids.len()).sum();

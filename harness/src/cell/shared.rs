@@ -105,8 +105,8 @@ pub(crate) fn policy_engine(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     let mut policy = PolicySpec::parse(&cell.engine, cell.budget, &pairs)?;
-    if let PolicySpec::Infinigen(p) = &mut policy {
-        p.skewing = Some(skewing(setup, calibration, models_dir)?);
+    if policy.needs_skewing() {
+        policy.set_skewing(skewing(setup, calibration, models_dir)?);
     }
     let explicit = match &e.device.memory {
         Some(m) => Some(parse_bytes(m).map_err(anyhow::Error::msg)?),

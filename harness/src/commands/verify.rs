@@ -11,6 +11,7 @@ use kvbench_engines::device::DeviceKind;
 use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::policy::audit::{allowed_device_bytes, nominal_device_bytes};
+use kvbench_engines::policy::registry::{registry, Strategy, Variant};
 use kvbench_engines::policy::spec::PolicySpec;
 use kvbench_engines::policy::SeqInfo;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
@@ -123,24 +124,15 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     let mut tokens = |n: usize| seeded_ids(n, cfg.vocab_size, &mut state);
     let prompts = [tokens(a.prompt_tokens), tokens(a.prompt_tokens * 2 / 3)];
     let on_cuda = setup.device != DeviceKind::Cpu;
-    let skew = Some(skewing(
-        &setup,
-        a.calibration.as_deref(),
-        &a.model.models_dir,
-    )?);
-    // InfiniGen speculates layer ℓ in ℓ−1: keep at least one offloaded layer.
-    let dense = if cfg.num_layers <= 2 { "1" } else { "2" };
+    let skew = skewing(&setup, a.calibration.as_deref(), &a.model.models_dir)?;
     let make = |name: &str, budget: f64, extra: &[(&str, &str)]| -> Result<PolicySpec> {
-        let mut params: Vec<(String, String)> = extra
+        let params: Vec<(String, String)> = extra
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        if name == "infinigen" {
-            params.push(("dense_layers".into(), dense.into()));
-        }
         let mut s = PolicySpec::parse(name, budget, &params)?;
-        if let PolicySpec::Infinigen(p) = &mut s {
-            p.skewing = skew.clone();
+        if s.needs_skewing() {
+            s.set_skewing(skew.clone());
         }
         Ok(s)
     };
@@ -188,7 +180,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     };
 
     let kernels = kernel_checks(model.device())?;
-    let reference = run_one(PolicySpec::Full, AttentionImpl::Eager, None)
+    let reference = run_one(PolicySpec::full(), AttentionImpl::Eager, None)
         .context("reference run (full + eager)")?;
     let forced = reference.outputs.clone();
     // 16-bit weights: how far the plain 16-bit forward lands from the same weights in
@@ -233,18 +225,17 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         AttentionImpl::Chunked,
         AttentionImpl::Flash,
     ];
-    let mut strategies: Vec<(&str, &[(&str, &str)])> = vec![
-        ("full", &[]),
-        ("h2o", &[]),
-        ("streaming", &[]),
-        ("streaming", &[("rolling_positions", "false")]),
-        ("infinigen", &[]),
-        ("infinigen", &[("alpha", "inf")]),
-    ];
-    if on_cuda {
-        // The original's transfer (host gather, copies); the CPU policy has one path.
-        strategies.push(("infinigen", &[("transfer", "memcpy")]));
-    }
+    // Each registered strategy's parameter sets (the same on CPU and CUDA but for
+    // paths only the CUDA policy has).
+    let variants = |pick: fn(&Strategy) -> &'static [Variant]| -> Vec<(&'static str, &'static [(&'static str, &'static str)])> {
+        registry()
+            .iter()
+            .flat_map(|s| pick(s).iter().map(move |v| (s.name, v)))
+            .filter(|(_, v)| v.runs_on(on_cuda))
+            .map(|(name, v)| (name, v.params))
+            .collect()
+    };
+    let strategies = variants(|s| s.verify);
     let mut combos: Vec<(PolicySpec, AttentionImpl)> = Vec::new();
     for imp in impls {
         for (name, extra) in &strategies {
@@ -295,18 +286,8 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     };
     let token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
     let elem = kvbench_engines::kv::KvDtype::from_candle(model.dtype()).size();
-    let audited: &[(&str, &[(&str, &str)])] = if on_cuda {
-        &[
-            ("h2o", &[]),
-            ("h2o", &[("stats", "eager")]),
-            ("streaming", &[]),
-            ("streaming", &[("rolling_positions", "false")]),
-            ("infinigen", &[]),
-        ]
-    } else {
-        &[("h2o", &[]), ("streaming", &[]), ("infinigen", &[])]
-    };
-    for &(name, extra) in audited {
+    let audited = variants(|s| s.audit);
+    for &(name, extra) in &audited {
         let spec = make(name, b, extra)?;
         // Statistics from materialized probabilities need a cuBLAS attention on CUDA.
         let imp = if extra.contains(&("stats", "eager")) {

@@ -59,29 +59,34 @@ pub fn font(size: u32) -> TextStyle<'static> {
     TextStyle::from((FONT, size).into_font()).color(&INK)
 }
 
-/// The fixed engine → colour map: the same engine has the same colour in every
-/// figure. Engines not listed get a colour from a second palette by name.
+/// The fixed engine → colour map, in legend order: the same engine has the same
+/// colour in every figure. Every strategy the engines register is listed (a harness
+/// test checks it); engines not listed get a colour from a second palette by name.
+pub const ENGINE_COLOURS: &[(&str, RGBColor)] = &[
+    ("full", RGBColor(31, 119, 180)),
+    ("h2o", RGBColor(230, 115, 0)),
+    ("infinigen", RGBColor(44, 160, 44)),
+    ("streaming", RGBColor(214, 39, 40)),
+    ("snapkv", RGBColor(148, 103, 189)),
+    ("quest", RGBColor(140, 86, 75)),
+    ("kivi", RGBColor(188, 189, 34)),
+    ("hybrid", RGBColor(0, 128, 128)),
+];
+
 pub fn engine_color(engine: &str) -> RGBColor {
-    match engine {
-        "full" => RGBColor(31, 119, 180),
-        "h2o" => RGBColor(230, 115, 0),
-        "infinigen" => RGBColor(44, 160, 44),
-        "streaming" => RGBColor(214, 39, 40),
-        "snapkv" => RGBColor(148, 103, 189),
-        "quest" => RGBColor(140, 86, 75),
-        other => {
-            const EXTRA: [RGBColor; 4] = [
-                RGBColor(227, 119, 194),
-                RGBColor(150, 150, 30),
-                RGBColor(23, 170, 190),
-                RGBColor(90, 90, 90),
-            ];
-            let h = other
-                .bytes()
-                .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
-            EXTRA[h as usize % EXTRA.len()]
-        }
+    if let Some((_, c)) = ENGINE_COLOURS.iter().find(|(e, _)| *e == engine) {
+        return *c;
     }
+    const EXTRA: [RGBColor; 4] = [
+        RGBColor(227, 119, 194),
+        RGBColor(120, 120, 220),
+        RGBColor(23, 170, 190),
+        RGBColor(90, 90, 90),
+    ];
+    let h = engine
+        .bytes()
+        .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32));
+    EXTRA[h as usize % EXTRA.len()]
 }
 
 /// The same hue, darker for the k-th variant (other parameters) of an engine.
@@ -507,7 +512,7 @@ mod tests {
         }
         // Every listed engine has its own colour, and an engine not listed gets none of
         // theirs.
-        let listed = ["full", "h2o", "infinigen", "streaming", "snapkv", "quest"];
+        let listed: Vec<&str> = ENGINE_COLOURS.iter().map(|(e, _)| *e).collect();
         let colours: Vec<RGBColor> = listed.iter().map(|e| engine_color(e)).collect();
         for (i, a) in colours.iter().enumerate() {
             for (j, b) in colours.iter().enumerate().skip(i + 1) {
