@@ -11,6 +11,7 @@ use kvbench_engines::error::Error;
 use kvbench_engines::model::Llama;
 use kvbench_engines::policy::budget::{h2o_counts, H2oRatio};
 use kvbench_engines::policy::full::{FullOptions, FullPolicy};
+use kvbench_engines::policy::registry::registry;
 use kvbench_engines::policy::spec::PolicySpec;
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 
@@ -72,19 +73,14 @@ fn every_policy_and_attention_at_budget_one_reproduces_full_eager() {
         &forced,
     )
     .unwrap();
-    let specs = [
-        spec(&model, "full", 1.0, &[]),
-        spec(&model, "h2o", 1.0, &[]),
-        spec(&model, "streaming", 1.0, &[]),
-        spec(&model, "streaming", 1.0, &[("rolling_positions", "false")]),
-        spec(&model, "infinigen", 1.0, &[("dense_layers", "1")]),
-        spec(
-            &model,
-            "infinigen",
-            1.0,
-            &[("dense_layers", "1"), ("alpha", "inf")],
-        ),
-    ];
+    // Every registered strategy with each parameter set `kvbench verify` runs.
+    let specs: Vec<PolicySpec> = registry()
+        .iter()
+        .flat_map(|st| st.verify.iter().map(move |v| (st.name, v)))
+        .filter(|(_, v)| v.runs_on(false))
+        .map(|(name, v)| spec(&model, name, 1.0, v.params))
+        .collect();
+    assert!(specs.len() >= registry().len());
     for s in &specs {
         for imp in [
             AttentionImpl::Eager,
@@ -133,6 +129,8 @@ fn small_budgets_change_the_logits_and_pass_the_audit() {
             0.1,
             &[("dense_layers", "1"), ("alpha", "1")],
         ),
+        spec(&model, "snapkv", 0.3, &[("window", "4")]),
+        spec(&model, "snapkv", 0.1, &[("pooling", "max")]),
     ] {
         for imp in [AttentionImpl::Eager, AttentionImpl::Flash] {
             let got = run_forced(
@@ -282,6 +280,102 @@ fn h2o_keeps_the_window_and_the_heavy_hitters_of_the_exact_statistics() {
                     "stats {stats}, chunk {chunk:?}, layer {layer}, head {g}"
                 );
             }
+        }
+    }
+}
+
+/// Per (layer, KV head), each key's softmax probability summed over the last `w`
+/// prompt rows and the group's heads, from the model's own layer inputs (naive, f64).
+fn naive_window_votes(model: &Llama, prompt: &[u32], w: usize) -> Vec<Vec<Vec<f64>>> {
+    let c = &model.cfg;
+    let (h, hkv, dh) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let n = prompt.len();
+    let mut out = Vec::new();
+    model
+        .forward_observe(prompt, &mut |i| {
+            let q = i.q.flatten_all()?.to_vec1::<f32>()?;
+            let k = i.k.flatten_all()?.to_vec1::<f32>()?;
+            let mut vote = vec![vec![0f64; n]; hkv];
+            for hq in 0..h {
+                let g = hq / (h / hkv);
+                for row in n - w..n {
+                    let s: Vec<f64> = (0..=row)
+                        .map(|j| {
+                            (0..dh)
+                                .map(|d| {
+                                    q[(row * h + hq) * dh + d] as f64
+                                        * k[(j * hkv + g) * dh + d] as f64
+                                })
+                                .sum::<f64>()
+                                / (dh as f64).sqrt()
+                        })
+                        .collect();
+                    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                    for (j, x) in s.iter().enumerate() {
+                        vote[g][j] += (x - m).exp() / z;
+                    }
+                }
+            }
+            out.push(vote);
+            Ok(())
+        })
+        .unwrap();
+    out
+}
+
+#[test]
+fn snapkv_keeps_the_window_and_the_pooled_top_of_the_window_votes() {
+    let model = tiny();
+    let mut seed = 21;
+    let prompt = random_tokens(60, &mut seed);
+    let n = prompt.len();
+    let (w, kernel) = (8, 3);
+    let votes = naive_window_votes(&model, &prompt, w);
+    let capacity = (0.5 * n as f64).floor() as usize;
+    for pooling in ["avg", "max"] {
+        let params = [("window", "8"), ("kernel", "3"), ("pooling", pooling)];
+        let s = spec(&model, "snapkv", 0.5, &params);
+        // The window's rows split across prefill steps, or all in one.
+        for chunk in [None, Some(13), Some(1)] {
+            let decode = 5;
+            let e = drive_with(&model, &s, &[(0, prompt.clone())], decode, chunk);
+            for (layer, vote) in votes.iter().enumerate() {
+                for (g, vote) in vote.iter().enumerate() {
+                    // Pooling over the keys before the window (zero padding counted by
+                    // the average, ignored by the max), then the top C − w, older first.
+                    let prefix = n - w;
+                    let pooled: Vec<f64> = (0..prefix)
+                        .map(|j| {
+                            let lo = j.saturating_sub(kernel / 2);
+                            let hi = (j + kernel / 2 + 1).min(prefix);
+                            let xs = &vote[lo..hi];
+                            if pooling == "avg" {
+                                xs.iter().sum::<f64>() / kernel as f64
+                            } else {
+                                xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+                            }
+                        })
+                        .collect();
+                    let mut old: Vec<usize> = (0..prefix).collect();
+                    old.sort_by(|&a, &b| {
+                        pooled[b].partial_cmp(&pooled[a]).unwrap().then(a.cmp(&b))
+                    });
+                    let mut want: Vec<u32> =
+                        old[..capacity - w].iter().map(|&x| x as u32).collect();
+                    want.extend(prefix as u32..n as u32);
+                    // Decode tokens are appended, never evicted.
+                    want.extend(n as u32..(n + decode) as u32);
+                    want.sort_unstable();
+                    let mut kept = e.policy().kept_positions(0, layer, g).unwrap();
+                    kept.sort_unstable();
+                    assert_eq!(
+                        kept, want,
+                        "{pooling}, chunk {chunk:?}, layer {layer}, head {g}"
+                    );
+                }
+            }
+            e.policy().check_invariants().unwrap();
         }
     }
 }
@@ -507,6 +601,17 @@ fn parameters_are_checked_with_errors_that_name_them() {
     assert!(e.to_string().contains("`zero_copy` or `memcpy`"), "{e}");
     let s = PolicySpec::parse("infinigen", 0.3, &[("transfer".into(), "memcpy".into())]).unwrap();
     assert_eq!(s.params_json()["transfer"], "memcpy");
+    let e = PolicySpec::parse("snapkv", 0.3, &[("kernel".into(), "4".into())]).unwrap_err();
+    assert!(
+        e.to_string().contains("kernel=4") && e.to_string().contains("odd"),
+        "{e}"
+    );
+    let e = PolicySpec::parse("snapkv", 0.3, &[("pooling".into(), "min".into())]).unwrap_err();
+    assert!(e.to_string().contains("`avg` or `max`"), "{e}");
+    let e = PolicySpec::parse("snapkv", 0.3, &[("window".into(), "0".into())]).unwrap_err();
+    assert!(e.to_string().contains("window=0"), "{e}");
+    let e = PolicySpec::parse("snapkv", 0.3, &[("w".into(), "8".into())]).unwrap_err();
+    assert!(e.to_string().contains("window, kernel, pooling"), "{e}");
 }
 
 #[test]

@@ -315,9 +315,27 @@ fn verify_tiny_passes_and_reports_every_combination_as_json() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let rows = v["results"].as_array().unwrap();
-    // The reference against cache-free attention, 6 strategy variants × 3 attention
-    // implementations at budget 1, 3 audit rows.
-    assert_eq!(rows.len(), 22);
+    // The reference against cache-free attention, every registered strategy's verify
+    // sets × 3 attention implementations at budget 1, its audit sets.
+    let cpu = |v: &&kvbench_engines::policy::registry::Variant| v.runs_on(false);
+    let strategies = kvbench_engines::policy::registry::registry();
+    let verified: usize = strategies
+        .iter()
+        .map(|s| s.verify.iter().filter(cpu).count())
+        .sum();
+    let audited: usize = strategies
+        .iter()
+        .map(|s| s.audit.iter().filter(cpu).count())
+        .sum();
+    assert_eq!(rows.len(), 1 + 3 * verified + audited);
+    assert!(verified >= strategies.len() && audited >= strategies.len() - 1);
+    for s in strategies {
+        assert!(
+            rows.iter().any(|r| r["engine"] == s.name),
+            "{} not verified",
+            s.name
+        );
+    }
     assert_eq!(rows[0]["engine"], "dense-reference");
     assert!(rows[0]["max_abs_logit_diff"].as_f64().unwrap() < 1e-3);
     // The dense forward holds no cache: its KV bytes are not measured, not 0.
@@ -340,7 +358,7 @@ fn verify_tiny_passes_and_reports_every_combination_as_json() {
         assert_eq!(r["pass"], true, "{r}");
     }
     let audit: Vec<_> = rows.iter().filter(|r| r["budget"] == 0.3).collect();
-    assert_eq!(audit.len(), 3);
+    assert_eq!(audit.len(), audited);
     let full = rows[1]["kv_device_bytes"].as_u64().unwrap();
     let h2o = audit[0]["kv_device_bytes"].as_u64().unwrap();
     // The 96-token request keeps ⌊0.3·96⌋ = 28 of its 111 tokens.
@@ -747,9 +765,18 @@ fn a_concurrency_cap_sends_requests_as_others_finish_and_progress_stays_in_the_p
     assert_eq!(t[0].0, 0.0);
     assert_eq!(t[1].0, t[0].1, "{t:?}");
     assert_eq!(t[2].0, t[1].1, "{t:?}");
-    // TTFT runs from that arrival: the last request's is not the wait for two others.
-    let ttft = cells[1]["metrics"]["ttft_s"]["p99"].as_f64().unwrap();
-    assert!(ttft < t[2].0, "{ttft} {t:?}");
+    // TTFT runs from that arrival: the mean is that of each first token less its own
+    // arrival, not a wait that includes the requests before it.
+    let ttft = cells[1]["metrics"]["ttft_s"]["mean"].as_f64().unwrap();
+    let own: Vec<f64> = cells[1]["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["token_times_s"][0].as_f64().unwrap() - r["arrival_s"].as_f64().unwrap())
+        .collect();
+    let mean = own.iter().sum::<f64>() / own.len() as f64;
+    assert!((ttft - mean).abs() < 1e-9, "{ttft} {own:?}");
+    assert!(own.iter().all(|&x| x > 0.0), "{own:?}");
     // runs.parquet: the cap, null when uncapped.
     use polars::prelude::*;
     let f = std::fs::File::open(results.join("capped/runs.parquet")).unwrap();

@@ -11,6 +11,7 @@ use crate::config::ModelConfig;
 use crate::policy::audit::nominal_attended;
 use crate::policy::evicting::Eviction;
 use crate::policy::h2o::H2o;
+use crate::policy::snapkv::snapkv_counts;
 use crate::policy::spec::PolicySpec;
 use crate::policy::SeqInfo;
 use serde::Serialize;
@@ -207,6 +208,11 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
                 seq.metadata += hkv * a * 3.0 * stat;
                 seq.flops_statistics += h * a;
             }
+            PolicySpec::Snapkv(_) => {
+                // Decode appends and never evicts: the kept prompt and the decoded
+                // tokens are read (`a`), nothing else.
+                seq.kv_write += tl;
+            }
             PolicySpec::Streaming(q) => {
                 seq.kv_write += tl;
                 if q.rolling_positions {
@@ -337,6 +343,18 @@ pub fn prefill_rows(s: &Setup, info: &SeqInfo, start: usize, end: usize) -> Step
             // Scores and positions written per KV head.
             out.metadata += hkv * rows * 2.0 * stat;
         }
+        if let PolicySpec::Snapkv(q) = &s.policy {
+            let compresses = snapkv_counts(q.budget, info.prompt_len, q.window)
+                .is_some_and(|c| info.prefill_len > c.capacity);
+            if compresses && sampled > 0.0 {
+                // The window's vote when the prompt ends: its w queries against every
+                // key (QKᵀ, exp, sums), K read once more, the scores written per KV head.
+                let w = q.window.min(info.prefill_len) as f64;
+                out.flops_statistics += 2.0 * w * h * dh * e + 2.0 * w * h * e;
+                out.kv_read += e * hkv * dh * p.kv as f64;
+                out.metadata += hkv * e * stat;
+            }
+        }
         if let PolicySpec::Infinigen(q) = &s.policy {
             if offloaded {
                 let r = infinigen_r(q.partial_ratio, c.head_dim) as f64;
@@ -425,6 +443,37 @@ mod tests {
         assert_eq!(c3.weight_read, 31_360.0 + 2.0 * 16.0 * 4.0);
         assert_eq!(c3.kv_read, 3.0 * c.kv_read);
         assert_eq!(c3.flops_linear, 3.0 * c.flops_linear);
+    }
+
+    #[test]
+    fn snapkv_by_hand() {
+        let s = setup(PolicySpec::Snapkv(crate::policy::snapkv::SnapkvParams {
+            budget: 0.3,
+            window: 4,
+            ..Default::default()
+        }));
+        // C = 30 kept of the prompt; at n = 105 (5th decode row) 30 + 5 read per layer.
+        let c = decode_step(&s, &info(100, 10), 105, 1);
+        assert_eq!(c.kv_read, 2.0 * 35.0 * 128.0);
+        assert_eq!(c.kv_write, 2.0 * 128.0);
+        assert_eq!((c.metadata, c.flops_statistics), (0.0, 0.0));
+        // The vote at the prompt's end: 4 queries × 4 heads against 100 keys (dot of 8,
+        // then exp and sum), K read again, one f32 score per key and KV head.
+        let p = prefill(&s, &info(100, 10), 8192);
+        let f = prefill(&setup(PolicySpec::full()), &info(100, 10), 8192);
+        assert_eq!(
+            p.flops_statistics,
+            2.0 * (2.0 * 4.0 * 4.0 * 8.0 * 100.0 + 2.0 * 4.0 * 4.0 * 100.0)
+        );
+        assert_eq!(p.kv_read - f.kv_read, 2.0 * 100.0 * 2.0 * 8.0 * 4.0);
+        assert_eq!(p.metadata - f.metadata, 2.0 * 2.0 * 100.0 * 4.0);
+        // Budget 1: nothing voted, nothing dropped.
+        let one = setup(PolicySpec::parse("snapkv", 1.0, &[]).unwrap());
+        assert_eq!(prefill(&one, &info(100, 10), 8192), f);
+        assert_eq!(
+            decode_step(&one, &info(100, 10), 105, 1).kv_read,
+            2.0 * 105.0 * 128.0
+        );
     }
 
     #[test]

@@ -50,6 +50,17 @@ pub trait Eviction: Send + Sync + 'static {
     fn prefill_stats(&self, attention: AttentionImpl) -> Option<ColumnStats>;
     /// Whether decode accumulates attention probabilities into the slot scores.
     fn decode_probs(&self) -> bool;
+    /// Tokens kept after a step with `n` tokens of context: the capacity (H2O,
+    /// StreamingLLM), or more when decode tokens are never evicted (SnapKV).
+    fn capacity_at(&self, c: Counts, _info: &SeqInfo, _n: usize) -> usize {
+        c.capacity
+    }
+    /// SnapKV: the last `w` prompt queries are held through the prefill and, when it
+    /// ends, score the keys (their probabilities summed over the window and the
+    /// group) in place of column statistics. 0: none.
+    fn observation_window(&self) -> usize {
+        0
+    }
     /// StreamingLLM: keys are stored without RoPE and rotated by their index in the
     /// cache at every step.
     fn rolling_positions(&self) -> bool {
@@ -116,7 +127,7 @@ pub(crate) fn peak_blocks<E: Eviction>(rule: &E, held: &[SeqInfo], block_size: u
     let bs = block_size.max(1);
     let total = |i: &SeqInfo| i.prompt_len + i.max_new_tokens;
     let kept = |i: &SeqInfo| match rule.counts(i) {
-        Some(c) => (c.capacity + 1).min(total(i)),
+        Some(c) => (rule.capacity_at(c, i, total(i)) + 1).min(total(i)),
         None => total(i),
     };
     let prompt_extra = held
@@ -143,6 +154,8 @@ pub struct EvictingPolicy<E: Eviction> {
     scratch_limit: Option<u64>,
     /// cos, sin and length of the rotation table of cache indices (rolling positions).
     rope_cache: (Vec<f32>, Vec<f32>, usize),
+    /// Observation-window queries (`[w, H, dh]` per layer) of sequences in prefill.
+    window_q: HashMap<SeqId, Vec<Vec<f32>>>,
 }
 
 impl<E: Eviction> EvictingPolicy<E> {
@@ -180,6 +193,7 @@ impl<E: Eviction> EvictingPolicy<E> {
             attended: Vec::new(),
             scratch_limit: None,
             rope_cache: (Vec::new(), Vec::new(), 0),
+            window_q: HashMap::new(),
         }
     }
 
@@ -264,6 +278,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) {
         self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+        self.window_q.remove(&seq);
     }
 
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
@@ -293,6 +308,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     fn release(&mut self, seq: SeqId) {
         self.store.release(seq);
         self.seqs.remove(&seq);
+        self.window_q.remove(&seq);
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
@@ -448,6 +464,36 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                     }
                 }
             }
+            let w = self.rule.observation_window();
+            let st = self.seqs[&s.id];
+            let plen = st.info.prefill_len;
+            if w > 0 && st.counts.is_some_and(|c| plen > c.capacity) {
+                // Hold the window's queries until the prompt ends, then let them vote.
+                let first = plen.saturating_sub(w);
+                let layers = self.num_layers;
+                let held = self
+                    .window_q
+                    .entry(s.id)
+                    .or_insert_with(|| vec![Vec::new(); layers]);
+                for i in 0..s.q_len {
+                    if s.ctx_before + i >= first {
+                        held[layer].extend_from_slice(&q[i * h * dh..(i + 1) * h * dh]);
+                    }
+                }
+                if n == plen {
+                    let rows = std::mem::take(&mut held[layer]);
+                    let votes = super::snapkv::window_scores(&rows, first, &k, n, self.shape);
+                    self.stats
+                        .add_scratch(((rows.len() + votes.len() + n) * 4) as u64);
+                    let e = self.store.seqs.get_mut(&s.id).expect("reserved");
+                    for g in 0..hkv {
+                        e.score[layer * hkv + g][..n].copy_from_slice(&votes[g * n..(g + 1) * n]);
+                    }
+                    if layer + 1 == self.num_layers {
+                        self.window_q.remove(&s.id);
+                    }
+                }
+            }
         }
 
         // Statistics and eviction: cache operations.
@@ -465,8 +511,8 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 }
             }
             if let Some(c) = st.counts {
-                if m > c.capacity {
-                    let n = s.ctx_before + 1;
+                let n = s.ctx_before + 1;
+                if m > self.rule.capacity_at(c, &st.info, n) {
                     for g in 0..hkv {
                         let e = &self.store.seqs[&s.id];
                         let victim = self.rule.victim(
@@ -510,7 +556,9 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                     st.computed
                 };
                 e.len = match st.counts {
-                    Some(c) if st.prefilled() => held.min(c.capacity),
+                    Some(c) if st.prefilled() => {
+                        held.min(self.rule.capacity_at(c, &st.info, st.computed))
+                    }
                     _ => held,
                 };
                 let keep_slots = if st.prefilled() { e.len + 1 } else { e.len };
@@ -565,10 +613,11 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 continue;
             };
             if let (Some(c), true) = (s.counts, s.prefilled()) {
-                if e.len > c.capacity {
+                let capacity = self.rule.capacity_at(c, &s.info, s.computed);
+                if e.len > capacity {
                     return Err(format!(
-                        "sequence {id}: {} tokens kept, capacity {}",
-                        e.len, c.capacity
+                        "sequence {id}: {} tokens kept, capacity {capacity}",
+                        e.len
                     ));
                 }
                 // The most recent R positions are present in every (layer, head).

@@ -14,6 +14,7 @@ pub mod h2o;
 pub mod infinigen;
 pub mod registry;
 pub mod skew;
+pub mod snapkv;
 pub mod spec;
 pub mod streaming;
 

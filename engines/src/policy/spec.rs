@@ -6,6 +6,7 @@ use super::h2o::H2oParams;
 use super::infinigen::InfinigenParams;
 use super::registry::{DynParams, Strategy, StrategyParams};
 use super::skew::Skewing;
+use super::snapkv::SnapkvParams;
 use super::streaming::StreamingParams;
 use super::KvPolicy;
 use crate::attention::prefill::AttentionImpl;
@@ -150,6 +151,7 @@ strategies! {
     H2o(H2oParams),
     Infinigen(InfinigenParams),
     Streaming(StreamingParams),
+    Snapkv(SnapkvParams),
 }
 
 /// The registered names (errors, `--help`).

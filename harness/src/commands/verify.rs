@@ -230,11 +230,18 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     let variants = |pick: fn(&Strategy) -> &'static [Variant]| -> Vec<(&'static str, &'static [(&'static str, &'static str)])> {
         registry()
             .iter()
+            .filter(|s| s.cuda || !on_cuda)
             .flat_map(|s| pick(s).iter().map(move |v| (s.name, v)))
             .filter(|(_, v)| v.runs_on(on_cuda))
             .map(|(name, v)| (name, v.params))
             .collect()
     };
+    for s in registry().iter().filter(|s| on_cuda && !s.cuda) {
+        eprintln!(
+            "{}: no CUDA implementation (refused on CUDA with a named error), verified on the CPU only",
+            s.name
+        );
+    }
     let strategies = variants(|s| s.verify);
     let mut combos: Vec<(PolicySpec, AttentionImpl)> = Vec::new();
     for imp in impls {
