@@ -423,7 +423,11 @@ impl Engine {
                 req.max_new_tokens,
                 self.max_model_len
             ))
-        } else if !self.policy.fits(total) {
+        } else if !self.policy.fits_request(&SeqInfo {
+            prompt_len: req.prompt.len(),
+            max_new_tokens: req.max_new_tokens,
+            prefill_len: req.prompt.len(),
+        }) {
             Some(format!(
                 "{total} tokens need more KV than the whole pool holds"
             ))

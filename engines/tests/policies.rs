@@ -636,3 +636,104 @@ fn prompts_shorter_than_the_budget_evict_only_once_the_context_passes_it() {
     kept.sort_unstable();
     assert_eq!(kept, vec![0, 1, 2, 3, 8], "four sinks and a window of one");
 }
+
+#[test]
+fn hybrid_runs_short_prompts_on_full_and_long_ones_on_its_long_side_in_one_batch() {
+    let model = tiny();
+    let (prompts, forced) = workload();
+    // Prompts of 40 and 23 tokens: the first is long (≥ 30), the second short.
+    let hybrid = |long: &str| {
+        spec(
+            &model,
+            "hybrid",
+            0.3,
+            &[
+                ("threshold", "30"),
+                ("short_share", "0.3"),
+                ("long", long),
+                ("long.window", "4"),
+            ][..if long == "snapkv" { 4 } else { 3 }],
+        )
+    };
+    for (long, alone) in [
+        ("h2o", spec(&model, "h2o", 0.3, &[])),
+        ("snapkv", spec(&model, "snapkv", 0.3, &[("window", "4")])),
+    ] {
+        for prefill in [PrefillMode::Sequential, PrefillMode::Chunked] {
+            // A roomy budget, and one whose shares just hold each request: 30 % of 7
+            // blocks of 16 tokens is 2 for the 23 + 9 tokens of the short one, the rest
+            // 4 for the 40 + 12 of the long one.
+            for blocks in [512, 7] {
+                let mut c = cfg(hybrid(long), AttentionImpl::Flash, prefill);
+                c.num_blocks = Some(blocks);
+                let got = run_forced(c, &prompts, &forced)
+                    .unwrap_or_else(|e| panic!("{long} {prefill:?} {blocks}: {e}"));
+                let full = run_forced(
+                    cfg(PolicySpec::full(), AttentionImpl::Flash, prefill),
+                    &prompts,
+                    &forced,
+                )
+                .unwrap();
+                let compressed = run_forced(
+                    cfg(alone.clone(), AttentionImpl::Flash, prefill),
+                    &prompts,
+                    &forced,
+                )
+                .unwrap();
+                for (i, want) in [(0, &compressed[0]), (1, &full[1])] {
+                    assert_eq!(got[i].len(), want.len());
+                    for (x, y) in got[i].iter().zip(want) {
+                        let d = max_abs_diff(x, y);
+                        assert!(
+                            d < 1e-4,
+                            "{long} {prefill:?} {blocks} blocks, request {i}: Δ {d}"
+                        );
+                    }
+                }
+                // The long side compressed: its logits differ from full's.
+                assert!(max_abs_diff(&got[0][11], &full[0][11]) > 1e-4, "{long}");
+            }
+        }
+    }
+    // The split binds: at half of 7 blocks the long side has 3, short of the 4 its
+    // 52 tokens take.
+    let mut c = cfg(
+        spec(&model, "hybrid", 0.3, &[("threshold", "30")]),
+        AttentionImpl::Flash,
+        PrefillMode::Chunked,
+    );
+    c.num_blocks = Some(7);
+    let e = run_forced(c, &prompts, &forced).unwrap_err();
+    assert!(e.to_string().contains("request 0 rejected"), "{e}");
+}
+
+#[test]
+fn hybrid_parameters_and_reservation_are_checked() {
+    let p = |kv: &[(&str, &str)]| {
+        let kv: Vec<(String, String)> = kv
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        PolicySpec::parse("hybrid", 0.3, &kv)
+    };
+    let e = p(&[("long", "full")]).unwrap_err();
+    assert!(e.to_string().contains("long=full"), "{e}");
+    let e = p(&[("long", "hybrid")]).unwrap_err();
+    assert!(e.to_string().contains("long=hybrid"), "{e}");
+    let e = p(&[("long.heavy", "1")]).unwrap_err();
+    assert!(e.to_string().contains("heavy_fraction"), "{e}");
+    let e = p(&[("threshold", "0")]).unwrap_err();
+    assert!(e.to_string().contains("threshold=0"), "{e}");
+    // The long side's parameters apply whichever order `long` comes in.
+    let s = p(&[("long.sinks", "2"), ("long", "streaming")]).unwrap();
+    assert_eq!(s.params_json()["long_params"]["sinks"], 2);
+    let e = p(&[("long.sinks", "2"), ("long", "h2o")]).unwrap_err();
+    assert!(e.to_string().contains("sinks"), "{e}");
+    let e = p(&[("short_share", "1")]).unwrap_err();
+    assert!(e.to_string().contains("short_share=1"), "{e}");
+    // Both sides grow on demand from one budget: a pool up front is refused.
+    let mut c = cfg(p(&[]).unwrap(), AttentionImpl::Flash, PrefillMode::Chunked);
+    c.reservation = Some(kvbench_engines::policy::spec::Reservation::Fraction);
+    let e = Engine::new(tiny(), c).err().expect("refused");
+    assert!(e.to_string().contains("reservation=budget"), "{e}");
+}

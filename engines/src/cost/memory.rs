@@ -100,6 +100,7 @@ pub fn kv_device_bytes(s: &Setup, info: &SeqInfo, n: usize) -> u64 {
 pub fn kv_host_bytes(s: &Setup, info: &SeqInfo) -> u64 {
     let c = &s.model;
     match &s.policy {
+        PolicySpec::Hybrid(q) => kv_host_bytes(&s.routed(q.route(info)), info),
         PolicySpec::Infinigen(q) => {
             let off = c.num_layers - q.dense_layers.min(c.num_layers);
             let tokens =
@@ -147,6 +148,11 @@ pub fn prefill_activations(s: &Setup, rows: usize, n: usize, sampled: usize) -> 
     };
     let stats: Option<ColumnStats> = match &s.policy {
         PolicySpec::H2o(q) => H2o(*q).prefill_stats(s.attention),
+        // The long side's (the larger scratch).
+        PolicySpec::Hybrid(q) => match &*q.long {
+            PolicySpec::H2o(h) => H2o(*h).prefill_stats(s.attention),
+            _ => None,
+        },
         _ => None,
     };
     let imp: AttentionImpl = s.attention;

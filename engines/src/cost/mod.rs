@@ -146,6 +146,14 @@ impl Setup {
         }
     }
 
+    /// The same set-up running `policy` instead (a hybrid's side for one request).
+    pub(crate) fn routed(&self, policy: PolicySpec) -> Self {
+        Self {
+            policy,
+            ..self.clone()
+        }
+    }
+
     pub(crate) fn check(&self) -> Result<()> {
         self.model.validate().map_err(CostError::Invalid)?;
         if self.block_size == 0 || self.chunk_size == 0 {

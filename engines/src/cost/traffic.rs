@@ -156,6 +156,7 @@ pub fn infinigen_r(partial_ratio: f64, head_dim: usize) -> usize {
 fn h2o_stats(spec: &PolicySpec, attention: AttentionImpl) -> Option<ColumnStats> {
     match spec {
         PolicySpec::H2o(p) => H2o(*p).prefill_stats(attention),
+        PolicySpec::Hybrid(q) => h2o_stats(&q.long, attention),
         _ => None,
     }
 }
@@ -174,6 +175,9 @@ pub fn forward_weights(c: &ModelConfig, weight_elem: usize, rows: usize) -> Step
 /// token being generated (the step appends it). Everything but the weights, which the
 /// step's forward reads once for all its rows ([`forward_weights`]).
 pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
+    if let PolicySpec::Hybrid(q) = &s.policy {
+        return decode_row(&s.routed(q.route(info)), info, n);
+    }
     let c = &s.model;
     let p = s.precision;
     let (h, hkv, dh, dm) = (
@@ -208,6 +212,7 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
                 seq.metadata += hkv * a * 3.0 * stat;
                 seq.flops_statistics += h * a;
             }
+            PolicySpec::Hybrid(_) => unreachable!("routed above"),
             PolicySpec::Snapkv(_) => {
                 // Decode appends and never evicts: the kept prompt and the decoded
                 // tokens are read (`a`), nothing else.
@@ -263,6 +268,9 @@ fn chunks(start: usize, end: usize, chunk: usize) -> impl Iterator<Item = (f64, 
 /// cached by earlier forwards). Everything but the weights ([`forward_weights`]). The
 /// LM head runs for the last row of the prompt only.
 pub fn prefill_rows(s: &Setup, info: &SeqInfo, start: usize, end: usize) -> StepCost {
+    if let PolicySpec::Hybrid(q) = &s.policy {
+        return prefill_rows(&s.routed(q.route(info)), info, start, end);
+    }
     let c = &s.model;
     let p = s.precision;
     let (h, hkv, dh, dm, v) = (
@@ -473,6 +481,34 @@ mod tests {
         assert_eq!(
             decode_step(&one, &info(100, 10), 105, 1).kv_read,
             2.0 * 105.0 * 128.0
+        );
+    }
+
+    #[test]
+    fn hybrid_costs_each_request_as_its_side() {
+        let h =
+            setup(PolicySpec::parse("hybrid", 0.3, &[("threshold".into(), "50".into())]).unwrap());
+        let h2o = setup(PolicySpec::parse("h2o", 0.3, &[]).unwrap());
+        let full = setup(PolicySpec::full());
+        assert_eq!(
+            decode_row(&h, &info(100, 10), 105),
+            decode_row(&h2o, &info(100, 10), 105)
+        );
+        assert_eq!(
+            decode_row(&h, &info(40, 10), 45),
+            decode_row(&full, &info(40, 10), 45)
+        );
+        assert_eq!(
+            prefill(&h, &info(100, 10), 64),
+            prefill(&h2o, &info(100, 10), 64)
+        );
+        assert_eq!(
+            prefill(&h, &info(40, 10), 64),
+            prefill(&full, &info(40, 10), 64)
+        );
+        assert_ne!(
+            decode_row(&h2o, &info(100, 10), 105),
+            decode_row(&full, &info(100, 10), 105)
         );
     }
 

@@ -11,6 +11,8 @@ pub struct BlockPool {
     /// Most blocks the pool may hold: its size when allocated up front, the ceiling
     /// it grows to when allocated on demand.
     limit: usize,
+    /// Allocated on demand (its limit may then be moved).
+    grows: bool,
 }
 
 impl BlockPool {
@@ -21,6 +23,7 @@ impl BlockPool {
             ref_counts: vec![0; num_blocks],
             free,
             limit: num_blocks,
+            grows: false,
         }
     }
 
@@ -32,7 +35,17 @@ impl BlockPool {
             ref_counts: Vec::new(),
             free: Vec::new(),
             limit,
+            grows: true,
         }
+    }
+
+    /// Move an on-demand pool's ceiling to `limit` blocks (never below what it holds:
+    /// a pool does not give storage back). `false` for a pool allocated up front.
+    pub fn set_limit(&mut self, limit: usize) -> bool {
+        if self.grows {
+            self.limit = limit.max(self.num_blocks());
+        }
+        self.grows
     }
 
     /// Most blocks the pool may hold (its size when allocated up front).
@@ -184,6 +197,20 @@ impl BlockPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ceiling_moves_only_on_demand_and_never_below_what_is_held() {
+        let mut p = BlockPool::on_demand(8);
+        p.allocate(3).unwrap();
+        assert!(p.set_limit(1));
+        assert_eq!(p.limit(), 3, "never below the blocks grown");
+        assert!(p.allocate(1).is_none());
+        assert!(p.set_limit(5));
+        assert!(p.allocate(2).is_some());
+        let mut fixed = BlockPool::new(4);
+        assert!(!fixed.set_limit(9));
+        assert_eq!(fixed.limit(), 4);
+    }
 
     #[test]
     fn an_on_demand_pool_grows_by_what_is_missing_up_to_its_limit_and_keeps_it() {

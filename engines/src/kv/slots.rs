@@ -99,6 +99,11 @@ impl SlotStore {
         self.pool.limit()
     }
 
+    /// Move the ceiling of a pool grown on demand ([`BlockPool::set_limit`]).
+    pub fn set_limit(&mut self, blocks: usize) -> bool {
+        self.pool.set_limit(blocks)
+    }
+
     pub fn num_used_blocks(&self) -> usize {
         self.pool.num_used()
     }

@@ -47,6 +47,11 @@ impl SeqTables {
         self.pool.limit()
     }
 
+    /// Move the ceiling of a pool grown on demand ([`BlockPool::set_limit`]).
+    pub fn set_limit(&mut self, blocks: usize) -> bool {
+        self.pool.set_limit(blocks)
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }

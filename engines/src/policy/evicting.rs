@@ -305,6 +305,11 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         total_tokens.div_ceil(self.store.block_size()) <= self.store.limit()
     }
 
+    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
+        let block = self.store.block_bytes().max(1);
+        self.store.set_limit((bytes / block) as usize)
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.store.release(seq);
         self.seqs.remove(&seq);

@@ -218,6 +218,11 @@ impl KvPolicy for FullPolicy {
         self.tables.fits(total_tokens)
     }
 
+    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
+        let block = self.store.bytes_per_block().max(1);
+        self.tables.set_limit((bytes / block) as usize)
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.tables.release(seq);
     }

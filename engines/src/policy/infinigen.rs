@@ -732,6 +732,18 @@ impl KvPolicy for InfinigenPolicy {
             && self.fixed_bytes(total_tokens, total_tokens) <= self.env.kv_device_bytes
     }
 
+    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
+        if self.env.reservation != Reservation::Budget {
+            return false;
+        }
+        // The sequences' buffers are checked against the KV bytes in `reserve`; the
+        // dense pool may grow into what they leave.
+        self.env.kv_device_bytes = bytes;
+        let block = self.dense_block_bytes().max(1);
+        let room = bytes.saturating_sub(self.fixed_device_bytes()) / block;
+        self.dense_pool.set_limit(room as usize)
+    }
+
     fn release(&mut self, seq: SeqId) {
         if let Some(t) = self.dense_tables.remove(&seq) {
             self.dense_pool.release_all(t);

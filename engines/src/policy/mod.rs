@@ -11,6 +11,7 @@ pub mod budget;
 pub mod evicting;
 pub mod full;
 pub mod h2o;
+pub mod hybrid;
 pub mod infinigen;
 pub mod registry;
 pub mod skew;
@@ -146,6 +147,15 @@ impl PolicyStats {
     pub fn add_scratch(&mut self, bytes: u64) {
         self.scratch_bytes = self.scratch_bytes.max(bytes);
     }
+
+    /// Two policies' work in one step: times and bytes added, the larger scratch.
+    pub fn merge(&mut self, o: &PolicyStats) {
+        self.cache_ops_s += o.cache_ops_s;
+        self.h2d_bytes += o.h2d_bytes;
+        self.d2h_bytes += o.d2h_bytes;
+        self.transfer_s += o.transfer_s;
+        self.add_scratch(o.scratch_bytes);
+    }
 }
 
 /// What the scheduler tells a policy when it admits a sequence (again after a
@@ -210,6 +220,19 @@ pub trait KvPolicy: Send {
 
     /// Whether a sequence of `total_tokens` could ever run, alone, on this policy.
     fn fits(&self, total_tokens: usize) -> bool;
+
+    /// Whether the request `info` could ever run, alone (a policy that routes by the
+    /// prompt length overrides it).
+    fn fits_request(&self, info: &SeqInfo) -> bool {
+        self.fits(info.prompt_len + info.max_new_tokens)
+    }
+
+    /// Cap the device bytes a pool grown on demand may reach (it never shrinks below
+    /// what it holds), so that two policies can share one KV budget. `false`: the
+    /// policy's device memory cannot be capped (a pool allocated up front).
+    fn set_device_ceiling(&mut self, _bytes: u64) -> bool {
+        false
+    }
 
     /// Free everything held for `seq`.
     fn release(&mut self, seq: SeqId);

@@ -3,6 +3,7 @@
 
 use super::full::{FullOptions, FullParams};
 use super::h2o::H2oParams;
+use super::hybrid::HybridParams;
 use super::infinigen::InfinigenParams;
 use super::registry::{DynParams, Strategy, StrategyParams};
 use super::skew::Skewing;
@@ -152,6 +153,7 @@ strategies! {
     Infinigen(InfinigenParams),
     Streaming(StreamingParams),
     Snapkv(SnapkvParams),
+    Hybrid(HybridParams),
 }
 
 /// The registered names (errors, `--help`).
@@ -216,7 +218,10 @@ impl PolicySpec {
                 strategy_names()
             ))
         })??;
-        for (k, v) in params {
+        // A nested key (`long.sinks`) after the plain ones (`long`), whatever the order
+        // given: it may name a parameter of what a plain one chooses.
+        let (plain, nested): (Vec<_>, Vec<_>) = params.iter().partition(|(k, _)| !k.contains('.'));
+        for (k, v) in plain.into_iter().chain(nested) {
             if k == RESERVATION_KEY {
                 // An engine option, not the strategy's: checked here, taken by
                 // `split_reservation` into `EngineConfig::reservation`.
