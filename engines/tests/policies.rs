@@ -131,6 +131,12 @@ fn small_budgets_change_the_logits_and_pass_the_audit() {
         ),
         spec(&model, "snapkv", 0.3, &[("window", "4")]),
         spec(&model, "snapkv", 0.1, &[("pooling", "max")]),
+        spec(
+            &model,
+            "quest",
+            0.3,
+            &[("dense_layers", "0"), ("page", "4")],
+        ),
     ] {
         for imp in [AttentionImpl::Eager, AttentionImpl::Flash] {
             let got = run_forced(
@@ -610,6 +616,8 @@ fn parameters_are_checked_with_errors_that_name_them() {
     assert!(e.to_string().contains("`avg` or `max`"), "{e}");
     let e = PolicySpec::parse("snapkv", 0.3, &[("window".into(), "0".into())]).unwrap_err();
     assert!(e.to_string().contains("window=0"), "{e}");
+    let e = PolicySpec::parse("quest", 0.3, &[("page".into(), "0".into())]).unwrap_err();
+    assert!(e.to_string().contains("page=0"), "{e}");
     let e = PolicySpec::parse("snapkv", 0.3, &[("w".into(), "8".into())]).unwrap_err();
     assert!(e.to_string().contains("window, kernel, pooling"), "{e}");
 }
@@ -736,4 +744,89 @@ fn hybrid_parameters_and_reservation_are_checked() {
     c.reservation = Some(kvbench_engines::policy::spec::Reservation::Fraction);
     let e = Engine::new(tiny(), c).err().expect("refused");
     assert!(e.to_string().contains("reservation=budget"), "{e}");
+}
+
+#[test]
+fn quest_reads_the_pages_whose_bound_is_highest_and_the_current_one() {
+    let model = tiny();
+    let mut seed = 33;
+    let prompt = random_tokens(40, &mut seed);
+    let forced = random_tokens(4, &mut seed);
+    let (page, budget) = (4usize, 0.3);
+    let s = spec(
+        &model,
+        "quest",
+        budget,
+        &[("dense_layers", "0"), ("page", "4")],
+    );
+    let mut e = Engine::new(
+        model.clone(),
+        cfg(s, AttentionImpl::Flash, PrefillMode::Sequential),
+    )
+    .unwrap();
+    e.add_request(Request {
+        forced_output: forced.clone(),
+        ..Request::greedy(prompt.clone(), forced.len())
+    })
+    .unwrap();
+    // The prefill, then one decode step whose input is the first forced token.
+    e.step().unwrap();
+    e.step().unwrap();
+    // Layer 0's queries and keys depend on the tokens alone: a plain forward of the
+    // prompt and that token gives the decode row's.
+    let mut seq = prompt.clone();
+    seq.push(forced[0]);
+    let c = &model.cfg;
+    let (h, hkv, dh) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let n = seq.len();
+    let mut layer0 = None;
+    model
+        .forward_observe(&seq, &mut |i| {
+            if layer0.is_none() {
+                layer0 = Some((
+                    i.q.flatten_all()?.to_vec1::<f32>()?,
+                    i.k.flatten_all()?.to_vec1::<f32>()?,
+                ));
+            }
+            Ok(())
+        })
+        .unwrap();
+    let (q, k) = layer0.unwrap();
+    let pages = n.div_ceil(page);
+    // ⌈0.3·41⌉ = 13 tokens: 3 pages of 4.
+    let read = ((budget * n as f64).ceil() as usize / page).max(1);
+    assert_eq!(read, 3);
+    for g in 0..hkv {
+        // U(page) = max over the group's heads of Σ_c max(q_c·M_c, q_c·m_c), in f64.
+        let bound = |p: usize| {
+            (g * h / hkv..(g + 1) * h / hkv)
+                .map(|hq| {
+                    (0..dh)
+                        .map(|ch| {
+                            let col = (p * page..((p + 1) * page).min(n))
+                                .map(|j| k[(j * hkv + g) * dh + ch] as f64);
+                            let (hi, lo) = (
+                                col.clone().fold(f64::NEG_INFINITY, f64::max),
+                                col.fold(f64::INFINITY, f64::min),
+                            );
+                            let x = q[((n - 1) * h + hq) * dh + ch] as f64;
+                            (x * hi).max(x * lo)
+                        })
+                        .sum::<f64>()
+                })
+                .fold(f64::NEG_INFINITY, f64::max)
+        };
+        let mut order: Vec<usize> = (0..pages - 1).collect();
+        order.sort_by(|&a, &b| bound(b).partial_cmp(&bound(a)).unwrap().then(a.cmp(&b)));
+        let mut want: Vec<usize> = order[..read - 1].to_vec();
+        want.push(pages - 1);
+        want.sort_unstable();
+        let want: Vec<u32> = want
+            .iter()
+            .flat_map(|&p| (p * page..((p + 1) * page).min(n)).map(|x| x as u32))
+            .collect();
+        let got = e.policy().kept_positions(0, 0, g).unwrap();
+        assert_eq!(got, want, "KV head {g}");
+        assert_eq!(got.len(), 2 * page + 1);
+    }
 }

@@ -213,6 +213,17 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
                 seq.flops_statistics += h * a;
             }
             PolicySpec::Hybrid(_) => unreachable!("routed above"),
+            PolicySpec::Quest(q) => {
+                seq.kv_write += tl;
+                seq.metadata += n.div_ceil(s.block_size) as f64 * 4.0;
+                if layer >= q.dense_layers {
+                    // Every page's max and min read to bound it, the current page's
+                    // updated; q·M and q·m per channel and head, the max over both.
+                    let pages = n.div_ceil(q.page) as f64;
+                    seq.metadata += pages * hkv * 2.0 * dh * stat + 2.0 * hkv * dh * stat;
+                    seq.flops_statistics += pages * h * dh * 3.0;
+                }
+            }
             PolicySpec::Snapkv(_) => {
                 // Decode appends and never evicts: the kept prompt and the decoded
                 // tokens are read (`a`), nothing else.

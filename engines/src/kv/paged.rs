@@ -220,6 +220,33 @@ impl PagedKv {
         }
     }
 
+    /// KV head `g`'s K and V at `positions` of a sequence in `layer`, appended to
+    /// `k` and `v` as f32 rows of `dh` (Quest's selected pages, head-major tiles).
+    pub fn gather_head(
+        &self,
+        layer: usize,
+        table: &[BlockId],
+        g: usize,
+        positions: impl Iterator<Item = usize>,
+        k: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+    ) {
+        let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
+        let (kb, vb) = &self.layers[layer];
+        for p in positions {
+            let src = ((table[p / bs] as usize * hkv + g) * bs + p % bs) * dh;
+            for (buf, dst) in [(kb, &mut *k), (vb, &mut *v)] {
+                match buf {
+                    Buf::F32(b) => dst.extend_from_slice(&b[src..src + dh]),
+                    Buf::U16(b) => dst.extend(b[src..src + dh].iter().map(|&y| match self.dtype {
+                        KvDtype::Bf16 => bf16::from_bits(y).to_f32(),
+                        _ => f16::from_bits(y).to_f32(),
+                    })),
+                }
+            }
+        }
+    }
+
     /// Positions `0..n` of a sequence's K and V in `layer`, contiguous `[n, Hkv, dh]`
     /// f32 (for attention implementations that want a plain matrix).
     pub fn gather(&self, layer: usize, table: &[BlockId], n: usize) -> (Vec<f32>, Vec<f32>) {

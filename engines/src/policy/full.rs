@@ -3,6 +3,7 @@
 
 use super::registry::{Param, Strategy, StrategyParams, Variant};
 use super::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
+use super::to_f32;
 use super::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
 };
@@ -12,7 +13,7 @@ use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
 use crate::kv::{BlockId, KvDtype, PagedKv, SeqTables};
 use crate::model::Llama;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use std::time::Instant;
 
 /// `full` takes no parameters but the engine's `reservation`.
@@ -198,41 +199,10 @@ impl FullPolicy {
         Some(self.tables.table(seq)).filter(|t| !t.is_empty())
     }
 
-    fn token_bytes(&self) -> u64 {
-        (2 * self.num_layers * self.store.token_stride() * self.store.dtype().size()) as u64
-    }
-}
-
-impl KvPolicy for FullPolicy {
-    fn name(&self) -> &'static str {
-        "full"
-    }
-
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        let ok = self.tables.reserve(seq, total_tokens);
-        self.store.ensure_blocks(self.tables.num_blocks());
-        ok
-    }
-
-    fn fits(&self, total_tokens: usize) -> bool {
-        self.tables.fits(total_tokens)
-    }
-
-    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
-        let block = self.store.bytes_per_block().max(1);
-        self.tables.set_limit((bytes / block) as usize)
-    }
-
-    fn release(&mut self, seq: SeqId) {
-        self.tables.release(seq);
-    }
-
-    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
-        let (layer, q, k, v) = (input.layer, input.q, input.k, input.v);
-        let t0 = Instant::now();
+    /// Store the step's new K and V (`[T, Hkv, dh]` f32 rows) of `layer` (the caller
+    /// times it as cache operations).
+    pub(crate) fn write(&mut self, batch: &StepBatch, layer: usize, kf: &[f32], vf: &[f32]) {
         let stride = self.store.token_stride();
-        let kf = k.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let vf = v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         for s in &batch.seqs {
             let table = self.tables.table(s.id);
             for i in 0..s.q_len {
@@ -251,15 +221,23 @@ impl KvPolicy for FullPolicy {
                 self.tables.set_len(s.id, s.ctx_before + s.q_len);
             }
         }
-        self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
+    }
 
-        let qf = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    /// Attention of the step's rows (`qf`: `[T, H, dh]` f32) over the cache, but for the
+    /// sequences `skip` picks (left zero for the caller: Quest's selected pages).
+    pub(crate) fn attend_rows(
+        &mut self,
+        batch: &StepBatch,
+        layer: usize,
+        qf: &[f32],
+        skip: impl Fn(&super::StepSeq) -> bool,
+    ) -> Result<Vec<f32>> {
         let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
         // Prefill chunks under eager/chunked attention: a plain matrix per sequence.
         let materialize =
             |s: &&super::StepSeq| s.q_len > 1 && self.opts.attention != AttentionImpl::Flash;
         let mut dense_out = Vec::new();
-        for s in batch.seqs.iter().filter(materialize) {
+        for s in batch.seqs.iter().filter(materialize).filter(|s| !skip(s)) {
             let n = s.ctx_before + s.q_len;
             let (kc, vc) = self.store.gather(layer, self.tables.table(s.id), n);
             let shape = PrefillShape {
@@ -290,7 +268,7 @@ impl KvPolicy for FullPolicy {
             self.stats.add_scratch(r.scratch_bytes);
             dense_out.push((s.q_start, r.out));
         }
-        for s in batch.seqs.iter().filter(|s| s.q_len == 1) {
+        for s in batch.seqs.iter().filter(|s| s.q_len == 1 && !skip(s)) {
             self.attended.push(AttendRecord {
                 seq: s.id,
                 layer,
@@ -301,7 +279,7 @@ impl KvPolicy for FullPolicy {
         let views: Vec<SeqAttn<'_>> = batch
             .seqs
             .iter()
-            .filter(|s| !materialize(s))
+            .filter(|s| !materialize(s) && !skip(s))
             .map(|s| SeqAttn {
                 q_start: s.q_start,
                 q_len: s.q_len,
@@ -313,14 +291,62 @@ impl KvPolicy for FullPolicy {
         let mut out = if views.is_empty() {
             vec![0f32; batch.num_tokens * h * dh]
         } else {
-            paged_attention(&qf, &views, kv_k, kv_v, self.shape)
+            paged_attention(qf, &views, kv_k, kv_v, self.shape)
         };
         // The kernel sizes its output by the rows it saw.
         out.resize(batch.num_tokens * h * dh, 0.0);
         for (start, o) in dense_out {
             out[start * h * dh..start * h * dh + o.len()].copy_from_slice(&o);
         }
-        Ok(Tensor::from_vec(out, (batch.num_tokens, h, dh), q.device())?.to_dtype(q.dtype())?)
+        Ok(out)
+    }
+
+    /// The paged storage and a sequence's block table (Quest reads selected pages).
+    pub(crate) fn kv_of(&self, seq: SeqId) -> (&PagedKv, &[BlockId]) {
+        (&self.store, self.tables.table(seq))
+    }
+
+    fn token_bytes(&self) -> u64 {
+        (2 * self.num_layers * self.store.token_stride() * self.store.dtype().size()) as u64
+    }
+}
+
+impl KvPolicy for FullPolicy {
+    fn name(&self) -> &'static str {
+        "full"
+    }
+
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+        let ok = self.tables.reserve(seq, total_tokens);
+        self.store.ensure_blocks(self.tables.num_blocks());
+        ok
+    }
+
+    fn fits(&self, total_tokens: usize) -> bool {
+        self.tables.fits(total_tokens)
+    }
+
+    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
+        let block = self.store.bytes_per_block().max(1);
+        self.tables.set_limit((bytes / block) as usize)
+    }
+
+    fn release(&mut self, seq: SeqId) {
+        self.tables.release(seq);
+    }
+
+    fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        let t0 = Instant::now();
+        let kf = to_f32(input.k)?;
+        self.write(batch, input.layer, &kf, &to_f32(input.v)?);
+        self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
+        let qf = to_f32(input.q)?;
+        let out = self.attend_rows(batch, input.layer, &qf, |_| false)?;
+        let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
+        Ok(
+            Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
+                .to_dtype(input.q.dtype())?,
+        )
     }
 
     fn memory(&self) -> PolicyMemory {

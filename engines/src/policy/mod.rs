@@ -13,6 +13,7 @@ pub mod full;
 pub mod h2o;
 pub mod hybrid;
 pub mod infinigen;
+pub mod quest;
 pub mod registry;
 pub mod skew;
 pub mod snapkv;

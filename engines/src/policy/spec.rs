@@ -5,6 +5,7 @@ use super::full::{FullOptions, FullParams};
 use super::h2o::H2oParams;
 use super::hybrid::HybridParams;
 use super::infinigen::InfinigenParams;
+use super::quest::QuestParams;
 use super::registry::{DynParams, Strategy, StrategyParams};
 use super::skew::Skewing;
 use super::snapkv::SnapkvParams;
@@ -153,6 +154,7 @@ strategies! {
     Infinigen(InfinigenParams),
     Streaming(StreamingParams),
     Snapkv(SnapkvParams),
+    Quest(QuestParams),
     Hybrid(HybridParams),
 }
 
