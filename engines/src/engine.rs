@@ -498,7 +498,7 @@ impl Engine {
         }
         let t_start = self.now();
         let t0 = Instant::now();
-        let plan = self.sched.schedule(t_start, self.policy.as_mut());
+        let plan = self.sched.schedule(t_start, self.policy.as_mut())?;
         if plan.entries.is_empty() {
             if self.sched.running.is_empty() {
                 if let Some(next) = self.sched.next_arrival() {

@@ -3,6 +3,7 @@
 //! admission when nothing was preempted; preemption by recompute of the most recently
 //! admitted request when the KV pool runs out.
 
+use crate::error::Result;
 use crate::policy::{KvPolicy, SeqId, SeqInfo};
 use std::collections::{HashMap, VecDeque};
 
@@ -17,7 +18,7 @@ pub enum PrefillMode {
 
 impl std::str::FromStr for PrefillMode {
     type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s {
             "chunked" | "batched" => Ok(PrefillMode::Chunked),
             "sequential" => Ok(PrefillMode::Sequential),
@@ -159,34 +160,35 @@ impl Scheduler {
         self.seqs[&id].arrival_s <= now
     }
 
-    pub fn schedule(&mut self, now: f64, policy: &mut dyn KvPolicy) -> Plan {
+    /// The next step's plan; a policy's failed allocation is the error.
+    pub fn schedule(&mut self, now: f64, policy: &mut dyn KvPolicy) -> Result<Plan> {
         let mut plan = Plan::default();
         if self.cfg.prefill == PrefillMode::Sequential {
             if let Some(&id) = self.waiting.front() {
                 if self.arrived(id, now) && self.running.len() < self.cfg.max_num_seqs {
                     let s = &self.seqs[&id];
                     let info = s.admission_info();
-                    policy.admit(id, info);
-                    if policy.reserve(id, s.total_len()) {
+                    policy.admit(id, info)?;
+                    if policy.reserve(id, s.total_len())? {
                         let n = s.remaining();
                         self.seqs.get_mut(&id).expect("waiting ids are known").info = Some(info);
                         self.waiting.pop_front();
                         self.running.push(id);
                         plan.entries.push((id, n));
                         plan.admitted.push(id);
-                        return plan;
+                        return Ok(plan);
                     }
                     policy.release(id);
                 }
             }
-            self.schedule_running(usize::MAX, policy, &mut plan);
-            return plan;
+            self.schedule_running(usize::MAX, policy, &mut plan)?;
+            return Ok(plan);
         }
 
         let mut budget = self.cfg.max_batched_tokens;
-        budget = self.schedule_running(budget, policy, &mut plan);
+        budget = self.schedule_running(budget, policy, &mut plan)?;
         if !plan.preempted.is_empty() {
-            return plan;
+            return Ok(plan);
         }
         while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
@@ -198,8 +200,8 @@ impl Scheduler {
             let s = &self.seqs[&id];
             let n = s.remaining().min(budget);
             let info = s.admission_info();
-            policy.admit(id, info);
-            if !policy.reserve(id, s.num_computed + n) {
+            policy.admit(id, info)?;
+            if !policy.reserve(id, s.num_computed + n)? {
                 policy.release(id);
                 break;
             }
@@ -210,7 +212,7 @@ impl Scheduler {
             plan.admitted.push(id);
             budget -= n;
         }
-        plan
+        Ok(plan)
     }
 
     /// Running requests in order; returns the budget left.
@@ -219,7 +221,7 @@ impl Scheduler {
         mut budget: usize,
         policy: &mut dyn KvPolicy,
         plan: &mut Plan,
-    ) -> usize {
+    ) -> Result<usize> {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -227,7 +229,7 @@ impl Scheduler {
             let n = s.remaining().min(budget);
             let want = s.num_computed + n;
             loop {
-                if policy.reserve(id, want) {
+                if policy.reserve(id, want)? {
                     plan.entries.push((id, n));
                     budget -= n;
                     i += 1;
@@ -246,7 +248,7 @@ impl Scheduler {
                 }
             }
         }
-        budget
+        Ok(budget)
     }
 
     /// Remove a finished request from the running set.

@@ -40,7 +40,7 @@ fn quantized_logits_and_answer_match_candle_quantized_llama() {
 
     // Prompt logits through the paged policy.
     let mut policy = FullPolicy::new(&model.cfg, FullOptions::default(), 64);
-    assert!(policy.reserve(0, prompt.len()));
+    assert!(policy.reserve(0, prompt.len()).unwrap());
     let mut batch = StepBatch::default();
     batch.push(0, 0, prompt.len());
     let pos: Vec<u32> = (0..prompt.len() as u32).collect();

@@ -54,7 +54,7 @@ fn paged_incremental_decode_equals_recompute() {
             } else {
                 1
             };
-            assert!(policy.reserve(i as u64, c + n));
+            assert!(policy.reserve(i as u64, c + n).unwrap());
             tokens.extend_from_slice(&t[c..c + n]);
             positions.extend(c as u32..(c + n) as u32);
             batch.push(i as u64, c, n);
@@ -412,7 +412,7 @@ impl KvPolicy for Inspect {
     fn name(&self) -> &'static str {
         "inspect"
     }
-    fn reserve(&mut self, seq: u64, total: usize) -> bool {
+    fn reserve(&mut self, seq: u64, total: usize) -> kvbench_engines::Result<bool> {
         self.inner.reserve(seq, total)
     }
     fn fits(&self, total: usize) -> bool {
@@ -460,7 +460,7 @@ fn policies_see_layer_inputs_and_can_re_rotate_keys() {
         layers_seen: 0,
     };
     let mut batch = StepBatch::default();
-    assert!(p.reserve(0, 6));
+    assert!(p.reserve(0, 6).unwrap());
     batch.push(0, 0, 6);
     let toks = [5u32, 6, 7, 8, 9, 10];
     let pos: Vec<u32> = (0..6).collect();
@@ -496,7 +496,7 @@ fn bf16_weights_and_kv_stay_close_to_the_bf16_dense_forward() {
         .into_iter()
         .chain((12..20).map(|i| (i, 1)))
     {
-        assert!(policy.reserve(0, start + n));
+        assert!(policy.reserve(0, start + n).unwrap());
         let mut batch = StepBatch::default();
         batch.push(0, start, n);
         let pos: Vec<u32> = (start as u32..(start + n) as u32).collect();

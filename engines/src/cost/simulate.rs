@@ -51,8 +51,8 @@ impl KvPolicy for BlockCounter {
         "cost-model"
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        self.tables.reserve(seq, total_tokens)
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> crate::Result<bool> {
+        Ok(self.tables.reserve(seq, total_tokens))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
@@ -226,7 +226,11 @@ impl<'a> SimEngine<'a> {
             return Ok(StepOutcome::Done);
         }
         let t_start = self.clock;
-        let plan = self.sched.schedule(t_start, &mut self.pool);
+        // The block counter allocates nothing that can fail.
+        let plan = self
+            .sched
+            .schedule(t_start, &mut self.pool)
+            .map_err(|e| CostError::Invalid(format!("scheduling: {e}")))?;
         if plan.entries.is_empty() {
             if self.sched.running.is_empty() {
                 if let Some(next) = self.sched.next_arrival() {

@@ -659,8 +659,9 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         self.rule.name()
     }
 
-    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
         self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+        Ok(())
     }
 
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
@@ -675,15 +676,16 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         self.scratch_limit = limit;
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         let st = *self
             .seqs
             .entry(seq)
             .or_insert_with(|| SeqState::unannounced(total_tokens));
         let e = self.store.entry(seq).or_default();
         let slots = st.slots_for(e.len, total_tokens);
-        self.pool
-            .grow(&mut e.table, slots.div_ceil(self.block_size))
+        Ok(self
+            .pool
+            .grow(&mut e.table, slots.div_ceil(self.block_size)))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {

@@ -118,8 +118,8 @@ impl KvPolicy for CudaFullPolicy {
         "full"
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
-        self.tables.reserve(seq, total_tokens)
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
+        Ok(self.tables.reserve(seq, total_tokens))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {

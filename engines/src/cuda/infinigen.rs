@@ -401,9 +401,6 @@ pub struct CudaInfinigenPolicy {
     idx_ready: [Option<CudaEvent>; 2],
     attn_done: [Option<CudaEvent>; 2],
     copied: [Option<CudaEvent>; 2],
-    /// A failure inside `reserve` (which can only answer yes or no), reported by the
-    /// next `attend`.
-    failed: Option<Error>,
 }
 
 impl CudaInfinigenPolicy {
@@ -499,7 +496,6 @@ impl CudaInfinigenPolicy {
             idx_ready: [None, None],
             attn_done: [None, None],
             copied: [None, None],
-            failed: None,
             dev,
             params,
         })
@@ -1612,10 +1608,8 @@ impl KvPolicy for CudaInfinigenPolicy {
         "infinigen"
     }
 
-    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
-        if let Err(e) = self.admit_seq(seq, info) {
-            self.failed.get_or_insert(e);
-        }
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
+        self.admit_seq(seq, info)
     }
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {
@@ -1648,24 +1642,18 @@ impl KvPolicy for CudaInfinigenPolicy {
         self.ensure_buffers(held.len(), kcap, b, longest)
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         if !self.seqs.contains_key(&seq) {
-            self.admit(seq, SeqInfo::unannounced(total_tokens));
+            self.admit_seq(seq, SeqInfo::unannounced(total_tokens))?;
         }
         if !self.tables.reserve(seq, total_tokens) {
-            return false;
+            return Ok(false);
         }
         if self.off() == 0 {
-            return true;
+            return Ok(true);
         }
-        match self.host.reserve(seq, total_tokens) {
-            Ok(ok) => ok,
-            Err(e) => {
-                // Reported by the next step rather than taken for a full pool.
-                self.failed.get_or_insert(e);
-                true
-            }
-        }
+        // A failed pinning is the step's error, not a full pool.
+        self.host.reserve(seq, total_tokens)
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
@@ -1681,9 +1669,6 @@ impl KvPolicy for CudaInfinigenPolicy {
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
-        if let Some(e) = self.failed.take() {
-            return Err(e);
-        }
         let layer = input.layer;
         let q = input.q.to_dtype(DType::BF16)?;
         let k = input.k.to_dtype(DType::BF16)?.contiguous()?;

@@ -276,9 +276,10 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         self.rule.name()
     }
 
-    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
         self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
         self.window_q.remove(&seq);
+        Ok(())
     }
 
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
@@ -292,13 +293,13 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         self.scratch_limit = limit;
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         let st = *self
             .seqs
             .entry(seq)
             .or_insert_with(|| SeqState::unannounced(total_tokens));
         let len = self.store.seqs.get(&seq).map_or(0, |s| s.len);
-        self.store.reserve(seq, st.slots_for(len, total_tokens))
+        Ok(self.store.reserve(seq, st.slots_for(len, total_tokens)))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {

@@ -316,10 +316,10 @@ impl KvPolicy for FullPolicy {
         "full"
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         let ok = self.tables.reserve(seq, total_tokens);
         self.store.ensure_blocks(self.tables.num_blocks());
-        ok
+        Ok(ok)
     }
 
     fn fits(&self, total_tokens: usize) -> bool {

@@ -288,14 +288,14 @@ impl KvPolicy for HybridPolicy {
         "hybrid"
     }
 
-    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
         let side = if info.prompt_len < self.threshold {
             Side::Short
         } else {
             Side::Long
         };
         self.side.insert(seq, side);
-        self.policy(side).admit(seq, info);
+        self.policy(side).admit(seq, info)
     }
 
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
@@ -310,7 +310,7 @@ impl KvPolicy for HybridPolicy {
         self.long.set_scratch_limit(limit);
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         let side = *self.side.entry(seq).or_insert(Side::Short);
         self.policy(side).reserve(seq, total_tokens)
     }

@@ -661,7 +661,7 @@ impl KvPolicy for InfinigenPolicy {
         "infinigen"
     }
 
-    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
         let off = self.num_layers - self.dense;
         let n_max = info.prefill_len + info.max_new_tokens;
@@ -694,19 +694,20 @@ impl KvPolicy for InfinigenPolicy {
                 fixed_device_bytes,
             },
         );
+        Ok(())
     }
 
     fn set_scratch_limit(&mut self, limit: Option<u64>) {
         self.scratch_limit = limit;
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         if !self.seqs.contains_key(&seq) {
-            self.admit(seq, SeqInfo::unannounced(total_tokens));
+            self.admit(seq, SeqInfo::unannounced(total_tokens))?;
         }
         // The per-sequence buffers count against the device's KV bytes.
         if self.device_charged() > self.env.kv_device_bytes {
-            return false;
+            return Ok(false);
         }
         let bs = self.env.block_size;
         if self.dense > 0 {
@@ -714,13 +715,13 @@ impl KvPolicy for InfinigenPolicy {
             let grown = self.dense_pool.grow(t, total_tokens.div_ceil(bs));
             self.dense_kv.ensure_blocks(self.dense_pool.num_blocks());
             if !grown {
-                return false;
+                return Ok(false);
             }
         }
         if self.device_charged() > self.env.kv_device_bytes {
-            return false;
+            return Ok(false);
         }
-        self.num_layers == self.dense || self.host.reserve(seq, total_tokens)
+        Ok(self.num_layers == self.dense || self.host.reserve(seq, total_tokens))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {

@@ -200,8 +200,11 @@ pub trait KvPolicy: Send {
     /// Strategy name as used on the command line (`full`, `h2o`, ...).
     fn name(&self) -> &'static str;
 
-    /// A sequence is (re-)admitted; called before its first `reserve`.
-    fn admit(&mut self, _seq: SeqId, _info: SeqInfo) {}
+    /// A sequence is (re-)admitted; called before its first `reserve`. An error (a
+    /// device allocation that failed) ends the step.
+    fn admit(&mut self, _seq: SeqId, _info: SeqInfo) -> Result<()> {
+        Ok(())
+    }
 
     /// Before a workload: make room ahead for the `held` sequences running at once, so
     /// that one-off allocations (pinning an offloading policy's host memory, its
@@ -216,8 +219,9 @@ pub trait KvPolicy: Send {
     fn set_scratch_limit(&mut self, _limit: Option<u64>) {}
 
     /// Make room so `seq` holds `total_tokens` tokens after this step, all or nothing.
-    /// `false` when the pool is full: the scheduler then preempts.
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool;
+    /// `Ok(false)` when the pool is full: the scheduler then preempts. An error (a
+    /// device or host allocation that failed) ends the step.
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool>;
 
     /// Whether a sequence of `total_tokens` could ever run, alone, on this policy.
     fn fits(&self, total_tokens: usize) -> bool;

@@ -285,10 +285,10 @@ impl KvPolicy for QuestPolicy {
         "quest"
     }
 
-    fn admit(&mut self, seq: SeqId, info: SeqInfo) {
+    fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
         self.info.insert(seq, info);
         self.meta.remove(&seq);
-        self.full.admit(seq, info);
+        self.full.admit(seq, info)
     }
 
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
@@ -299,7 +299,7 @@ impl KvPolicy for QuestPolicy {
         self.full.set_scratch_limit(limit);
     }
 
-    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> bool {
+    fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
         self.info
             .entry(seq)
             .or_insert_with(|| SeqInfo::unannounced(total_tokens));
