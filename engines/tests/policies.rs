@@ -443,8 +443,8 @@ fn a_token_that_takes_all_attention_mass_is_never_evicted() {
     )
     .unwrap();
     let col = r.col.unwrap();
+    use kvbench_engines::policy::evicting::h2o::{H2o, H2oParams};
     use kvbench_engines::policy::evicting::{Counts, Eviction};
-    use kvbench_engines::policy::h2o::{H2o, H2oParams};
     let rule = H2o(H2oParams::default());
     let keep = rule.prefill_keep(
         Counts {

@@ -13,8 +13,8 @@ use crate::kv::PagedKv;
 use crate::ledger::MemoryReport;
 use crate::model::activation_bytes;
 use crate::policy::audit::device_kv_bytes;
+use crate::policy::evicting::h2o::H2o;
 use crate::policy::evicting::Eviction;
-use crate::policy::h2o::H2o;
 use crate::policy::spec::{PolicySpec, Reservation};
 use crate::policy::SeqInfo;
 use serde::Serialize;
@@ -305,9 +305,9 @@ mod tests {
     use super::*;
     use crate::cost::Precision;
     use crate::policy::audit::nominal_device_bytes;
-    use crate::policy::h2o::H2oParams;
+    use crate::policy::evicting::h2o::H2oParams;
+    use crate::policy::evicting::streaming::StreamingParams;
     use crate::policy::infinigen::InfinigenParams;
-    use crate::policy::streaming::StreamingParams;
 
     #[test]
     fn kv_bytes_equal_the_audits_and_the_pools_own_functions() {

@@ -349,7 +349,7 @@ mod tests {
     use crate::cost::device::DeviceTable;
     use crate::cost::Precision;
     use crate::error::Component;
-    use crate::policy::h2o::H2oParams;
+    use crate::policy::evicting::h2o::H2oParams;
 
     fn h100() -> Device {
         DeviceTable::builtin()

@@ -397,7 +397,7 @@ mod tests {
     use crate::cost::device::DeviceTable;
     use crate::cost::predict::{predict, Efficiency, Scenario};
     use crate::cost::Precision;
-    use crate::policy::h2o::H2oParams;
+    use crate::policy::evicting::h2o::H2oParams;
     use crate::policy::spec::PolicySpec;
     use crate::scheduler::PrefillMode;
 

@@ -9,9 +9,9 @@ use super::Setup;
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::policy::audit::nominal_attended;
+use crate::policy::evicting::h2o::H2o;
+use crate::policy::evicting::snapkv::snapkv_counts;
 use crate::policy::evicting::Eviction;
-use crate::policy::h2o::H2o;
-use crate::policy::snapkv::snapkv_counts;
 use crate::policy::spec::PolicySpec;
 use crate::policy::SeqInfo;
 use serde::Serialize;
@@ -411,9 +411,9 @@ mod tests {
     use super::*;
     use crate::cost::Precision;
     use crate::policy::budget::H2oRatio;
-    use crate::policy::h2o::H2oParams;
+    use crate::policy::evicting::h2o::H2oParams;
+    use crate::policy::evicting::streaming::StreamingParams;
     use crate::policy::infinigen::InfinigenParams;
-    use crate::policy::streaming::StreamingParams;
 
     /// D=2, H=4, Hkv=2, dh=8, dm=16, ff=32, V=100.
     pub(crate) fn tiny() -> ModelConfig {
@@ -466,11 +466,13 @@ mod tests {
 
     #[test]
     fn snapkv_by_hand() {
-        let s = setup(PolicySpec::Snapkv(crate::policy::snapkv::SnapkvParams {
-            budget: 0.3,
-            window: 4,
-            ..Default::default()
-        }));
+        let s = setup(PolicySpec::Snapkv(
+            crate::policy::evicting::snapkv::SnapkvParams {
+                budget: 0.3,
+                window: 4,
+                ..Default::default()
+            },
+        ));
         // C = 30 kept of the prompt; at n = 105 (5th decode row) 30 + 5 read per layer.
         let c = decode_step(&s, &info(100, 10), 105, 1);
         assert_eq!(c.kv_read, 2.0 * 35.0 * 128.0);

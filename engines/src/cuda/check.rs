@@ -361,14 +361,14 @@ fn evicting_checks(
     d: usize,
     bs: usize,
 ) -> Result<Vec<KernelCheck>> {
-    use super::evicting::{
-        colsum, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init, SlotLayer,
-    };
     use super::{flash_prefill_with, paged_decode_with, prefill_attention_stats, DecodeScores};
     use crate::attention::prefill::ColumnStats;
+    use crate::policy::evicting::cuda::{
+        colsum, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init, SlotLayer,
+    };
+    use crate::policy::evicting::h2o::{H2o, H2oParams};
+    use crate::policy::evicting::streaming::{Streaming, StreamingParams};
     use crate::policy::evicting::{Counts, Eviction, VictimKind};
-    use crate::policy::h2o::{H2o, H2oParams};
-    use crate::policy::streaming::{Streaming, StreamingParams};
 
     let cuda = device_of(dev)?;
     let mut out = Vec::new();
@@ -679,7 +679,7 @@ fn evicting_checks(
 /// Every sequence's K in slot order, concatenated (`[Σ l, KVH, D]`).
 fn tensor_from_k(
     cuda: &candle_core::cuda_backend::CudaDevice,
-    sl: &super::evicting::SlotLayer,
+    sl: &crate::policy::evicting::cuda::SlotLayer,
     lens: &[usize],
     tables: &[Vec<i32>],
     (bs, kvh, d): (usize, usize, usize),
@@ -705,7 +705,7 @@ fn infinigen_checks(
     d: usize,
     bs: usize,
 ) -> Result<Vec<KernelCheck>> {
-    use super::infinigen::{
+    use crate::policy::infinigen::cuda::{
         gather, host_read, host_write, khat_write, speculate_select, stage_own, GatherSrc, IgDims,
         KhatRows, PinnedTier, SelectOut, SpecRows,
     };

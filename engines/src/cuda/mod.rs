@@ -4,9 +4,6 @@
 //! [`check`] compares every kernel with the CPU reference on random inputs.
 
 pub mod check;
-pub mod evicting;
-pub mod full;
-pub mod infinigen;
 
 use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
@@ -19,10 +16,10 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Layout, Shape, Storage, Tensor};
 use half::bf16;
 
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
-const MODULE: &str = "kvbench";
+pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
+pub(crate) const MODULE: &str = "kvbench";
 /// Threads per block of the decode partition kernel (four warps).
-const DECODE_THREADS: u32 = 128;
+pub(crate) const DECODE_THREADS: u32 = 128;
 
 /// The CUDA device behind a candle device, or a named error.
 pub fn device_of(d: &candle_core::Device) -> Result<CudaDevice> {
@@ -69,12 +66,12 @@ pub fn drain_event_seconds(events: &mut Vec<(CudaEvent, CudaEvent)>, errors: &mu
 }
 
 /// A bf16 view of a contiguous CUDA tensor's elements.
-fn view<'a>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, bf16>> {
+pub(crate) fn view<'a>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, bf16>> {
     view_of::<bf16>(s, l, what)
 }
 
 /// A view of a contiguous CUDA tensor's elements as `T` (its dtype).
-fn view_of<'a, T: candle_core::cuda_backend::CudaDType>(
+pub(crate) fn view_of<'a, T: candle_core::cuda_backend::CudaDType>(
     s: &'a Storage,
     l: &Layout,
     what: &str,
@@ -94,7 +91,7 @@ fn view_of<'a, T: candle_core::cuda_backend::CudaDType>(
 
 /// A step's attention output in row order: decode rows (`decode[i]` for sequence `i`)
 /// are the consecutive rows of `dec`, prefill chunks come from `prefill`.
-fn join_rows(
+pub(crate) fn join_rows(
     batch: &crate::policy::StepBatch,
     decode: &[bool],
     dec: Option<&Tensor>,
@@ -118,7 +115,7 @@ fn join_rows(
     Ok(Tensor::cat(&pieces, 0)?)
 }
 
-fn check_bf16(t: &Tensor, what: &str) -> Result<()> {
+pub(crate) fn check_bf16(t: &Tensor, what: &str) -> Result<()> {
     if t.dtype() != DType::BF16 {
         return Err(Error::Config(format!(
             "{what}: the CUDA kernels take bf16, got {:?}",
@@ -134,11 +131,11 @@ pub fn tensor_from<S: Into<Shape>>(dev: &CudaDevice, s: CudaSlice<bf16>, shape: 
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
-fn upload_i32(dev: &CudaDevice, v: &[i32]) -> Result<CudaSlice<i32>> {
+pub(crate) fn upload_i32(dev: &CudaDevice, v: &[i32]) -> Result<CudaSlice<i32>> {
     Ok(dev.cuda_stream().clone_htod(v).w()?)
 }
 
-fn as_i32(x: usize, what: &str) -> Result<i32> {
+pub(crate) fn as_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x)
         .map_err(|_| Error::Config(format!("{what} = {x} exceeds the kernels' i32 range")))
 }
@@ -298,11 +295,11 @@ pub struct DecodeShape {
 /// Block tables and context lengths of a step's decode rows, on the device: built once
 /// per step and used by every layer.
 pub struct DecodeTables {
-    tables: CudaSlice<i32>,
-    ctx: CudaSlice<i32>,
-    rows: usize,
-    max_blocks: usize,
-    max_ctx: usize,
+    pub(crate) tables: CudaSlice<i32>,
+    pub(crate) ctx: CudaSlice<i32>,
+    pub(crate) rows: usize,
+    pub(crate) max_blocks: usize,
+    pub(crate) max_ctx: usize,
 }
 
 impl DecodeTables {
@@ -396,7 +393,7 @@ pub fn paged_decode_rolling(
     paged_decode_impl(cache, q, t, s, None, Some(roll))
 }
 
-fn paged_decode_impl(
+pub(crate) fn paged_decode_impl(
     cache: &LayerCache,
     q: &Tensor,
     t: &DecodeTables,
@@ -677,7 +674,7 @@ pub fn flash_prefill_contiguous(
 /// Shared-memory bytes of the flash prefill kernel for head dimension `d` (the layout
 /// of `FlashSmem` in kernels.cu: Q, K, V tiles of 64 rows, per-warp scores,
 /// probabilities and output accumulators, per-row max and sum).
-fn flash_smem_bytes(d: usize) -> usize {
+pub(crate) fn flash_smem_bytes(d: usize) -> usize {
     let (bm, bn, warps, pad) = (64, 64, 4, 8);
     3 * bm * (d + pad) * 2
         + warps * 16 * (bn + 4) * 4

@@ -56,7 +56,7 @@ pub fn allowed_device_bytes(nominal: u64, block_size: usize, token_bytes: u64) -
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::policy::h2o::H2oParams;
+    use crate::policy::evicting::h2o::H2oParams;
     use crate::policy::infinigen::InfinigenParams;
 
     #[test]

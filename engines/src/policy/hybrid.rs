@@ -21,7 +21,7 @@ use super::{
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::Llama;
-use crate::policy::skew::Skewing;
+use crate::policy::infinigen::skew::Skewing;
 use candle_core::Tensor;
 use serde_json::json;
 use std::collections::HashMap;

@@ -10,15 +10,11 @@ pub mod audit;
 pub mod budget;
 pub mod evicting;
 pub mod full;
-pub mod h2o;
 pub mod hybrid;
 pub mod infinigen;
 pub mod quest;
 pub mod registry;
-pub mod skew;
-pub mod snapkv;
 pub mod spec;
-pub mod streaming;
 
 use crate::error::Result;
 use candle_core::Tensor;

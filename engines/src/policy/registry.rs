@@ -11,7 +11,7 @@ use super::{KvPolicy, SeqInfo};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::Llama;
-use crate::policy::skew::Skewing;
+use crate::policy::infinigen::skew::Skewing;
 use std::sync::Arc;
 
 /// One parameter of a strategy, for errors, `--help` and the README's table.

@@ -1,15 +1,15 @@
 //! Which strategy an engine runs, with its budget and parameters, and the environment
 //! every policy is built in (device capacity, attention implementation).
 
+use super::evicting::h2o::H2oParams;
+use super::evicting::snapkv::SnapkvParams;
+use super::evicting::streaming::StreamingParams;
 use super::full::{FullOptions, FullParams};
-use super::h2o::H2oParams;
 use super::hybrid::HybridParams;
+use super::infinigen::skew::Skewing;
 use super::infinigen::InfinigenParams;
 use super::quest::QuestParams;
 use super::registry::{DynParams, Strategy, StrategyParams};
-use super::skew::Skewing;
-use super::snapkv::SnapkvParams;
-use super::streaming::StreamingParams;
 use super::KvPolicy;
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};

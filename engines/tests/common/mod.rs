@@ -4,7 +4,7 @@ use kvbench_engines::config::preset;
 use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::model::load::load_preset;
 use kvbench_engines::model::{Llama, WeightDtype};
-use kvbench_engines::policy::skew::calibrate;
+use kvbench_engines::policy::infinigen::skew::calibrate;
 use kvbench_engines::policy::spec::PolicySpec;
 use std::path::PathBuf;
 use std::sync::Arc;

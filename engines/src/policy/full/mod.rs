@@ -1,18 +1,21 @@
 //! `full`: the vLLM paradigm. One paged block pool sized at start-up, a block table per
 //! sequence, no eviction; attention reads K/V through the block tables.
 
-use super::registry::{Param, Strategy, StrategyParams, Variant};
-use super::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
-use super::to_f32;
-use super::{
-    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
-};
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use crate::attention::prefill::{prefill_attention, AttentionImpl, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
 use crate::kv::{BlockId, KvDtype, PagedKv, SeqTables};
 use crate::model::Llama;
+use crate::policy::registry::{Param, Strategy, StrategyParams, Variant};
+use crate::policy::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
+use crate::policy::to_f32;
+use crate::policy::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
 use candle_core::Tensor;
 use std::time::Instant;
 
@@ -72,7 +75,7 @@ impl StrategyParams for FullParams {
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
         let opts = env.full_options();
         let num_blocks = env.kv_blocks(FullPolicy::block_bytes(&model.cfg, &opts));
-        Ok(Box::new(crate::cuda::full::CudaFullPolicy::new(
+        Ok(Box::new(crate::policy::full::cuda::CudaFullPolicy::new(
             model.device(),
             &model.cfg,
             opts,
@@ -230,12 +233,13 @@ impl FullPolicy {
         batch: &StepBatch,
         layer: usize,
         qf: &[f32],
-        skip: impl Fn(&super::StepSeq) -> bool,
+        skip: impl Fn(&crate::policy::StepSeq) -> bool,
     ) -> Result<Vec<f32>> {
         let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
         // Prefill chunks under eager/chunked attention: a plain matrix per sequence.
-        let materialize =
-            |s: &&super::StepSeq| s.q_len > 1 && self.opts.attention != AttentionImpl::Flash;
+        let materialize = |s: &&crate::policy::StepSeq| {
+            s.q_len > 1 && self.opts.attention != AttentionImpl::Flash
+        };
         let mut dense_out = Vec::new();
         for s in batch.seqs.iter().filter(materialize).filter(|s| !skip(s)) {
             let n = s.ctx_before + s.q_len;

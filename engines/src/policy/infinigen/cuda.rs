@@ -27,12 +27,12 @@
 //! behind compute), inside `cache_ops_s` with the cache writes, speculation and
 //! selection (device events).
 
-use super::{
+use crate::attention::prefill::AttentionImpl;
+use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill, flash_prefill_contiguous, grow_slice,
     initial_blocks, join_rows, kv_gather, kv_write_at, paged_decode, prefill_attention,
     tensor_from, upload_i32, view, view_of, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
 };
-use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
 use crate::kv::host::{gather_selected, TierLayout};
 use crate::kv::SeqTables;

@@ -9,16 +9,10 @@
 //! the count k is per sequence; per KV head the estimated score of a token is the max
 //! over its query heads; `n ≤ k_max` fetches everything.
 
-use super::budget::{infinigen_k_max, infinigen_selection_cap};
-use super::registry::{
-    bad, parse_bool, parse_f64, parse_usize, unknown, Param, Strategy, StrategyParams, Variant,
-};
-use super::skew::Skewing;
-use super::spec::{PolicyEnv, Reservation};
-use super::to_f32;
-use super::{
-    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
-};
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod skew;
+
 use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
 use crate::attention::prefill::{prefill_attention, PrefillShape};
 use crate::config::ModelConfig;
@@ -26,6 +20,16 @@ use crate::error::{Component, Error, Result};
 use crate::kv::host::{CpuHostTier, HostTier};
 use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
 use crate::model::{Linear, Llama};
+use crate::policy::budget::{infinigen_k_max, infinigen_selection_cap};
+use crate::policy::infinigen::skew::Skewing;
+use crate::policy::registry::{
+    bad, parse_bool, parse_f64, parse_usize, unknown, Param, Strategy, StrategyParams, Variant,
+};
+use crate::policy::spec::{PolicyEnv, Reservation};
+use crate::policy::to_f32;
+use crate::policy::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
 use candle_core::Tensor;
 use serde_json::json;
 use std::collections::HashMap;
@@ -235,11 +239,9 @@ impl StrategyParams for InfinigenParams {
 
     #[cfg(feature = "cuda")]
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
-        Ok(Box::new(crate::cuda::infinigen::CudaInfinigenPolicy::new(
-            self.clone(),
-            model,
-            env,
-        )?))
+        Ok(Box::new(
+            crate::policy::infinigen::cuda::CudaInfinigenPolicy::new(self.clone(), model, env)?,
+        ))
     }
 
     fn nominal_attended(&self, layer: usize, info: &SeqInfo, n: usize) -> usize {

@@ -10,15 +10,17 @@
 //! the `w` window queries are held, so memory is O(w·L0) under any attention
 //! implementation.
 
-use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
-use super::registry::{bad, parse_usize, unknown, Param, Strategy, StrategyParams, Variant};
-use super::spec::PolicyEnv;
-use super::{KvPolicy, SeqInfo};
 use crate::attention::paged::dot;
 use crate::attention::prefill::{AttentionImpl, ColumnStats, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::Llama;
+use crate::policy::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
+use crate::policy::registry::{
+    bad, parse_usize, unknown, Param, Strategy, StrategyParams, Variant,
+};
+use crate::policy::spec::PolicyEnv;
+use crate::policy::{KvPolicy, SeqInfo};
 use serde_json::json;
 
 /// How the window scores are smoothed before selection.

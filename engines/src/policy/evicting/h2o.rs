@@ -3,17 +3,17 @@
 //! group, in f32, never across the batch; one eviction per (layer, head) per decode
 //! step once the cache holds C+1 tokens, after the step's attention.
 
-use super::budget::{h2o_counts, H2oRatio};
-use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
-use super::registry::{
-    bad, parse_bool, parse_f64, unknown, Param, Strategy, StrategyParams, Variant,
-};
-use super::spec::PolicyEnv;
-use super::{KvPolicy, SeqInfo};
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::Llama;
+use crate::policy::budget::{h2o_counts, H2oRatio};
+use crate::policy::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
+use crate::policy::registry::{
+    bad, parse_bool, parse_f64, unknown, Param, Strategy, StrategyParams, Variant,
+};
+use crate::policy::spec::PolicyEnv;
+use crate::policy::{KvPolicy, SeqInfo};
 use serde_json::json;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -132,12 +132,14 @@ impl StrategyParams for H2oParams {
 
     #[cfg(feature = "cuda")]
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
-        Ok(Box::new(crate::cuda::evicting::CudaEvictingPolicy::new(
-            H2o(*self),
-            model.device(),
-            &model.cfg,
-            env,
-        )?))
+        Ok(Box::new(
+            crate::policy::evicting::cuda::CudaEvictingPolicy::new(
+                H2o(*self),
+                model.device(),
+                &model.cfg,
+                env,
+            )?,
+        ))
     }
 
     fn nominal_attended(&self, _layer: usize, info: &SeqInfo, n: usize) -> usize {

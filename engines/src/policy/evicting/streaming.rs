@@ -3,15 +3,17 @@
 //! by their index in the cache at every step, so positions never exceed S + W; without,
 //! keys keep their true positions.
 
-use super::budget::streaming_counts;
-use super::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
-use super::registry::{parse_bool, parse_usize, unknown, Param, Strategy, StrategyParams, Variant};
-use super::spec::PolicyEnv;
-use super::{KvPolicy, SeqInfo};
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::model::Llama;
+use crate::policy::budget::streaming_counts;
+use crate::policy::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
+use crate::policy::registry::{
+    parse_bool, parse_usize, unknown, Param, Strategy, StrategyParams, Variant,
+};
+use crate::policy::spec::PolicyEnv;
+use crate::policy::{KvPolicy, SeqInfo};
 use serde_json::json;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -99,12 +101,14 @@ impl StrategyParams for StreamingParams {
 
     #[cfg(feature = "cuda")]
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
-        Ok(Box::new(crate::cuda::evicting::CudaEvictingPolicy::new(
-            Streaming(*self),
-            model.device(),
-            &model.cfg,
-            env,
-        )?))
+        Ok(Box::new(
+            crate::policy::evicting::cuda::CudaEvictingPolicy::new(
+                Streaming(*self),
+                model.device(),
+                &model.cfg,
+                env,
+            )?,
+        ))
     }
 
     fn nominal_attended(&self, _layer: usize, info: &SeqInfo, n: usize) -> usize {

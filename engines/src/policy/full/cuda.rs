@@ -3,14 +3,14 @@
 //! per layer; decode rows read them through the block tables with the paged decode
 //! kernel, prefill rows with the flash prefill kernel (in place, tensor cores) or, for
 //! `eager`/`chunked`, cuBLAS products over the sequence's keys
-//! ([`super::prefill_attention`]).
+//! ([`crate::cuda::prefill_attention`]).
 
-use super::{
+use crate::attention::prefill::AttentionImpl;
+use crate::config::ModelConfig;
+use crate::cuda::{
     device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
     paged_decode, upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
-use crate::attention::prefill::AttentionImpl;
-use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::kv::SeqTables;
 use crate::policy::full::FullOptions;
@@ -246,8 +246,14 @@ impl KvPolicy for CudaFullPolicy {
                 let table = self.table_i32(s.id);
                 kv_gather(&self.dev, &self.layers[layer], &table, n, bs, kvh, d)?
             };
-            let (o, scratch) =
-                super::prefill_attention(&qs, &kk, &vv, s.ctx_before, chunk, self.scratch_limit)?;
+            let (o, scratch) = crate::cuda::prefill_attention(
+                &qs,
+                &kk,
+                &vv,
+                s.ctx_before,
+                chunk,
+                self.scratch_limit,
+            )?;
             self.stats.add_scratch(scratch);
             pieces.push(o);
         }

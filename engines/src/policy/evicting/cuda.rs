@@ -22,14 +22,14 @@
 //! The pool (K/V bf16, scores, positions) is allocated once, like `full`'s: memory
 //! reports it as reserved and the blocks sequences hold as used.
 
-use super::{
+use crate::attention::prefill::{AttentionImpl, ColumnStats};
+use crate::config::ModelConfig;
+use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill_contiguous, flash_prefill_with,
     flash_smem_bytes, grow_slice, initial_blocks, join_rows, kv_gather, kv_write_at,
     paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores,
     DecodeShape, DecodeTables, LayerCache, RollingKeys, MODULE, PTX,
 };
-use crate::attention::prefill::{AttentionImpl, ColumnStats};
-use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::kv::{BlockId, BlockPool};
 use crate::policy::evicting::{peak_blocks, Counts, Eviction, SeqState, VictimKind};
@@ -867,7 +867,7 @@ pub fn colsum(
     };
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
-    let qv = super::view(&qs, ql, "attn_colsum q")?;
+    let qv = crate::cuda::view(&qs, ql, "attn_colsum q")?;
     let smem = flash_smem_bytes(d);
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     f.set_attribute(

@@ -4,15 +4,21 @@
 //! C+1 during a step, algorithms.md §3), then one eviction per (layer, head) once full.
 //! Each strategy supplies only its [`Eviction`] rule.
 
-use super::spec::{PolicyEnv, Reservation};
-use super::to_f32;
-use super::{
-    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
-};
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod h2o;
+pub mod snapkv;
+pub mod streaming;
+
 use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
 use crate::attention::prefill::{prefill_attention, AttentionImpl, ColumnStats, PrefillShape};
 use crate::error::{Component, Error, Result};
 use crate::kv::slots::SlotStore;
+use crate::policy::spec::{PolicyEnv, Reservation};
+use crate::policy::to_f32;
+use crate::policy::{
+    AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
+};
 use candle_core::Tensor;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -219,7 +225,7 @@ impl<E: Eviction> EvictingPolicy<E> {
     }
 
     /// cos/sin of cache indices `0..m` (StreamingLLM's rolling positions), cached.
-    fn rope_rows(&mut self, rope: &dyn super::Rope, m: usize) {
+    fn rope_rows(&mut self, rope: &dyn crate::policy::Rope, m: usize) {
         if self.rope_cache.2 < m {
             let idx: Vec<u32> = (0..m.next_power_of_two() as u32).collect();
             let (c, s) = rope.tables(&idx);
@@ -259,7 +265,7 @@ impl<E: Eviction> EvictingPolicy<E> {
                 k[dst..dst + dh].copy_from_slice(&kf[src..src + dh]);
                 v[dst..dst + dh].copy_from_slice(&vf[src..src + dh]);
                 let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
-                super::rotate_in_place(
+                crate::policy::rotate_in_place(
                     &mut k[dst..dst + dh],
                     &c[rank * half..(rank + 1) * half],
                     &sn[rank * half..(rank + 1) * half],
@@ -402,7 +408,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 .collect();
             for (s, &m) in decode.iter().zip(&lens) {
                 let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
-                super::rotate_in_place(
+                crate::policy::rotate_in_place(
                     &mut qrot[s.q_start * h * dh..(s.q_start + 1) * h * dh],
                     &c[(m - 1) * half..m * half],
                     &sn[(m - 1) * half..m * half],
@@ -488,7 +494,9 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 }
                 if n == plen {
                     let rows = std::mem::take(&mut held[layer]);
-                    let votes = super::snapkv::window_scores(&rows, first, &k, n, self.shape);
+                    let votes = crate::policy::evicting::snapkv::window_scores(
+                        &rows, first, &k, n, self.shape,
+                    );
                     self.stats
                         .add_scratch(((rows.len() + votes.len() + n) * 4) as u64);
                     let e = self.store.seqs.get_mut(&s.id).expect("reserved");
