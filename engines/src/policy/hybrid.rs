@@ -80,6 +80,34 @@ impl HybridParams {
     }
 }
 
+impl HybridParams {
+    /// Both sides grow on demand from one budget: a pool up front is refused before
+    /// anything is allocated.
+    fn check_reservation(env: &PolicyEnv) -> Result<()> {
+        if env.reservation != Reservation::Budget {
+            return Err(Error::Config(format!(
+                "hybrid: both sides share one KV budget and grow on demand: `{RESERVATION_KEY}=budget` only (got `{}`)",
+                env.reservation
+            )));
+        }
+        Ok(())
+    }
+
+    fn join(
+        &self,
+        short: Box<dyn KvPolicy>,
+        long: Box<dyn KvPolicy>,
+        env: &PolicyEnv,
+    ) -> Result<Box<dyn KvPolicy>> {
+        let short_bytes = (self.short_share * env.kv_device_bytes as f64) as u64;
+        Ok(Box::new(HybridPolicy::new(
+            self.threshold,
+            (short, short_bytes),
+            (long, env.kv_device_bytes - short_bytes),
+        )?))
+    }
+}
+
 impl StrategyParams for HybridParams {
     const STRATEGY: &'static Strategy = &Strategy {
         name: "hybrid",
@@ -110,11 +138,11 @@ impl StrategyParams for HybridParams {
         // `kvbench verify`'s prompts are 96 and 64 tokens: one on each side.
         verify: &[
             Variant::both(&[("threshold", "80")]),
-            Variant::both(&[("threshold", "80"), ("long", "snapkv")]),
+            Variant::cpu(&[("threshold", "80"), ("long", "snapkv")]),
         ],
         audit: &[Variant::both(&[("threshold", "80")])],
         bench: &[("threshold", "1")],
-        cuda: false,
+        cuda: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -176,20 +204,20 @@ impl StrategyParams for HybridParams {
     }
 
     fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
-        if env.reservation != Reservation::Budget {
-            return Err(Error::Config(format!(
-                "hybrid: both sides share one KV budget and grow on demand: `{RESERVATION_KEY}=budget` only (got `{}`)",
-                env.reservation
-            )));
-        }
+        Self::check_reservation(&env)?;
         let short = StrategyParams::build(&FullParams, model, env.clone())?;
         let long = self.long.params().build(model, env.clone())?;
-        let short_bytes = (self.short_share * env.kv_device_bytes as f64) as u64;
-        Ok(Box::new(HybridPolicy::new(
-            self.threshold,
-            (short, short_bytes),
-            (long, env.kv_device_bytes - short_bytes),
-        )?))
+        self.join(short, long, &env)
+    }
+
+    /// The same wrapper over the CUDA policies: the split and the merge are tensor
+    /// operations on the device. Compile-checked; it has not run on a GPU.
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Self::check_reservation(&env)?;
+        let short = StrategyParams::build_cuda(&FullParams, model, env.clone())?;
+        let long = self.long.params().build_cuda(model, env.clone())?;
+        self.join(short, long, &env)
     }
 
     fn nominal_attended(&self, layer: usize, info: &SeqInfo, n: usize) -> usize {

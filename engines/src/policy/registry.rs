@@ -27,6 +27,8 @@ pub struct Param {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backends {
     Both,
+    /// The long side of a CUDA run would be refused (a strategy without CUDA kernels).
+    CpuOnly,
     /// The CUDA implementation has a path the CPU one does not (e.g. InfiniGen's
     /// memcpy transfer).
     CudaOnly,
@@ -59,9 +61,20 @@ impl Variant {
         }
     }
 
+    pub const fn cpu(params: &'static [(&'static str, &'static str)]) -> Self {
+        Self {
+            params,
+            on: Backends::CpuOnly,
+        }
+    }
+
     /// Whether the variant runs on this backend.
     pub fn runs_on(&self, cuda: bool) -> bool {
-        cuda || self.on == Backends::Both
+        match self.on {
+            Backends::Both => true,
+            Backends::CudaOnly => cuda,
+            Backends::CpuOnly => !cuda,
+        }
     }
 }
 

@@ -692,6 +692,11 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         total_tokens.div_ceil(self.block_size) <= self.pool.limit()
     }
 
+    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
+        let block = self.slot_bytes * self.block_size as u64;
+        self.pool.set_limit((bytes / block.max(1)) as usize)
+    }
+
     fn release(&mut self, seq: SeqId) {
         if let Some(e) = self.store.remove(&seq) {
             self.pool.release_all(e.table);

@@ -126,6 +126,11 @@ impl KvPolicy for CudaFullPolicy {
         self.tables.fits(total_tokens)
     }
 
+    fn set_device_ceiling(&mut self, bytes: u64) -> bool {
+        self.tables
+            .set_limit((bytes / self.block_bytes.max(1)) as usize)
+    }
+
     fn release(&mut self, seq: SeqId) {
         self.tables.release(seq);
     }
