@@ -87,13 +87,26 @@ fn every_policy_and_attention_at_budget_one_reproduces_full_eager() {
             AttentionImpl::Chunked,
             AttentionImpl::Flash,
         ] {
-            for prefill in [PrefillMode::Chunked, PrefillMode::Sequential] {
-                let got = run_forced(cfg(s.clone(), imp, prefill), &prompts, &forced).unwrap();
+            // Chunked with a 16-token step budget: prompts split across steps and
+            // batched with the other request's decodes.
+            for (prefill, step_tokens) in [
+                (PrefillMode::Chunked, 2048),
+                (PrefillMode::Chunked, 16),
+                (PrefillMode::Sequential, 2048),
+            ] {
+                let mut c = cfg(s.clone(), imp, prefill);
+                c.scheduler.max_batched_tokens = step_tokens;
+                let got = run_forced(c, &prompts, &forced).unwrap();
                 for (a, b) in reference.iter().zip(&got) {
                     assert_eq!(a.len(), b.len());
                     for (x, y) in a.iter().zip(b) {
                         let d = max_abs_diff(x, y);
-                        assert!(d < 1e-4, "{} {imp} {prefill:?}: Δ {d}", s.name());
+                        assert!(
+                            d < 1e-4,
+                            "{} {} {imp} {prefill:?} {step_tokens}: Δ {d}",
+                            s.name(),
+                            s.params_json()
+                        );
                     }
                 }
             }
