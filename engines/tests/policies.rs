@@ -629,6 +629,12 @@ fn parameters_are_checked_with_errors_that_name_them() {
     assert!(e.to_string().contains("`avg` or `max`"), "{e}");
     let e = PolicySpec::parse("snapkv", 0.3, &[("window".into(), "0".into())]).unwrap_err();
     assert!(e.to_string().contains("window=0"), "{e}");
+    let e = PolicySpec::parse("kivi", 1.0, &[("bits".into(), "3".into())]).unwrap_err();
+    assert!(e.to_string().contains("2 or 4"), "{e}");
+    let e = PolicySpec::parse("kivi", 1.0, &[("residual".into(), "20".into())]).unwrap_err();
+    assert!(e.to_string().contains("multiple of group"), "{e}");
+    let e = PolicySpec::parse("kivi", 0.5, &[]).unwrap_err();
+    assert!(e.to_string().contains("budget 1"), "{e}");
     let e = PolicySpec::parse("quest", 0.3, &[("page".into(), "0".into())]).unwrap_err();
     assert!(e.to_string().contains("page=0"), "{e}");
     let e = PolicySpec::parse("snapkv", 0.3, &[("w".into(), "8".into())]).unwrap_err();

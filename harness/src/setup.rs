@@ -6,7 +6,7 @@ use kvbench_engines::attention::prefill::AttentionImpl;
 use kvbench_engines::device::{parse_bytes, DeviceKind};
 use kvbench_engines::engine::{Engine, EngineConfig};
 use kvbench_engines::model::WeightDtype;
-use kvbench_engines::policy::skew::{load_or_calibrate, Skewing};
+use kvbench_engines::policy::infinigen::skew::{load_or_calibrate, Skewing};
 use kvbench_engines::policy::spec::{split_reservation, PolicySpec};
 
 /// The registered strategies, with what each is (`--engine`'s values).

@@ -357,8 +357,16 @@ fn verify_tiny_passes_and_reports_every_combination_as_json() {
         }
         assert_eq!(r["pass"], true, "{r}");
     }
-    let audit: Vec<_> = rows.iter().filter(|r| r["budget"] == 0.3).collect();
+    // Audit rows carry the bytes allowed (at 0.3, or at 1 for a strategy without a
+    // budget, KIVI).
+    let audit: Vec<_> = rows
+        .iter()
+        .filter(|r| !r["kv_device_allowed_bytes"].is_null())
+        .collect();
     assert_eq!(audit.len(), audited);
+    assert!(audit
+        .iter()
+        .all(|r| r["budget"] == 0.3 || r["engine"] == "kivi"));
     let full = rows[1]["kv_device_bytes"].as_u64().unwrap();
     let h2o = audit[0]["kv_device_bytes"].as_u64().unwrap();
     // The 96-token request keeps ⌊0.3·96⌋ = 28 of its 111 tokens.

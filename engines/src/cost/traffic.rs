@@ -213,6 +213,16 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
                 seq.flops_statistics += h * a;
             }
             PolicySpec::Hybrid(_) => unreachable!("routed above"),
+            PolicySpec::Kivi(q) => {
+                // The codes, scales and residuals held (the formula's bytes for one
+                // layer) read instead of the full-precision rows counted above.
+                let held =
+                    crate::policy::kivi::kivi_layer_bytes(q, n, c.num_kv_heads, c.head_dim) as f64;
+                seq.kv_read += held - a * tl;
+                seq.kv_write += tl;
+                // Dequantization: a multiply-add per element read.
+                seq.flops_statistics += 2.0 * hkv * dh * a * 2.0;
+            }
             PolicySpec::Quest(q) => {
                 seq.kv_write += tl;
                 seq.metadata += n.div_ceil(s.block_size) as f64 * 4.0;

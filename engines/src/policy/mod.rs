@@ -12,6 +12,7 @@ pub mod evicting;
 pub mod full;
 pub mod hybrid;
 pub mod infinigen;
+pub mod kivi;
 pub mod quest;
 pub mod registry;
 pub mod spec;

@@ -127,6 +127,11 @@ pub trait StrategyParams: Clone + std::fmt::Debug + Send + Sync + 'static {
     /// Parameters as JSON (reports).
     fn params_json(&self) -> serde_json::Value;
 
+    /// Checks between parameters, once all are set (they may come in any order).
+    fn validate(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// The paradigm's own KV reservation.
     fn default_reservation(&self) -> Reservation {
         Reservation::Budget
@@ -234,6 +239,7 @@ pub trait DynParams: Send + Sync {
     fn budget(&self) -> f64;
     fn set(&mut self, key: &str, value: &str) -> Result<()>;
     fn params_json(&self) -> serde_json::Value;
+    fn validate(&self) -> Result<()>;
     fn default_reservation(&self) -> Reservation;
     fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>>;
     fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>>;
@@ -263,6 +269,9 @@ impl<T: StrategyParams> DynParams for T {
     }
     fn params_json(&self) -> serde_json::Value {
         StrategyParams::params_json(self)
+    }
+    fn validate(&self) -> Result<()> {
+        StrategyParams::validate(self)
     }
     fn default_reservation(&self) -> Reservation {
         StrategyParams::default_reservation(self)

@@ -8,6 +8,7 @@ use super::full::{FullOptions, FullParams};
 use super::hybrid::HybridParams;
 use super::infinigen::skew::Skewing;
 use super::infinigen::InfinigenParams;
+use super::kivi::KiviParams;
 use super::quest::QuestParams;
 use super::registry::{DynParams, Strategy, StrategyParams};
 use super::KvPolicy;
@@ -155,6 +156,7 @@ strategies! {
     Streaming(StreamingParams),
     Snapkv(SnapkvParams),
     Quest(QuestParams),
+    Kivi(KiviParams),
     Hybrid(HybridParams),
 }
 
@@ -232,6 +234,7 @@ impl PolicySpec {
             }
             spec.set(k, v)?;
         }
+        spec.params().validate()?;
         Ok(spec)
     }
 

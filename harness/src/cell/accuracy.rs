@@ -513,7 +513,7 @@ mod tests {
             // Every compressing strategy at budget 1.0, with its first verify set.
             let calib: Vec<u32> = (0..128u32).map(|i| (i * 7) % 250 + 1).collect();
             let skew = std::sync::Arc::new(
-                kvbench_engines::policy::skew::calibrate(&model, &calib).unwrap(),
+                kvbench_engines::policy::infinigen::skew::calibrate(&model, &calib).unwrap(),
             );
             for s in registry().iter().filter(|s| s.budgeted) {
                 let name = s.name;

@@ -467,8 +467,9 @@ mod tests {
         assert_eq!(full.len(), 4);
         assert!(full.iter().any(|r| !r.response.is_empty()));
         let calib: Vec<u32> = prompts[0].ids.clone();
-        let skew =
-            std::sync::Arc::new(kvbench_engines::policy::skew::calibrate(&model, &calib).unwrap());
+        let skew = std::sync::Arc::new(
+            kvbench_engines::policy::infinigen::skew::calibrate(&model, &calib).unwrap(),
+        );
         for s in registry().iter().filter(|s| s.budgeted) {
             let name = s.name;
             let params: Vec<(String, String)> = s.verify[0]

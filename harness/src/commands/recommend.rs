@@ -71,7 +71,9 @@ pub struct RecommendArgs {
     /// configuration whose drop was not measured is ranked after those within it.
     #[arg(long, requires = "accuracy")]
     pub max_accuracy_drop: Option<f64>,
-    /// Strategies to consider.
+    /// Strategies to consider: any registered one (`kvbench generate --help` lists
+    /// them); snapkv, quest and hybrid are modelled but not yet validated against
+    /// measured runs.
     #[arg(
         long,
         value_delimiter = ',',

@@ -295,6 +295,10 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     let elem = kvbench_engines::kv::KvDtype::from_candle(model.dtype()).size();
     let audited = variants(|s| s.audit);
     for &(name, extra) in &audited {
+        // A strategy that takes no budget (KIVI: its bits set the size) is audited at
+        // 1, by the bytes it holds.
+        let budgeted = kvbench_engines::policy::registry::lookup(name).is_none_or(|s| s.budgeted);
+        let b = if budgeted { b } else { 1.0 };
         let spec = make(name, b, extra)?;
         // Statistics from materialized probabilities need a cuBLAS attention on CUDA.
         let imp = if extra.contains(&("stats", "eager")) {

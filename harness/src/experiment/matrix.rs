@@ -96,7 +96,10 @@ impl Plan {
             }
             let pairs: Vec<(String, String)> =
                 params.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-            let budgets: Vec<f64> = if e.name == "full" {
+            // A strategy that takes no budget (`full`) runs once, at 1.
+            let budgeted =
+                kvbench_engines::policy::registry::lookup(&e.name).is_none_or(|s| s.budgeted);
+            let budgets: Vec<f64> = if !budgeted {
                 vec![1.0]
             } else {
                 budgets.to_vec()
