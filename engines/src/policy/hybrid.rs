@@ -138,7 +138,7 @@ impl StrategyParams for HybridParams {
         // `kvbench verify`'s prompts are 96 and 64 tokens: one on each side.
         verify: &[
             Variant::both(&[("threshold", "80")]),
-            Variant::cpu(&[("threshold", "80"), ("long", "snapkv")]),
+            Variant::both(&[("threshold", "80"), ("long", "snapkv")]),
         ],
         audit: &[Variant::both(&[("threshold", "80")])],
         bench: &[("threshold", "1")],

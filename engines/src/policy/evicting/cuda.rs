@@ -141,6 +141,8 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     /// Rotation rows cos, sin (`[indices, D/2]`) of cache indices for rolling
     /// positions, and how many indices they cover.
     rope: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
+    /// SnapKV: the observation window's queries of sequences in prefill, per layer.
+    window_q: HashMap<SeqId, Vec<Vec<Tensor>>>,
 }
 
 impl<E: Eviction> CudaEvictingPolicy<E> {
@@ -201,6 +203,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             step: None,
             slot_bytes,
             rope: None,
+            window_q: HashMap::new(),
         })
     }
 
@@ -272,11 +275,14 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             let m = self.store[&s.id].len + 1;
             tables.push(self.table_i32(s.id));
             ctx.push(m);
-            let (cap, rec) = match self.seqs[&s.id].counts {
+            let st = self.seqs[&s.id];
+            let (cap, rec) = match st.counts {
                 Some(c) => {
                     counted = true;
-                    evicts |= m > c.capacity;
-                    (c.capacity, c.recent)
+                    // SnapKV's capacity grows with every decoded token.
+                    let cap = self.rule.capacity_at(c, &st.info, s.ctx_before + 1);
+                    evicts |= m > cap;
+                    (cap, c.recent)
                 }
                 None => (usize::MAX >> 33, 0),
             };
@@ -643,6 +649,48 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             }
             o
         };
+        // SnapKV: the window's queries are held through the prefill and vote when
+        // it ends (tensor operations on the device; scores added to the slots).
+        let w = self.rule.observation_window();
+        let plen = st.info.prefill_len;
+        if w > 0 && st.counts.is_some_and(|c| plen > c.capacity) {
+            let first = plen.saturating_sub(w);
+            let lo = first.max(s.ctx_before);
+            let layers = self.layers.len();
+            let held = self
+                .window_q
+                .entry(s.id)
+                .or_insert_with(|| vec![Vec::new(); layers]);
+            if lo < n {
+                held[layer].push(qs.narrow(0, lo - s.ctx_before, n - lo)?);
+            }
+            if n == plen {
+                let wq = Tensor::cat(&std::mem::take(&mut held[layer]), 0)?;
+                if layer + 1 == layers {
+                    self.window_q.remove(&s.id);
+                }
+                let (kk, _) = kv_gather(
+                    &self.dev,
+                    &self.layers[layer].kv,
+                    &table,
+                    n,
+                    self.block_size,
+                    kvh,
+                    d,
+                )?;
+                let start = self.begin()?;
+                let col = crate::policy::evicting::snapkv::window_votes(&wq, first, &kk)?;
+                self.stats.add_scratch((2 * w.min(plen) * h * n * 4) as u64);
+                add_columns(
+                    &self.dev,
+                    &mut self.layers[layer],
+                    &col,
+                    &table_d,
+                    self.block_size,
+                )?;
+                self.end(start)?;
+            }
+        }
         if n >= st.info.prefill_len {
             if let Some(c) = st.counts.filter(|c| n > c.capacity) {
                 let start = self.begin()?;
@@ -661,6 +709,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
         self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+        self.window_q.remove(&seq);
         Ok(())
     }
 
@@ -702,6 +751,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
             self.pool.release_all(e.table);
         }
         self.seqs.remove(&seq);
+        self.window_q.remove(&seq);
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
@@ -756,7 +806,9 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
                     st.computed
                 };
                 e.len = match st.counts {
-                    Some(c) if st.prefilled() => held.min(c.capacity),
+                    Some(c) if st.prefilled() => {
+                        held.min(self.rule.capacity_at(c, &st.info, st.computed))
+                    }
                     _ => held,
                 };
                 let keep_slots = if st.prefilled() { e.len + 1 } else { e.len };
@@ -833,10 +885,11 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
                 ));
             }
             if let (Some(c), true) = (s.counts, s.prefilled()) {
-                if e.len > c.capacity {
+                let capacity = self.rule.capacity_at(c, &s.info, s.computed);
+                if e.len > capacity {
                     return Err(format!(
-                        "sequence {id}: {} tokens kept, capacity {}",
-                        e.len, c.capacity
+                        "sequence {id}: {} tokens kept, capacity {capacity}",
+                        e.len
                     ));
                 }
             }

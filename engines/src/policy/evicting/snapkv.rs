@@ -21,6 +21,7 @@ use crate::policy::registry::{
 };
 use crate::policy::spec::PolicyEnv;
 use crate::policy::{KvPolicy, SeqInfo};
+use candle_core::{DType, Tensor};
 use serde_json::json;
 
 /// How the window scores are smoothed before selection.
@@ -109,7 +110,7 @@ impl StrategyParams for SnapkvParams {
         verify: &[Variant::DEFAULT, Variant::both(&[("pooling", "max")])],
         audit: &[Variant::DEFAULT],
         bench: &[],
-        cuda: false,
+        cuda: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -160,6 +161,18 @@ impl StrategyParams for SnapkvParams {
 
     fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
         Ok(Box::new(SnapkvPolicy::new(Snapkv(*self), &model.cfg, env)))
+    }
+
+    /// H2O's CUDA machinery with the vote as tensor operations. Compile-checked; it has
+    /// not run on a GPU.
+    #[cfg(feature = "cuda")]
+    fn build_cuda(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        Ok(Box::new(super::cuda::CudaEvictingPolicy::new(
+            Snapkv(*self),
+            model.device(),
+            &model.cfg,
+            env,
+        )?))
     }
 
     fn nominal_attended(&self, _layer: usize, info: &SeqInfo, n: usize) -> usize {
@@ -244,6 +257,38 @@ pub fn window_scores(
         }
     });
     out
+}
+
+/// [`window_scores`] as tensor operations, on any device (the CUDA policy's vote):
+/// `q` `[w, H, dh]` the window's queries at positions `first..first + w`, `k`
+/// `[n, Hkv, dh]`; returns `[Hkv, n]` in f32.
+pub fn window_votes(q: &Tensor, first: usize, k: &Tensor) -> Result<Tensor> {
+    let (w, h, dh) = q.dims3()?;
+    let (n, hkv, _) = k.dims3()?;
+    let group = h / hkv;
+    // Query heads of a group are contiguous: [Hkv, G·w, dh] against [Hkv, n, dh].
+    let q = q
+        .to_dtype(DType::F32)?
+        .transpose(0, 1)?
+        .contiguous()?
+        .reshape((hkv, group * w, dh))?;
+    let k = k.to_dtype(DType::F32)?.transpose(0, 1)?.contiguous()?;
+    let logits = (q.matmul(&k.t()?)? * (1.0 / (dh as f64).sqrt()))?;
+    // Row i (position first + i) sees the keys up to its own.
+    let mask: Vec<f32> = (0..w)
+        .flat_map(|i| {
+            (0..n).map(move |j| {
+                if j <= first + i {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, (1, 1, w, n), q.device())?;
+    let logits = logits.reshape((hkv, group, w, n))?.broadcast_add(&mask)?;
+    Ok(candle_nn::ops::softmax_last_dim(&logits)?.sum((1, 2))?)
 }
 
 impl Eviction for Snapkv {
@@ -376,6 +421,41 @@ mod tests {
         }
         // Four (row, head) pairs, each a distribution.
         assert!((got.iter().sum::<f32>() - 4.0).abs() < 1e-5);
+    }
+
+    /// The tensor version (the CUDA policy's) equals the CPU loop, with GQA.
+    #[test]
+    fn window_votes_equal_window_scores() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (h, hkv, dh, n, w) = (6, 2, 8, 23, 5);
+        let q: Vec<f32> = (0..w * h * dh)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
+        let k: Vec<f32> = (0..n * hkv * dh)
+            .map(|_| rng.random_range(-2.0..2.0))
+            .collect();
+        let shape = PrefillShape {
+            num_heads: h,
+            num_kv_heads: hkv,
+            head_dim: dh,
+        };
+        let first = n - w;
+        let want = window_scores(&q, first, &k, n, shape);
+        let dev = candle_core::Device::Cpu;
+        let got = window_votes(
+            &Tensor::from_vec(q, (w, h, dh), &dev).unwrap(),
+            first,
+            &Tensor::from_vec(k, (n, hkv, dh), &dev).unwrap(),
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5, "{got:?} vs {want:?}");
+        }
     }
 
     #[test]
