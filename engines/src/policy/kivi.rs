@@ -500,7 +500,8 @@ impl KvPolicy for KiviPolicy {
             self.stats.add_scratch(r.scratch_bytes);
             out[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh].copy_from_slice(&r.out);
         }
-        // Decode rows read the codes, in parallel.
+        // Decode rows read the codes, in parallel. The dequantization is fused into the
+        // attention, so the whole of it is counted as cache operations.
         let t1 = Instant::now();
         let rows: Vec<_> = batch.seqs.iter().filter(|s| decoding(s)).collect();
         let this = &*self;

@@ -409,6 +409,8 @@ impl KvPolicy for QuestPolicy {
                 keys: KeySet::Dense { k, v, len: *m },
             })
             .collect();
+        // Bounds, selection and gathers are cache operations; the attention is compute.
+        self.stats.cache_ops_s += t1.elapsed().as_secs_f64();
         decode_attention(&qf, &decode_rows, &mut out, self.shape, false);
         for (s, (_, m, _, _, read)) in rows.iter().zip(tiles) {
             self.attended.push(AttendRecord {
@@ -421,7 +423,6 @@ impl KvPolicy for QuestPolicy {
                 self.last.insert((s.id, layer, g), r);
             }
         }
-        self.stats.cache_ops_s += t1.elapsed().as_secs_f64();
         Ok(
             Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
                 .to_dtype(input.q.dtype())?,
