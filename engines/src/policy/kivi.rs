@@ -189,6 +189,24 @@ fn quantize(x: &[f32], bits: usize) -> (f32, f32, Vec<u8>) {
     (scale, lo, codes)
 }
 
+/// The codes of elements `start..start + out.len()` as f32.
+fn unpack(codes: &[u8], start: usize, bits: usize, out: &mut [f32]) {
+    match bits {
+        2 => {
+            for (j, o) in out.iter_mut().enumerate() {
+                let i = start + j;
+                *o = ((codes[i >> 2] >> ((i & 3) << 1)) & 3) as f32;
+            }
+        }
+        _ => {
+            for (j, o) in out.iter_mut().enumerate() {
+                let i = start + j;
+                *o = ((codes[i >> 1] >> ((i & 1) << 2)) & 15) as f32;
+            }
+        }
+    }
+}
+
 fn code(codes: &[u8], i: usize, bits: usize) -> f32 {
     ((codes[i * bits / 8] >> (i * bits % 8)) & ((1u8 << bits) - 1)) as f32
 }
@@ -352,49 +370,89 @@ impl KiviPolicy {
             self.shape.head_dim,
         );
         let ch = hkv * dh;
+        let group = h / hkv;
         let (nk_q, nv_q) = (l.keys.len() * p.group, l.values.len());
         let n = nk_q + l.k_res.len() / ch;
         let scale = 1.0 / (dh as f32).sqrt();
-        let mut logits = vec![0f32; n];
-        for head in 0..h {
-            let g = head / (h / hkv);
-            let qh = &q[head * dh..(head + 1) * dh];
+        let groups_per_head = dh.div_ceil(p.group);
+        // Codes are unpacked once per KV head into a small tile (one key group, or one
+        // value row) and shared by the group's query heads.
+        let mut tile = vec![0f32; p.group * dh];
+        let mut logits = vec![0f32; group * n];
+        let mut row = vec![0f32; dh];
+        for g in 0..hkv {
+            let heads = g * group..(g + 1) * group;
             for (gi, kg) in l.keys.iter().enumerate() {
-                // q·k̂ = Σ_c (q_c·s_c)·code + Σ_c q_c·m_c.
-                let qs: Vec<f32> = (0..dh).map(|c| qh[c] * kg.scale[g * dh + c]).collect();
-                let bias: f32 = (0..dh).map(|c| qh[c] * kg.min[g * dh + c]).sum();
                 for t in 0..p.group {
-                    let base = t * ch + g * dh;
-                    let dotc: f32 = (0..dh)
-                        .map(|c| qs[c] * code(&kg.codes, base + c, p.bits))
-                        .sum();
-                    logits[gi * p.group + t] = (dotc + bias) * scale;
+                    unpack(
+                        &kg.codes,
+                        t * ch + g * dh,
+                        p.bits,
+                        &mut tile[t * dh..(t + 1) * dh],
+                    );
+                }
+                let (s, m) = (
+                    &kg.scale[g * dh..(g + 1) * dh],
+                    &kg.min[g * dh..(g + 1) * dh],
+                );
+                for (j, head) in heads.clone().enumerate() {
+                    // q·k̂ = Σ_c (q_c·s_c)·code + Σ_c q_c·m_c.
+                    let qh = &q[head * dh..(head + 1) * dh];
+                    let qs: Vec<f32> = qh.iter().zip(s).map(|(a, b)| a * b).collect();
+                    let bias: f32 = qh.iter().zip(m).map(|(a, b)| a * b).sum();
+                    for t in 0..p.group {
+                        let d: f32 = qs
+                            .iter()
+                            .zip(&tile[t * dh..(t + 1) * dh])
+                            .map(|(a, b)| a * b)
+                            .sum();
+                        logits[j * n + gi * p.group + t] = (d + bias) * scale;
+                    }
                 }
             }
-            for (t, row) in l.k_res.chunks_exact(ch).enumerate() {
-                let k = &row[g * dh..(g + 1) * dh];
-                logits[nk_q + t] = qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+            for (t, r) in l.k_res.chunks_exact(ch).enumerate() {
+                let k = &r[g * dh..(g + 1) * dh];
+                for (j, head) in heads.clone().enumerate() {
+                    let qh = &q[head * dh..(head + 1) * dh];
+                    logits[j * n + nk_q + t] =
+                        qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
+                }
             }
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f32;
-            for x in &mut logits {
-                *x = (*x - max).exp();
-                sum += *x;
+            for j in 0..group {
+                let lg = &mut logits[j * n..(j + 1) * n];
+                let max = lg.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for x in lg.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x;
+                }
+                for x in lg.iter_mut() {
+                    *x /= sum;
+                }
+                out[(g * group + j) * dh..(g * group + j + 1) * dh].fill(0.0);
             }
-            let o = &mut out[head * dh..(head + 1) * dh];
-            o.fill(0.0);
-            let groups_per_head = dh.div_ceil(p.group);
             for (t, vr) in l.values.iter().enumerate() {
-                let w = logits[t] / sum;
-                for (c, o) in o.iter_mut().enumerate() {
+                unpack(&vr.codes, g * dh, p.bits, &mut row);
+                for (c, x) in row.iter_mut().enumerate() {
                     let gi = g * groups_per_head + c / p.group;
-                    *o += w * (code(&vr.codes, g * dh + c, p.bits) * vr.scale[gi] + vr.min[gi]);
+                    *x = *x * vr.scale[gi] + vr.min[gi];
+                }
+                for j in 0..group {
+                    let w = logits[j * n + t];
+                    let o = &mut out[(g * group + j) * dh..(g * group + j + 1) * dh];
+                    for (o, &v) in o.iter_mut().zip(&row) {
+                        *o += w * v;
+                    }
                 }
             }
-            for (t, row) in l.v_res.chunks_exact(ch).enumerate() {
-                let w = logits[nv_q + t] / sum;
-                for (o, &v) in o.iter_mut().zip(&row[g * dh..(g + 1) * dh]) {
-                    *o += w * v;
+            for (t, r) in l.v_res.chunks_exact(ch).enumerate() {
+                let v = &r[g * dh..(g + 1) * dh];
+                for j in 0..group {
+                    let w = logits[j * n + nv_q + t];
+                    let o = &mut out[(g * group + j) * dh..(g * group + j + 1) * dh];
+                    for (o, &x) in o.iter_mut().zip(v) {
+                        *o += w * x;
+                    }
                 }
             }
         }
@@ -629,10 +687,16 @@ mod tests {
     /// dequantized keys and values (f64), with GQA.
     #[test]
     fn attention_over_codes_equals_attention_over_dequantized_rows() {
+        for bits in [2, 4] {
+            attention_matches(bits);
+        }
+    }
+
+    fn attention_matches(bits: usize) {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let (h, hkv, dh) = (4, 2, 8);
         let params = KiviParams {
-            bits: 4,
+            bits,
             group: 4,
             residual: 8,
         };
@@ -669,7 +733,7 @@ mod tests {
             for t in 0..4 {
                 for c in 0..ch {
                     kd[(gi * 4 + t) * ch + c] =
-                        code(&g.codes, t * ch + c, 4) * g.scale[c] + g.min[c];
+                        code(&g.codes, t * ch + c, bits) * g.scale[c] + g.min[c];
                 }
             }
         }
@@ -677,11 +741,15 @@ mod tests {
         for (t, r) in l.values.iter().enumerate() {
             for c in 0..ch {
                 let gi = (c / dh) * dh.div_ceil(4) + (c % dh) / 4;
-                vd[t * ch + c] = code(&r.codes, c, 4) * r.scale[gi] + r.min[gi];
+                vd[t * ch + c] = code(&r.codes, c, bits) * r.scale[gi] + r.min[gi];
             }
         }
         for (a, b) in kd.iter().zip(&k).chain(vd.iter().zip(&v)) {
-            assert!((a - b).abs() < 0.3, "dequantized {a} vs {b}");
+            // Half a scale: 4/15 at 2 bits over [-2, 2], less at 4 bits.
+            assert!(
+                (a - b).abs() <= 4.0 / 3.0 / 2.0 + 1e-5,
+                "dequantized {a} vs {b}"
+            );
         }
         let q: Vec<f32> = (0..h * dh).map(|_| rng.random_range(-2.0..2.0)).collect();
         let mut got = vec![0f32; h * dh];
