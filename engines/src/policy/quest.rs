@@ -196,7 +196,8 @@ pub struct QuestPolicy {
     num_layers: usize,
     shape: DecodeShape,
     info: HashMap<SeqId, SeqInfo>,
-    /// Per sequence and sparse layer: `[pages, Hkv, 2, dh]` (channel max, then min).
+    /// Per sequence, `sparse layer × Hkv + KV head`: `[pages, 2, dh]` (channel max, then
+    /// min), so a head's pages are one slice for the bound.
     meta: HashMap<SeqId, Vec<Vec<f32>>>,
     attended: Vec<AttendRecord>,
     stats: PolicyStats,
@@ -253,22 +254,21 @@ impl QuestPolicy {
             let m = self
                 .meta
                 .entry(s.id)
-                .or_insert_with(|| vec![Vec::new(); sparse_layers]);
-            let m = &mut m[li];
+                .or_insert_with(|| vec![Vec::new(); sparse_layers * hkv]);
             for i in 0..s.q_len {
                 let p = (s.ctx_before + i) / page;
-                let need = (p + 1) * hkv * 2 * dh;
-                if m.len() < need {
-                    let start = m.len();
-                    m.resize(need, 0.0);
-                    for chunk in m[start..].chunks_exact_mut(2 * dh) {
-                        chunk[..dh].fill(f32::NEG_INFINITY);
-                        chunk[dh..].fill(f32::INFINITY);
-                    }
-                }
                 let row = &kf[(s.q_start + i) * hkv * dh..][..hkv * dh];
                 for g in 0..hkv {
-                    let at = (p * hkv + g) * 2 * dh;
+                    let m = &mut m[li * hkv + g];
+                    if m.len() < (p + 1) * 2 * dh {
+                        let start = m.len();
+                        m.resize((p + 1) * 2 * dh, 0.0);
+                        for chunk in m[start..].chunks_exact_mut(2 * dh) {
+                            chunk[..dh].fill(f32::NEG_INFINITY);
+                            chunk[dh..].fill(f32::INFINITY);
+                        }
+                    }
+                    let at = p * 2 * dh;
                     let (hi, lo) = m[at..at + 2 * dh].split_at_mut(dh);
                     for ((h, l), &x) in hi.iter_mut().zip(lo.iter_mut()).zip(&row[g * dh..][..dh]) {
                         *h = h.max(x);
@@ -380,17 +380,13 @@ impl KvPolicy for QuestPolicy {
             .map(|s| {
                 let n = s.ctx_before + 1;
                 let pages = selected[&s.id];
-                let meta = &this.meta[&s.id][li];
+                let meta = &this.meta[&s.id][li * hkv..(li + 1) * hkv];
                 let (store, table) = this.full.kv_of(s.id);
                 let q = &qf[s.q_start * h * dh..][..h * dh];
                 let (mut k, mut v, mut read) = (Vec::new(), Vec::new(), Vec::new());
                 for g in 0..hkv {
-                    let per_head: Vec<f32> = meta
-                        .chunks_exact(hkv * 2 * dh)
-                        .flat_map(|p| p[g * 2 * dh..(g + 1) * 2 * dh].iter().copied())
-                        .collect();
                     let bounds =
-                        page_bounds(&q[g * group * dh..(g + 1) * group * dh], &per_head, dh);
+                        page_bounds(&q[g * group * dh..(g + 1) * group * dh], &meta[g], dh);
                     let keep = select_pages(&bounds, pages);
                     let positions: Vec<usize> = keep
                         .iter()

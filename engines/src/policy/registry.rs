@@ -27,8 +27,6 @@ pub struct Param {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backends {
     Both,
-    /// The long side of a CUDA run would be refused (a strategy without CUDA kernels).
-    CpuOnly,
     /// The CUDA implementation has a path the CPU one does not (e.g. InfiniGen's
     /// memcpy transfer).
     CudaOnly,
@@ -61,20 +59,9 @@ impl Variant {
         }
     }
 
-    pub const fn cpu(params: &'static [(&'static str, &'static str)]) -> Self {
-        Self {
-            params,
-            on: Backends::CpuOnly,
-        }
-    }
-
     /// Whether the variant runs on this backend.
     pub fn runs_on(&self, cuda: bool) -> bool {
-        match self.on {
-            Backends::Both => true,
-            Backends::CudaOnly => cuda,
-            Backends::CpuOnly => !cuda,
-        }
+        cuda || self.on == Backends::Both
     }
 }
 
@@ -225,11 +212,6 @@ pub fn registry() -> &'static [&'static Strategy] {
 /// The registry entry named `name`.
 pub fn lookup(name: &str) -> Option<&'static Strategy> {
     registry().iter().copied().find(|s| s.name == name)
-}
-
-/// The registered names.
-pub fn names() -> Vec<&'static str> {
-    registry().iter().map(|s| s.name).collect()
 }
 
 /// [`StrategyParams`] without its associated items, so a spec can hand out one
