@@ -6,7 +6,7 @@
 
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Component, Error, Result};
-use crate::kv::KvDtype;
+use crate::kv::KvCodec;
 use crate::ledger::{MemoryLedger, MemoryReport};
 use crate::model::Llama;
 use crate::policy::audit::{allowed_device_bytes, nominal_attended, nominal_device_bytes};
@@ -35,6 +35,9 @@ pub struct EngineConfig {
     /// How the device KV is reserved (`None`: the strategy's paradigm,
     /// [`Reservation::default_for`]).
     pub reservation: Option<Reservation>,
+    /// How the paged stores keep their K/V rows (`None`: each paradigm's own, see
+    /// [`crate::policy::registry::StrategyParams::cpu_kv_codec`]).
+    pub kv_codec: Option<KvCodec>,
     pub block_size: usize,
     /// Longest sequence (prompt + output) accepted; default: the model's context.
     pub max_model_len: Option<usize>,
@@ -65,6 +68,7 @@ impl Default for EngineConfig {
             device_available: None,
             num_blocks: None,
             reservation: None,
+            kv_codec: None,
             block_size: 16,
             max_model_len: None,
             scheduler: SchedulerConfig::default(),
@@ -209,7 +213,11 @@ impl Engine {
 
         let full_opts = FullOptions {
             block_size: cfg.block_size,
-            kv_dtype: KvDtype::from_candle(model.dtype()),
+            // The pool is planned in blocks of `full`'s rows: the option's, else the
+            // compute dtype's.
+            kv_codec: cfg
+                .kv_codec
+                .unwrap_or_else(|| KvCodec::from_candle(model.dtype())),
             shuffle_seed: cfg.shuffle_blocks_seed,
             attention: cfg.attention,
             chunk_size: cfg.chunk_size,
@@ -253,7 +261,8 @@ impl Engine {
             block_size: cfg.block_size,
             attention: cfg.attention,
             chunk_size: cfg.chunk_size,
-            kv_dtype: full_opts.kv_dtype,
+            compute_codec: KvCodec::from_candle(model.dtype()),
+            kv_codec: cfg.kv_codec,
             shuffle_seed: cfg.shuffle_blocks_seed,
         };
         let policy = cfg.policy.build(&model, env)?;
@@ -329,12 +338,28 @@ impl Engine {
         self.start = Instant::now();
     }
 
-    /// The ledger's bytes, with the reservation they were held under.
+    /// The ledger's bytes, with the reservation they were held under and the codec
+    /// of their rows.
     pub fn memory(&self) -> MemoryReport {
         MemoryReport {
             reservation: Some(self.cfg.reservation()),
+            kv_codec: self.kv_codec(),
             ..self.ledger.report()
         }
+    }
+
+    /// How the policy's paged stores keep their rows (`None`: storage of its own).
+    pub fn kv_codec(&self) -> Option<KvCodec> {
+        let spec = &self.cfg.policy;
+        if !spec.strategy().kv_codec {
+            return None;
+        }
+        let compute = KvCodec::from_candle(self.model.dtype());
+        Some(if self.model.device().is_cuda() {
+            KvCodec::Bf16
+        } else {
+            spec.params().cpu_kv_codec(compute, self.cfg.kv_codec)
+        })
     }
 
     pub fn events(&self) -> &[RequestEvent] {
@@ -719,7 +744,7 @@ impl Engine {
             }
         }
         let cfg = &self.model.cfg;
-        let elem = KvDtype::from_candle(self.model.dtype()).size();
+        let compute = KvCodec::from_candle(self.model.dtype());
         let token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
         for s in batch.seqs.iter().filter(|s| s.q_len == 1) {
             let Some(info) = info_of(s.id) else { continue };
@@ -728,7 +753,7 @@ impl Engine {
             }
             let n = s.ctx_before + 1;
             let held = self.policy.seq_device_bytes(s.id);
-            let nominal = nominal_device_bytes(spec, cfg, &info, n, elem);
+            let nominal = nominal_device_bytes(spec, cfg, &info, n, compute, self.cfg.kv_codec);
             let allowed = allowed_device_bytes(nominal, self.cfg.block_size, token_bytes);
             if held > allowed {
                 return Err(Error::Budget(format!(

@@ -4,6 +4,7 @@
 //! with `--device-memory` fails with the same typed out-of-memory error as a GPU.
 
 use crate::error::{Component, Error, Result};
+use crate::kv::KvCodec;
 use crate::policy::spec::Reservation;
 use serde::Serialize;
 
@@ -24,6 +25,10 @@ pub struct MemoryReport {
     /// on demand), so that `kv_device` reads as what the engine held; set by the
     /// engine, `None` from a bare ledger.
     pub reservation: Option<Reservation>,
+    /// How the paged stores kept their K/V rows (`f32`, `bf16`, `int4`, …); set by the
+    /// engine for strategies whose rows the codecs write, `None` for those that keep
+    /// their own (InfiniGen's tiers, KIVI's codes) and from a bare ledger.
+    pub kv_codec: Option<KvCodec>,
 }
 
 impl MemoryReport {
@@ -155,6 +160,7 @@ impl MemoryLedger {
             activations_peak: self.activations_peak,
             transfer_buffers: self.transfer_buffers,
             reservation: None,
+            kv_codec: None,
         }
     }
 }

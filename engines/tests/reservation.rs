@@ -8,10 +8,10 @@ mod common;
 use common::{random_tokens, spec, tiny};
 use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::error::{Component, Error};
-use kvbench_engines::kv::{KvDtype, PagedKv};
+use kvbench_engines::kv::{KvCodec, PagedKv};
 use kvbench_engines::policy::budget::infinigen_selection_cap;
 use kvbench_engines::policy::full::{FullOptions, FullPolicy};
-use kvbench_engines::policy::spec::{split_reservation, PolicySpec, Reservation};
+use kvbench_engines::policy::spec::{split_engine_options, PolicySpec, Reservation};
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 
 const CAP: u64 = 64 << 20;
@@ -56,7 +56,7 @@ fn held(cfg: EngineConfig, prompt: usize, output: usize) -> u64 {
 /// Bytes of one block of all layers (f32 K and V: the tiny model's and the slot stores').
 fn block(layers: usize) -> u64 {
     let c = &tiny().cfg;
-    PagedKv::block_bytes(layers, BS, c.num_kv_heads, c.head_dim, KvDtype::F32)
+    PagedKv::block_bytes(layers, BS, c.num_kv_heads, c.head_dim, KvCodec::F32)
 }
 
 /// What the fraction leaves for the KV: capacity × 0.9 − weights − the activation
@@ -192,11 +192,23 @@ fn a_pool_held_past_the_capacity_is_a_typed_oom() {
 #[test]
 fn the_option_is_split_off_the_strategy_parameters_and_checked() {
     let p = |k: &str, v: &str| vec![(k.to_string(), v.to_string())];
-    let (r, rest) = split_reservation(&p("reservation", "fraction")).unwrap();
-    assert_eq!((r, rest.len()), (Some(Reservation::Fraction), 0));
-    let (r, rest) = split_reservation(&p("sinks", "2")).unwrap();
-    assert_eq!((r, rest), (None, p("sinks", "2")));
-    let e = split_reservation(&p("reservation", "half"))
+    let (o, rest) = split_engine_options(&p("reservation", "fraction")).unwrap();
+    assert_eq!(
+        (o.reservation, rest.len()),
+        (Some(Reservation::Fraction), 0)
+    );
+    let (o, rest) = split_engine_options(&p("kv_codec", "int4")).unwrap();
+    assert_eq!(
+        (o.kv_codec, o.reservation, rest.len()),
+        (Some(KvCodec::Int { bits: 4, group: 32 }), None, 0)
+    );
+    let (o, rest) = split_engine_options(&p("sinks", "2")).unwrap();
+    assert_eq!((o, rest), (Default::default(), p("sinks", "2")));
+    let e = split_engine_options(&p("kv_codec", "int3"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("kv_codec=int3") && e.contains("int4"), "{e}");
+    let e = split_engine_options(&p("reservation", "half"))
         .unwrap_err()
         .to_string();
     assert!(

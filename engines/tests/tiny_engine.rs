@@ -5,7 +5,7 @@ mod common;
 use common::{max_abs_diff, random_tokens, tiny};
 use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::error::{Component, Error};
-use kvbench_engines::kv::KvDtype;
+use kvbench_engines::kv::KvCodec;
 use kvbench_engines::policy::full::{FullOptions, FullPolicy};
 use kvbench_engines::policy::{KvPolicy, StepBatch};
 use kvbench_engines::scheduler::PrefillMode;
@@ -20,7 +20,7 @@ fn paged_incremental_decode_equals_recompute() {
         &model.cfg,
         FullOptions {
             block_size: 4,
-            kv_dtype: KvDtype::F32,
+            kv_codec: KvCodec::F32,
             shuffle_seed: Some(11),
             ..Default::default()
         },
@@ -477,7 +477,7 @@ fn bf16_weights_and_kv_stay_close_to_the_bf16_dense_forward() {
     let model = load_preset(preset("tiny").unwrap(), WeightDtype::Bf16, 7, &Device::Cpu).unwrap();
     let opts = FullOptions {
         block_size: 4,
-        kv_dtype: KvDtype::Bf16,
+        kv_codec: KvCodec::Bf16,
         shuffle_seed: Some(2),
         ..Default::default()
     };

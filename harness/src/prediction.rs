@@ -23,7 +23,7 @@ use kvbench_engines::cost::{
 };
 use kvbench_engines::device::parse_bytes;
 use kvbench_engines::engine::StepOutcome;
-use kvbench_engines::policy::spec::PolicySpec;
+use kvbench_engines::policy::spec::{split_engine_options, PolicySpec};
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use kvbench_engines::source::{LoadOptions, ModelSource};
 use kvbench_plots::schema;
@@ -79,8 +79,10 @@ fn cell_setup(
         .collect();
     let policy = PolicySpec::parse(&cell.engine, cell.budget, &pairs)
         .with_context(|| format!("cell {}: engine `{}`", cell.index, cell.engine))?;
+    let (opts, _) = split_engine_options(&pairs)?;
     let mut s = cost::Setup::new(cfg.clone(), policy, precision);
     s.backend = kind;
+    s.kv_codec = opts.kv_codec;
     s.block_size = plan.exp.scheduler.block_size;
     s.attention = cell.attention.parse().map_err(anyhow::Error::msg)?;
     s.chunk_size = cell.chunk_size.unwrap_or(512);

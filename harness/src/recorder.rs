@@ -204,6 +204,10 @@ fn headline(cell: &Value, experiment: &str, cell_id: &str) -> Vec<(&'static str,
         // How that KV was reserved (`fraction`: a pool up front, `budget`: grown on
         // demand); null in tables written before it was recorded.
         ("mem_kv_reservation", mem["reservation"].clone()),
+        // How the paged stores kept their rows (`f32`, `bf16`, `int4`, …); null for
+        // strategies with storage of their own and in tables written before it was
+        // recorded.
+        ("mem_kv_codec", mem["kv_codec"].clone()),
         (
             "mem_kv_device_used_peak_bytes",
             kv_used_peak.map_or(Value::Null, Value::from),

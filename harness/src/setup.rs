@@ -7,7 +7,7 @@ use kvbench_engines::device::{parse_bytes, DeviceKind};
 use kvbench_engines::engine::{Engine, EngineConfig};
 use kvbench_engines::model::WeightDtype;
 use kvbench_engines::policy::infinigen::skew::{load_or_calibrate, Skewing};
-use kvbench_engines::policy::spec::{split_reservation, PolicySpec};
+use kvbench_engines::policy::spec::{split_engine_options, PolicySpec};
 
 /// The registered strategies, with what each is (`--engine`'s values).
 fn strategy_names() -> Vec<clap::builder::PossibleValue> {
@@ -152,10 +152,11 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 512)]
     pub chunk_size: usize,
 
-    /// Strategy parameter KEY=VALUE, repeatable. h2o: heavy_fraction, ratio
-    /// (total|flexgen_hh), stats (eager|chunked|exact), decode_update; streaming: sinks,
-    /// rolling_positions; infinigen: alpha (or inf), partial_ratio, relative_to_current,
-    /// dense_layers, speculate (previous|oracle).
+    /// Strategy parameter KEY=VALUE, repeatable; each strategy's keys and values are
+    /// in docs/strategies.md (a wrong key's error lists them). Every engine also takes
+    /// reservation=fraction|budget, and all but kivi and infinigen
+    /// kv_codec=f32|f16|bf16|int8|int4|int2 (how the paged stores keep K/V rows;
+    /// int4/64: a scale per 64 channels).
     #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_kv)]
     pub set: Vec<(String, String)>,
 
@@ -356,6 +357,7 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
         );
     }
     let (capacity, available) = device_capacity(setup, e.device_memory, e.memory_fraction)?;
+    let (opts, _) = split_engine_options(&e.set)?;
     let cfg = EngineConfig {
         device_name: setup.device.to_string(),
         device_memory: Some(capacity),
@@ -379,7 +381,8 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
         chunk_size: e.chunk_size,
         host_memory: Some(e.host_memory.unwrap_or_else(host_memory_bytes)),
         audit: !e.no_audit,
-        reservation: split_reservation(&e.set)?.0,
+        reservation: opts.reservation,
+        kv_codec: opts.kv_codec,
     };
     Engine::new(setup.loaded.model.clone(), cfg).context("starting the engine")
 }

@@ -76,6 +76,7 @@ fn generate_json_is_one_object_with_exact_kv_bytes() {
     assert_eq!(v["output_tokens"], 7);
     assert_eq!(v["engine"], "full");
     assert_eq!(v["device"], "cpu");
+    assert_eq!(v["kv_codec"], "f32");
     // preset:tiny f32: 2 layers × 2 KV heads × 16 dims × 4 B × (K, V) = 512 B per token;
     // the last generated token has no KV yet.
     assert_eq!(v["kv_device_bytes"], (5 + 7 - 1) * 512);
@@ -95,6 +96,39 @@ fn generate_json_is_one_object_with_exact_kv_bytes() {
         v["decode_tok_s"].as_f64().unwrap(),
     );
     assert!((b - d).abs() <= 1e-9 * d, "{b} vs {d}");
+}
+
+#[test]
+fn generate_stores_rows_in_the_codec_given_and_names_a_bad_one() {
+    let empty = tempfile::tempdir().unwrap();
+    let args = |codec: &'static str| {
+        [
+            "generate",
+            "--model",
+            "preset:tiny",
+            "--prompt",
+            "Hello",
+            "--max-new-tokens",
+            "7",
+            "--ignore-eos",
+            "--device-memory",
+            "1GiB",
+            "--json",
+            "--set",
+            codec,
+        ]
+    };
+    let o = kvbench(empty.path(), &args("kv_codec=int4"));
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["kv_codec"], "int4");
+    // preset:tiny: 16-dim rows in 4 bits are 8 bytes of codes and one group's scale and
+    // minimum (8 bytes): 2 layers × 2 KV heads × (K, V) × 16 B = 128 B per token.
+    assert_eq!(v["kv_device_bytes"], (5 + 7 - 1) * 128);
+    let o = kvbench(empty.path(), &args("kv_codec=int3"));
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains("kv_codec=int3") && e.contains("int4"), "{e}");
 }
 
 #[test]

@@ -5,16 +5,17 @@
 //! probability summed over the query heads of its KV head: H2O's per-step statistic.
 
 use super::paged::{accumulate_with, dot_with, exp, has_avx2_fma};
-use crate::kv::BlockId;
+use crate::kv::{BlockId, KvView};
 use rayon::prelude::*;
 
-/// Where one decode row's keys and values are (f32 storage).
-#[derive(Debug, Clone, Copy)]
+/// Where one decode row's keys and values are.
+#[derive(Clone, Copy)]
 pub enum KeySet<'a> {
-    /// Slots `0..len` of a paged store `[blocks, Hkv, block_size, dh]`, through `table`.
+    /// Slots `0..len` of a paged store `[blocks, Hkv, block_size, row]`, through
+    /// `table`, stored as its codec says.
     Paged {
-        k: &'a [f32],
-        v: &'a [f32],
+        k: KvView<'a>,
+        v: KvView<'a>,
         table: &'a [BlockId],
         len: usize,
         block_size: usize,
@@ -38,6 +39,13 @@ pub enum KeySet<'a> {
     },
 }
 
+/// Which half of a key set.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Half {
+    K,
+    V,
+}
+
 impl KeySet<'_> {
     /// Keys the row attends (per KV head).
     pub fn count(&self) -> usize {
@@ -47,8 +55,33 @@ impl KeySet<'_> {
         }
     }
 
+    /// The runs of keys that are contiguous for one head, `(start, len)` in order: a
+    /// paged set's blocks, a dense set whole, a tile and then its own token.
+    fn runs(&self) -> Vec<(usize, usize)> {
+        match *self {
+            KeySet::Paged {
+                len, block_size, ..
+            } => (0..len)
+                .step_by(block_size.max(1))
+                .map(|s| (s, block_size.min(len - s)))
+                .collect(),
+            KeySet::Dense { len, .. } => vec![(0, len)],
+            KeySet::Tile { len, .. } => vec![(0, len), (len, 1)],
+        }
+    }
+
+    /// Head `g`'s keys or values `start..start + n` (one run) as f32 rows of `dh`: in
+    /// place where they are f32, decoded into `scratch` otherwise.
     #[inline]
-    fn key(&self, g: usize, j: usize, hkv: usize, dh: usize) -> (&[f32], &[f32]) {
+    fn rows<'s>(
+        &'s self,
+        half: Half,
+        g: usize,
+        (start, n): (usize, usize),
+        (hkv, dh): (usize, usize),
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        let pick = |k: &'s [f32], v: &'s [f32]| if half == Half::K { k } else { v };
         match *self {
             KeySet::Paged {
                 k,
@@ -57,13 +90,13 @@ impl KeySet<'_> {
                 block_size: bs,
                 ..
             } => {
-                let blk = table[j / bs] as usize;
-                let base = ((blk * hkv + g) * bs + j % bs) * dh;
-                (&k[base..base + dh], &v[base..base + dh])
+                let view = if half == Half::K { k } else { v };
+                let first = (table[start / bs] as usize * hkv + g) * bs + start % bs;
+                view.rows(first, n, dh, scratch)
             }
             KeySet::Dense { k, v, len } => {
-                let base = (g * len + j) * dh;
-                (&k[base..base + dh], &v[base..base + dh])
+                let base = (g * len + start) * dh;
+                &pick(k, v)[base..base + n * dh]
             }
             KeySet::Tile {
                 k,
@@ -73,19 +106,30 @@ impl KeySet<'_> {
                 own_k,
                 own_v,
             } => {
-                if j == len {
-                    (&own_k[g * dh..(g + 1) * dh], &own_v[g * dh..(g + 1) * dh])
+                if start == len {
+                    &pick(own_k, own_v)[g * dh..(g + 1) * dh]
                 } else {
-                    let base = (g * cap + j) * dh;
-                    (&k[base..base + dh], &v[base..base + dh])
+                    let base = (g * cap + start) * dh;
+                    &pick(k, v)[base..base + n * dh]
                 }
             }
         }
     }
 }
 
+#[cfg(test)]
+impl KeySet<'_> {
+    /// Head `g`'s key and value `j` (tests).
+    fn key(&self, g: usize, j: usize, hkv: usize, dh: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut s = Vec::new();
+        let k = self.rows(Half::K, g, (j, 1), (hkv, dh), &mut s).to_vec();
+        let v = self.rows(Half::V, g, (j, 1), (hkv, dh), &mut s).to_vec();
+        (k, v)
+    }
+}
+
 /// One decode row: its index in the packed query tensor and its keys.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct DecodeRow<'a> {
     pub row: usize,
     pub keys: KeySet<'a>,
@@ -112,31 +156,53 @@ pub fn decode_attention(
     let g_size = h / hkv;
     let avx = has_avx2_fma();
     let scale = 1.0 / (dh as f32).sqrt();
-    // One work item = one row's KV head: its G query heads share the keys.
+    // One work item = one row's KV head: its G query heads share each run of keys,
+    // read (and decoded, where stored otherwise) once per pass.
     let item = |(ri, g): (usize, usize)| -> (Vec<f32>, Vec<f32>) {
         let r = &rows[ri];
         let n = r.keys.count();
+        let runs = r.keys.runs();
         let mut o = vec![0f32; g_size * dh];
-        let mut col = if probs { vec![0f32; n] } else { Vec::new() };
-        let mut sc = vec![0f32; n];
-        for j in 0..g_size {
-            let hq = g * g_size + j;
-            let qh = &q[(r.row * h + hq) * dh..][..dh];
-            for (t, x) in sc.iter_mut().enumerate() {
-                *x = scale * dot_with(avx, qh, r.keys.key(g, t, hkv, dh).0);
-            }
-            let m = sc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            sc.iter_mut().for_each(|x| *x = exp(*x - m));
-            let inv = 1.0 / sc.iter().sum::<f32>();
-            let oh = &mut o[j * dh..(j + 1) * dh];
-            for (t, &p) in sc.iter().enumerate() {
-                let p = p * inv;
-                accumulate_with(avx, &[p], r.keys.key(g, t, hkv, dh).1, oh);
-                if probs {
-                    col[t] += p;
+        let mut sc = vec![0f32; g_size * n];
+        let mut scratch = Vec::new();
+        let qh = |j: usize| &q[(r.row * h + g * g_size + j) * dh..][..dh];
+        for &run in &runs {
+            let kb = r.keys.rows(Half::K, g, run, (hkv, dh), &mut scratch);
+            for j in 0..g_size {
+                let qj = qh(j);
+                for (x, kt) in sc[j * n + run.0..][..run.1]
+                    .iter_mut()
+                    .zip(kb.chunks_exact(dh))
+                {
+                    *x = scale * dot_with(avx, qj, kt);
                 }
             }
         }
+        for j in 0..g_size {
+            let p = &mut sc[j * n..(j + 1) * n];
+            let m = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            p.iter_mut().for_each(|x| *x = exp(*x - m));
+            let inv = 1.0 / p.iter().sum::<f32>();
+            p.iter_mut().for_each(|x| *x *= inv);
+        }
+        for &run in &runs {
+            let vb = r.keys.rows(Half::V, g, run, (hkv, dh), &mut scratch);
+            for j in 0..g_size {
+                let p = &sc[j * n + run.0..][..run.1];
+                accumulate_with(avx, p, vb, &mut o[j * dh..(j + 1) * dh]);
+            }
+        }
+        let col = if probs {
+            let mut col = vec![0f32; n];
+            for j in 0..g_size {
+                col.iter_mut()
+                    .zip(&sc[j * n..(j + 1) * n])
+                    .for_each(|(c, p)| *c += p);
+            }
+            col
+        } else {
+            Vec::new()
+        };
         (o, col)
     };
     let items: Vec<(usize, usize)> = (0..rows.len())
@@ -225,8 +291,8 @@ mod tests {
             DecodeRow {
                 row: 0,
                 keys: KeySet::Paged {
-                    k: &kp,
-                    v: &vp,
+                    k: KvView::F32(&kp),
+                    v: KvView::F32(&vp),
                     table: &table,
                     len,
                     block_size: bs,
@@ -264,8 +330,9 @@ mod tests {
         for (ri, r) in rows.iter().enumerate() {
             let n = r.keys.count();
             for g in 0..hkv {
-                let keys: Vec<&[f32]> = (0..n).map(|j| r.keys.key(g, j, hkv, dh).0).collect();
-                let vals: Vec<&[f32]> = (0..n).map(|j| r.keys.key(g, j, hkv, dh).1).collect();
+                let kv: Vec<_> = (0..n).map(|j| r.keys.key(g, j, hkv, dh)).collect();
+                let keys: Vec<&[f32]> = kv.iter().map(|x| x.0.as_slice()).collect();
+                let vals: Vec<&[f32]> = kv.iter().map(|x| x.1.as_slice()).collect();
                 let mut col = vec![0f64; n];
                 for hq in g * g_size..(g + 1) * g_size {
                     let qh = &q[(r.row * h + hq) * dh..][..dh];
@@ -286,5 +353,69 @@ mod tests {
         let (k5, _) = rows[0].keys.key(1, 5, hkv, dh);
         let base = ((2 * hkv + 1) * bs + 1) * dh;
         assert_eq!(k5, &kp[base..base + dh]);
+    }
+
+    /// Slots stored as integer codes: attention equals plain softmax attention over
+    /// the rows as stored and read back (the codec's round trip), with the group's
+    /// probabilities; only the reading differs from f32 storage.
+    #[test]
+    fn coded_paged_slots_match_attention_over_the_decoded_rows() {
+        use crate::kv::{KvCodec, PagedKv};
+        let mut rng = StdRng::seed_from_u64(9);
+        let (h, hkv, dh, bs) = (4, 2, 16, 4);
+        let g_size = h / hkv;
+        for codec in [
+            KvCodec::Int { bits: 4, group: 8 },
+            KvCodec::Int { bits: 2, group: 16 },
+            KvCodec::Bf16,
+        ] {
+            let mut store = PagedKv::new(1, 6, bs, hkv, dh, codec);
+            let table: Vec<BlockId> = vec![4, 1, 3];
+            let len = 10;
+            let mut rows = Vec::new();
+            for j in 0..len {
+                let k: Vec<f32> = (0..hkv * dh).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let v: Vec<f32> = (0..hkv * dh).map(|_| rng.random_range(-2.0..2.0)).collect();
+                store.write(0, store.slot(&table, j), &k, &v);
+                rows.push((k, v));
+            }
+            let q: Vec<f32> = (0..h * dh).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let (kv, vv) = store.views(0);
+            let row = DecodeRow {
+                row: 0,
+                keys: KeySet::Paged {
+                    k: kv,
+                    v: vv,
+                    table: &table,
+                    len,
+                    block_size: bs,
+                },
+            };
+            let mut out = vec![0f32; h * dh];
+            let shape = DecodeShape {
+                num_heads: h,
+                num_kv_heads: hkv,
+                head_dim: dh,
+            };
+            let probs = decode_attention(&q, &[row], &mut out, shape, true);
+            for g in 0..hkv {
+                let dec = |x: &[f32]| codec.round_trip(&x[g * dh..(g + 1) * dh]);
+                let keys: Vec<Vec<f32>> = rows.iter().map(|(k, _)| dec(k)).collect();
+                let vals: Vec<Vec<f32>> = rows.iter().map(|(_, v)| dec(v)).collect();
+                let kr: Vec<&[f32]> = keys.iter().map(|x| x.as_slice()).collect();
+                let vr: Vec<&[f32]> = vals.iter().map(|x| x.as_slice()).collect();
+                let mut col = vec![0f64; len];
+                for hq in g * g_size..(g + 1) * g_size {
+                    let (o, p) = reference(&q[hq * dh..(hq + 1) * dh], &kr, &vr);
+                    for (a, b) in out[hq * dh..(hq + 1) * dh].iter().zip(&o) {
+                        assert!((*a as f64 - b).abs() < 1e-5, "{codec}: {a} vs {b}");
+                    }
+                    col.iter_mut().zip(&p).for_each(|(c, x)| *c += x);
+                }
+                for (a, b) in probs[0][g * len..(g + 1) * len].iter().zip(&col) {
+                    assert!((*a as f64 - b).abs() < 1e-5);
+                }
+            }
+        }
     }
 }

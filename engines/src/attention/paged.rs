@@ -2,7 +2,7 @@
 //! sequence's block table (no gather into a contiguous copy), with an online softmax
 //! in f32 so memory stays O(dh) per row whatever the context length.
 
-use crate::kv::paged::{KvElem, KvView};
+use crate::kv::paged::KvView;
 use crate::kv::BlockId;
 use rayon::prelude::*;
 
@@ -36,15 +36,10 @@ pub fn paged_attention(
     v: KvView<'_>,
     shape: AttnShape,
 ) -> Vec<f32> {
-    match (k, v) {
-        (KvView::F32(k), KvView::F32(v)) => run(q, seqs, k, v, shape),
-        (KvView::Bf16(k), KvView::Bf16(v)) => run(q, seqs, k, v, shape),
-        (KvView::F16(k), KvView::F16(v)) => run(q, seqs, k, v, shape),
-        _ => unreachable!("K and V of one pool share a dtype"),
-    }
+    run(q, seqs, k, v, shape)
 }
 
-fn run<E: KvElem>(q: &[f32], seqs: &[SeqAttn<'_>], k: &[E], v: &[E], s: AttnShape) -> Vec<f32> {
+fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnShape) -> Vec<f32> {
     let (h, hkv, dh) = (s.num_heads, s.num_kv_heads, s.head_dim);
     let rows: usize = seqs.iter().map(|x| x.q_start + x.q_len).max().unwrap_or(0);
     debug_assert!(q.len() >= rows * h * dh);
@@ -103,14 +98,14 @@ pub fn has_avx2_fma() -> bool {
 /// Attention of the query heads of KV heads `groups` (`qr`: `[groups × G, dh]`) over
 /// keys `0..n`, in the AVX2+FMA build when `avx` (decided once per call by the caller).
 #[allow(clippy::too_many_arguments)]
-fn attend_row<E: KvElem>(
+fn attend_row(
     avx: bool,
     qr: &[f32],
     out: &mut [f32],
     n: usize,
     table: &[BlockId],
-    k: &[E],
-    v: &[E],
+    k: KvView<'_>,
+    v: KvView<'_>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
 ) {
@@ -121,35 +116,35 @@ fn attend_row<E: KvElem>(
         return;
     }
     let _ = avx;
-    attend_row_impl::<E, false>(qr, out, n, table, k, v, groups, s)
+    attend_row_impl::<false>(qr, out, n, table, k, v, groups, s)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_row_avx2<E: KvElem>(
+unsafe fn attend_row_avx2(
     qr: &[f32],
     out: &mut [f32],
     n: usize,
     table: &[BlockId],
-    k: &[E],
-    v: &[E],
+    k: KvView<'_>,
+    v: KvView<'_>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
 ) {
-    attend_row_impl::<E, true>(qr, out, n, table, k, v, groups, s)
+    attend_row_impl::<true>(qr, out, n, table, k, v, groups, s)
 }
 
 /// `AVX`: called from the AVX2+FMA build only after the CPU was checked.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_row_impl<E: KvElem, const AVX: bool>(
+fn attend_row_impl<const AVX: bool>(
     qr: &[f32],
     out: &mut [f32],
     n: usize,
     table: &[BlockId],
-    k: &[E],
-    v: &[E],
+    k: KvView<'_>,
+    v: KvView<'_>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
 ) {
@@ -160,12 +155,8 @@ fn attend_row_impl<E: KvElem, const AVX: bool>(
     let mut m = vec![f32::NEG_INFINITY; nh];
     let mut l = vec![0f32; nh];
     out.fill(0.0);
-    let direct = E::as_f32(k).zip(E::as_f32(v));
-    // 16-bit storage: one head's block, converted once for its G query heads.
-    let (mut kf, mut vf) = match direct {
-        Some(_) => (Vec::new(), Vec::new()),
-        None => (vec![0f32; bs * dh], vec![0f32; bs * dh]),
-    };
+    // Storage other than f32: one head's block, decoded once for its G query heads.
+    let (mut kf, mut vf) = (Vec::new(), Vec::new());
     let mut p = vec![0f32; bs];
     let mut start = 0;
     while start < n {
@@ -173,19 +164,9 @@ fn attend_row_impl<E: KvElem, const AVX: bool>(
         let len = (n - start).min(bs);
         for (gi, g) in groups.clone().enumerate() {
             // This head's keys/values of the block: `len` contiguous rows of dh.
-            let base = (blk * hkv + g) * bs * dh;
-            let (kb, vb): (&[f32], &[f32]) = match direct {
-                Some((k32, v32)) => (&k32[base..base + len * dh], &v32[base..base + len * dh]),
-                None => {
-                    for (d, x) in kf.iter_mut().zip(&k[base..base + len * dh]) {
-                        *d = x.to_f32();
-                    }
-                    for (d, x) in vf.iter_mut().zip(&v[base..base + len * dh]) {
-                        *d = x.to_f32();
-                    }
-                    (&kf[..len * dh], &vf[..len * dh])
-                }
-            };
+            let first = (blk * hkv + g) * bs;
+            let kb = k.rows(first, len, dh, &mut kf);
+            let vb = v.rows(first, len, dh, &mut vf);
             for j in 0..g_size {
                 let hq = gi * g_size + j;
                 let qh = &qr[hq * dh..(hq + 1) * dh];

@@ -8,7 +8,6 @@ use crate::attention::prefill::{
 };
 use crate::engine::planned_kv_bytes;
 use crate::error::Component;
-use crate::kv::KvDtype;
 use crate::kv::PagedKv;
 use crate::ledger::MemoryReport;
 use crate::model::activation_bytes;
@@ -60,16 +59,6 @@ pub struct Oom {
     pub capacity: u64,
 }
 
-fn kv_dtype(elem: usize) -> Result<KvDtype> {
-    match elem {
-        4 => Ok(KvDtype::F32),
-        2 => Ok(KvDtype::Bf16),
-        e => Err(CostError::Invalid(format!(
-            "KV elements of {e} bytes: the engine stores f32 or bf16/f16"
-        ))),
-    }
-}
-
 /// Bytes of one block of the paged pool, all layers (the pool's own function).
 pub fn block_bytes(s: &Setup) -> Result<u64> {
     let c = &s.model;
@@ -78,21 +67,15 @@ pub fn block_bytes(s: &Setup) -> Result<u64> {
         s.block_size,
         c.num_kv_heads,
         c.head_dim,
-        kv_dtype(s.precision.kv)?,
+        s.full_kv(),
     ))
 }
 
 /// Device KV bytes of one sequence after a step with `n` tokens of context: the budget
-/// audit's own count ([`device_kv_bytes`]) with the element sizes of `s.precision`.
+/// audit's own count ([`device_kv_bytes`]) with the rows as the engine stores them
+/// ([`Setup::kv`]) and the statistics of `s.precision`.
 pub fn kv_device_bytes(s: &Setup, info: &SeqInfo, n: usize) -> u64 {
-    device_kv_bytes(
-        &s.policy,
-        &s.model,
-        info,
-        n,
-        s.precision.kv,
-        s.precision.statistic,
-    )
+    device_kv_bytes(&s.policy, &s.model, info, n, s.kv(), s.precision.statistic)
 }
 
 /// Host KV bytes of one sequence: InfiniGen's host tier holds every token of the
@@ -105,7 +88,7 @@ pub fn kv_host_bytes(s: &Setup, info: &SeqInfo) -> u64 {
             let off = c.num_layers - q.dense_layers.min(c.num_layers);
             let tokens =
                 (info.prefill_len + info.max_new_tokens).div_ceil(s.block_size) * s.block_size;
-            tokens as u64 * c.kv_bytes_per_token(s.precision.kv) / c.num_layers as u64 * off as u64
+            tokens as u64 * s.kv().token_bytes(c) / c.num_layers as u64 * off as u64
         }
         _ => 0,
     }
@@ -255,6 +238,7 @@ pub fn memory_held(s: &Setup, m: &MemoryInputs) -> Result<MemoryHeld> {
         // The model predicts each strategy under its paradigm's own reservation: the
         // pool up front for `full`, what the batch needs for the others.
         reservation: Some(Reservation::default_for(&s.policy)),
+        kv_codec: s.policy.strategy().kv_codec.then(|| s.kv()),
     };
     let mut held = MemoryHeld {
         report,
@@ -337,7 +321,7 @@ mod tests {
             for n in [1, 100, 700, 701, 764] {
                 assert_eq!(
                     kv_device_bytes(&s, &info, n),
-                    nominal_device_bytes(&spec, &cfg, &info, n, 4),
+                    nominal_device_bytes(&spec, &cfg, &info, n, crate::kv::KvCodec::F32, None),
                     "{} n={n}",
                     spec.name()
                 );
@@ -349,7 +333,7 @@ mod tests {
             crate::policy::full::FullPolicy::block_bytes(
                 &cfg,
                 &crate::policy::full::FullOptions {
-                    kv_dtype: KvDtype::Bf16,
+                    kv_codec: crate::kv::KvCodec::Bf16,
                     ..Default::default()
                 }
             )

@@ -45,6 +45,7 @@ pub use traffic::{decode_row, decode_step, forward_weights, prefill, prefill_row
 
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
+use crate::kv::KvCodec;
 use crate::policy::spec::PolicySpec;
 use std::path::PathBuf;
 
@@ -124,6 +125,8 @@ pub struct Setup {
     /// Which engine backend's kernels: their attention scratch differs (f32 scores on
     /// the CPU, [`crate::attention::prefill::CUDA_SCORE_BYTES`] per score on CUDA).
     pub backend: DeviceKind,
+    /// The engine's `kv_codec` option (`None`: each paradigm's own storage).
+    pub kv_codec: Option<KvCodec>,
 }
 
 impl Setup {
@@ -143,7 +146,31 @@ impl Setup {
             attention: AttentionImpl::Flash,
             chunk_size: 512,
             backend,
+            kv_codec: None,
         }
+    }
+
+    /// How the policy stores its K/V rows, as the engine does: on the CPU the option,
+    /// else the paradigm's own given the precision (the slot stores keep f32); on CUDA
+    /// the precision's (bf16).
+    pub fn kv(&self) -> KvCodec {
+        let own = match self.precision.kv {
+            2 => KvCodec::Bf16,
+            _ => KvCodec::F32,
+        };
+        match self.backend {
+            DeviceKind::Cpu => self.policy.params().cpu_kv_codec(own, self.kv_codec),
+            _ => self.kv_codec.unwrap_or(own),
+        }
+    }
+
+    /// Rows of `full`'s pool (the engine plans its KV in its blocks).
+    pub fn full_kv(&self) -> KvCodec {
+        let own = match self.precision.kv {
+            2 => KvCodec::Bf16,
+            _ => KvCodec::F32,
+        };
+        self.kv_codec.unwrap_or(own)
     }
 
     /// The same set-up running `policy` instead (a hybrid's side for one request).

@@ -8,6 +8,7 @@
 use super::Setup;
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
+use crate::kv::KvCodec;
 use crate::policy::audit::nominal_attended;
 use crate::policy::evicting::h2o::H2o;
 use crate::policy::evicting::snapkv::snapkv_counts;
@@ -186,7 +187,14 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
         c.head_dim as f64,
         c.hidden_size as f64,
     );
-    let tl = 2.0 * hkv * dh * p.kv as f64; // one token, one layer, K and V
+    let row = s.kv().row_bytes(c.head_dim) as f64; // one token's K (or V) of one head
+    let tl = 2.0 * hkv * row; // one token, one layer, K and V
+                              // Integer rows are decoded as they are read: a multiply-add per element.
+    let decode_flops = if matches!(s.kv(), KvCodec::Int { .. }) {
+        4.0 * hkv * dh
+    } else {
+        0.0
+    };
     let stat = p.statistic as f64;
     let nf = n as f64;
     let mut seq = StepCost {
@@ -199,6 +207,7 @@ pub fn decode_row(s: &Setup, info: &SeqInfo, n: usize) -> StepCost {
         let a = nominal_attended(&s.policy, layer, info, n) as f64;
         seq.kv_read += a * tl;
         seq.flops_attention += 4.0 * h * dh * a;
+        seq.flops_statistics += decode_flops * a;
         match &s.policy {
             PolicySpec::Full(_) => {
                 seq.kv_write += tl;
@@ -301,7 +310,8 @@ pub fn prefill_rows(s: &Setup, info: &SeqInfo, start: usize, end: usize) -> Step
         c.hidden_size as f64,
         c.vocab_size as f64,
     );
-    let tl = 2.0 * hkv * dh * p.kv as f64;
+    let row = s.kv().row_bytes(c.head_dim) as f64;
+    let tl = 2.0 * hkv * row;
     let stat = p.statistic as f64;
     let (a, e) = (start as f64, end as f64);
     let rows = e - a;
@@ -365,7 +375,7 @@ pub fn prefill_rows(s: &Setup, info: &SeqInfo, start: usize, end: usize) -> Step
                 // Pass 2 of algorithms.md §9: QKᵀ recomputed, exp and column sums; K
                 // read once more.
                 out.flops_statistics += 2.0 * h * dh * pairs + 2.0 * h * pairs;
-                out.kv_read += e * hkv * dh * p.kv as f64;
+                out.kv_read += e * hkv * row;
             }
         }
         if stats.is_some() {
@@ -380,7 +390,7 @@ pub fn prefill_rows(s: &Setup, info: &SeqInfo, start: usize, end: usize) -> Step
                 // key (QKᵀ, exp, sums), K read once more, the scores written per KV head.
                 let w = q.window.min(info.prefill_len) as f64;
                 out.flops_statistics += 2.0 * w * h * dh * e + 2.0 * w * h * e;
-                out.kv_read += e * hkv * dh * p.kv as f64;
+                out.kv_read += e * hkv * row;
                 out.metadata += hkv * e * stat;
             }
         }

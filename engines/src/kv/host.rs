@@ -4,7 +4,7 @@
 //! and a "transfer" is the gather copy; on CUDA it is pinned host memory with
 //! asynchronous copies (same trait).
 
-use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
+use crate::kv::{BlockId, BlockPool, KvCodec, PagedKv};
 use crate::policy::SeqId;
 use std::collections::HashMap;
 
@@ -67,7 +67,7 @@ impl CpuHostTier {
                 block_size,
                 num_kv_heads,
                 head_dim,
-                KvDtype::F32,
+                KvCodec::F32,
             ),
             pool: BlockPool::new(num_blocks),
             tables: HashMap::new(),
@@ -84,7 +84,7 @@ impl CpuHostTier {
         num_kv_heads: usize,
         head_dim: usize,
     ) -> u64 {
-        PagedKv::block_bytes(num_layers, block_size, num_kv_heads, head_dim, KvDtype::F32)
+        PagedKv::block_bytes(num_layers, block_size, num_kv_heads, head_dim, KvCodec::F32)
     }
 }
 
@@ -122,10 +122,10 @@ impl HostTier for CpuHostTier {
     ) -> u64 {
         let (hkv, dh, bs) = (self.num_kv_heads, self.head_dim, self.kv.block_size());
         let table = &self.tables[&seq];
-        let (k, v) = self
-            .kv
-            .f32_views(layer - self.first_layer)
-            .expect("the CPU host tier stores f32");
+        let (k, v) = self.kv.views(layer - self.first_layer);
+        let (Some(k), Some(v)) = (k.as_f32(), v.as_f32()) else {
+            unreachable!("the CPU host tier is built with f32 rows")
+        };
         let mut rows = 0;
         for (g, positions) in sel.iter().enumerate().take(hkv) {
             for (i, &p) in positions.iter().enumerate() {

@@ -1,93 +1,120 @@
-//! Per-layer paged K/V buffers of shape `[num_blocks, Hkv, block_size, dh]`: a block's
-//! keys of one KV head are contiguous (as in vLLM's own layout, which also puts the
+//! Per-layer paged K/V buffers of shape `[num_blocks, Hkv, block_size, row]`: a block's
+//! rows of one KV head are contiguous (as in vLLM's own layout, which also puts the
 //! head before the token), so attention streams them instead of striding per token.
+//! A row is stored as its [`KvCodec`] says: f32, 16-bit, or integer codes with their
+//! scales (kept in a parallel buffer of the same layout).
 //!
 //! The buffers are zero-allocated up front (the vLLM pool, `reservation=fraction`); on
 //! CPU untouched pages cost no resident memory, so reserving a large pool is cheap while
 //! its bytes still count in the ledger. A pool grown on demand (`reservation=budget`)
 //! extends them block by block ([`PagedKv::ensure_blocks`]).
 
+use crate::kv::codec::{decode_int, KvCodec};
 use crate::kv::BlockId;
 use half::{bf16, f16};
-
-/// Element type of the stored K/V.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvDtype {
-    F32,
-    F16,
-    Bf16,
-}
-
-impl KvDtype {
-    pub fn size(&self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 | KvDtype::Bf16 => 2,
-        }
-    }
-
-    pub fn from_candle(d: candle_core::DType) -> Self {
-        match d {
-            candle_core::DType::F16 => KvDtype::F16,
-            candle_core::DType::BF16 => KvDtype::Bf16,
-            _ => KvDtype::F32,
-        }
-    }
-}
-
-/// A stored K/V element; the kernels compute in f32.
-pub trait KvElem: Copy + Send + Sync + 'static {
-    fn to_f32(self) -> f32;
-    /// The slice itself when the storage already is f32 (kernels then read it in place).
-    fn as_f32(_s: &[Self]) -> Option<&[f32]> {
-        None
-    }
-}
-
-impl KvElem for f32 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn as_f32(s: &[Self]) -> Option<&[f32]> {
-        Some(s)
-    }
-}
-
-impl KvElem for bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-}
-
-impl KvElem for f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-}
 
 /// Raw storage; 16-bit types are kept as `u16` so the allocation is `calloc`ed.
 #[derive(Debug)]
 enum Buf {
     F32(Vec<f32>),
     U16(Vec<u16>),
+    /// Codes (`code_bytes` per row) and parameters (`param_floats` per row).
+    Int {
+        codes: Vec<u8>,
+        params: Vec<f32>,
+    },
 }
 
-/// A read view of one layer's K or V, typed.
+/// A read view of one layer's K or V.
 #[derive(Clone, Copy)]
 pub enum KvView<'a> {
     F32(&'a [f32]),
     F16(&'a [f16]),
     Bf16(&'a [bf16]),
+    Int {
+        codes: &'a [u8],
+        params: &'a [f32],
+        bits: u8,
+        group: usize,
+        /// Bytes of codes and f32 parameters per row.
+        code_bytes: usize,
+        param_floats: usize,
+    },
+}
+
+impl<'a> KvView<'a> {
+    /// Rows `first..first + n` (`dh` wide each, row indices as the buffer's layout
+    /// numbers them) in f32: the storage itself when it is f32, else decoded into
+    /// `scratch` (grown as needed).
+    #[inline]
+    pub fn rows<'s>(
+        &self,
+        first: usize,
+        n: usize,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32]
+    where
+        'a: 's,
+    {
+        let (a, b) = (first * dh, (first + n) * dh);
+        match *self {
+            KvView::F32(x) => &x[a..b],
+            KvView::F16(x) => {
+                fill(scratch, x[a..b].iter().map(|v| v.to_f32()), n * dh);
+                &scratch[..n * dh]
+            }
+            KvView::Bf16(x) => {
+                fill(scratch, x[a..b].iter().map(|v| v.to_f32()), n * dh);
+                &scratch[..n * dh]
+            }
+            KvView::Int {
+                codes,
+                params,
+                bits,
+                group,
+                code_bytes,
+                param_floats,
+            } => {
+                if scratch.len() < n * dh {
+                    scratch.resize(n * dh, 0.0);
+                }
+                for (r, out) in scratch[..n * dh].chunks_exact_mut(dh).enumerate() {
+                    let row = first + r;
+                    decode_int(
+                        &codes[row * code_bytes..(row + 1) * code_bytes],
+                        &params[row * param_floats..(row + 1) * param_floats],
+                        bits,
+                        group,
+                        out,
+                    );
+                }
+                &scratch[..n * dh]
+            }
+        }
+    }
+
+    /// The storage itself when it is f32.
+    pub fn as_f32(&self) -> Option<&'a [f32]> {
+        match *self {
+            KvView::F32(x) => Some(x),
+            _ => None,
+        }
+    }
+}
+
+fn fill(scratch: &mut Vec<f32>, it: impl Iterator<Item = f32>, n: usize) {
+    if scratch.len() < n {
+        scratch.resize(n, 0.0);
+    }
+    for (d, v) in scratch.iter_mut().zip(it) {
+        *d = v;
+    }
 }
 
 #[derive(Debug)]
 pub struct PagedKv {
-    dtype: KvDtype,
+    codec: KvCodec,
     block_size: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -103,16 +130,20 @@ impl PagedKv {
         block_size: usize,
         num_kv_heads: usize,
         head_dim: usize,
-        dtype: KvDtype,
+        codec: KvCodec,
     ) -> Self {
-        let n = num_blocks * block_size * num_kv_heads * head_dim;
-        let alloc = || match dtype {
-            KvDtype::F32 => Buf::F32(vec![0f32; n]),
-            KvDtype::F16 | KvDtype::Bf16 => Buf::U16(vec![0u16; n]),
+        let rows = num_blocks * block_size * num_kv_heads;
+        let alloc = || match codec {
+            KvCodec::F32 => Buf::F32(vec![0f32; rows * head_dim]),
+            KvCodec::F16 | KvCodec::Bf16 => Buf::U16(vec![0u16; rows * head_dim]),
+            KvCodec::Int { .. } => Buf::Int {
+                codes: vec![0u8; rows * codec.code_bytes(head_dim)],
+                params: vec![0f32; rows * codec.param_floats(head_dim)],
+            },
         };
         let layers = (0..num_layers).map(|_| (alloc(), alloc())).collect();
         Self {
-            dtype,
+            codec,
             block_size,
             num_kv_heads,
             head_dim,
@@ -127,9 +158,9 @@ impl PagedKv {
         block_size: usize,
         num_kv_heads: usize,
         head_dim: usize,
-        dtype: KvDtype,
+        codec: KvCodec,
     ) -> u64 {
-        (2 * num_layers * block_size * num_kv_heads * head_dim * dtype.size()) as u64
+        (2 * num_layers * block_size * num_kv_heads * codec.row_bytes(head_dim)) as u64
     }
 
     /// Bytes of one block of this storage over all layers, K and V.
@@ -139,7 +170,7 @@ impl PagedKv {
             self.block_size,
             self.num_kv_heads,
             self.head_dim,
-            self.dtype,
+            self.codec,
         )
     }
 
@@ -154,12 +185,17 @@ impl PagedKv {
         if num_blocks <= self.num_blocks {
             return;
         }
-        let n = num_blocks * self.block_size * self.num_kv_heads * self.head_dim;
+        let rows = num_blocks * self.block_size * self.num_kv_heads;
+        let (dh, codec) = (self.head_dim, self.codec);
         for (k, v) in &mut self.layers {
             for b in [k, v] {
                 match b {
-                    Buf::F32(x) => x.resize(n, 0.0),
-                    Buf::U16(x) => x.resize(n, 0),
+                    Buf::F32(x) => x.resize(rows * dh, 0.0),
+                    Buf::U16(x) => x.resize(rows * dh, 0),
+                    Buf::Int { codes, params } => {
+                        codes.resize(rows * codec.code_bytes(dh), 0);
+                        params.resize(rows * codec.param_floats(dh), 0.0);
+                    }
                 }
             }
         }
@@ -172,12 +208,12 @@ impl PagedKv {
             self.block_size,
             self.num_kv_heads,
             self.head_dim,
-            self.dtype,
+            self.codec,
         ) * self.num_blocks as u64
     }
 
-    pub fn dtype(&self) -> KvDtype {
-        self.dtype
+    pub fn codec(&self) -> KvCodec {
+        self.codec
     }
 
     pub fn block_size(&self) -> usize {
@@ -199,25 +235,38 @@ impl PagedKv {
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
         let (blk, t) = (slot / bs, slot % bs);
+        let codec = self.codec;
         let (kb, vb) = &mut self.layers[layer];
-        let dtype = self.dtype;
         for (buf, src) in [(kb, k), (vb, v)] {
             for g in 0..hkv {
-                let dst = ((blk * hkv + g) * bs + t) * dh;
-                let (dst, src) = (dst..dst + dh, &src[g * dh..(g + 1) * dh]);
+                let row = (blk * hkv + g) * bs + t;
+                let src = &src[g * dh..(g + 1) * dh];
                 match buf {
-                    Buf::F32(b) => b[dst].copy_from_slice(src),
+                    Buf::F32(b) => b[row * dh..(row + 1) * dh].copy_from_slice(src),
                     Buf::U16(b) => {
-                        for (d, &s) in b[dst].iter_mut().zip(src) {
-                            *d = match dtype {
-                                KvDtype::Bf16 => bf16::from_f32(s).to_bits(),
+                        for (d, &s) in b[row * dh..(row + 1) * dh].iter_mut().zip(src) {
+                            *d = match codec {
+                                KvCodec::Bf16 => bf16::from_f32(s).to_bits(),
                                 _ => f16::from_f32(s).to_bits(),
                             };
                         }
                     }
+                    Buf::Int { codes, params } => {
+                        let (cb, pf) = (codec.code_bytes(dh), codec.param_floats(dh));
+                        let c = &mut codes[row * cb..(row + 1) * cb];
+                        c.fill(0);
+                        codec.encode_int(src, c, &mut params[row * pf..(row + 1) * pf]);
+                    }
                 }
             }
         }
+    }
+
+    /// Row index of (slot, KV head `g`) in the layout.
+    #[inline]
+    fn row(&self, slot: usize, g: usize) -> usize {
+        let bs = self.block_size;
+        (slot / bs * self.num_kv_heads + g) * bs + slot % bs
     }
 
     /// KV head `g`'s K and V at `positions` of a sequence in `layer`, appended to
@@ -231,19 +280,13 @@ impl PagedKv {
         k: &mut Vec<f32>,
         v: &mut Vec<f32>,
     ) {
-        let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
-        let (kb, vb) = &self.layers[layer];
+        let dh = self.head_dim;
+        let (kv, vv) = self.views(layer);
+        let mut scratch = Vec::new();
         for p in positions {
-            let src = ((table[p / bs] as usize * hkv + g) * bs + p % bs) * dh;
-            for (buf, dst) in [(kb, &mut *k), (vb, &mut *v)] {
-                match buf {
-                    Buf::F32(b) => dst.extend_from_slice(&b[src..src + dh]),
-                    Buf::U16(b) => dst.extend(b[src..src + dh].iter().map(|&y| match self.dtype {
-                        KvDtype::Bf16 => bf16::from_bits(y).to_f32(),
-                        _ => f16::from_bits(y).to_f32(),
-                    })),
-                }
-            }
+            let row = self.row(self.slot(table, p), g);
+            k.extend_from_slice(kv.rows(row, 1, dh, &mut scratch));
+            v.extend_from_slice(vv.rows(row, 1, dh, &mut scratch));
         }
     }
 
@@ -251,26 +294,22 @@ impl PagedKv {
     /// f32 (for attention implementations that want a plain matrix).
     pub fn gather(&self, layer: usize, table: &[BlockId], n: usize) -> (Vec<f32>, Vec<f32>) {
         let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
-        let (kb, vb) = &self.layers[layer];
+        let (kv, vv) = self.views(layer);
         let mut out = (vec![0f32; n * hkv * dh], vec![0f32; n * hkv * dh]);
-        for (buf, dst) in [(kb, &mut out.0), (vb, &mut out.1)] {
-            for p in 0..n {
-                let (blk, t) = (table[p / bs] as usize, p % bs);
+        let mut scratch = Vec::new();
+        for (view, dst) in [(kv, &mut out.0), (vv, &mut out.1)] {
+            let mut start = 0;
+            while start < n {
+                let len = (n - start).min(bs);
+                let blk = table[start / bs] as usize;
                 for g in 0..hkv {
-                    let src = ((blk * hkv + g) * bs + t) * dh;
-                    let d = &mut dst[(p * hkv + g) * dh..][..dh];
-                    match buf {
-                        Buf::F32(b) => d.copy_from_slice(&b[src..src + dh]),
-                        Buf::U16(b) => {
-                            for (x, &y) in d.iter_mut().zip(&b[src..src + dh]) {
-                                *x = match self.dtype {
-                                    KvDtype::Bf16 => bf16::from_bits(y).to_f32(),
-                                    _ => f16::from_bits(y).to_f32(),
-                                };
-                            }
-                        }
+                    // One head's rows of the block are contiguous in the layout.
+                    let rows = view.rows((blk * hkv + g) * bs, len, dh, &mut scratch);
+                    for (t, r) in rows.chunks_exact(dh).enumerate() {
+                        dst[((start + t) * hkv + g) * dh..][..dh].copy_from_slice(r);
                     }
                 }
+                start += len;
             }
         }
         out
@@ -279,37 +318,42 @@ impl PagedKv {
     /// Copy KV head `g`'s K and V of `src` slot into `dst` slot in `layer` (per-head
     /// eviction: the new token takes the evicted token's slot).
     pub fn copy_head(&mut self, layer: usize, g: usize, src: usize, dst: usize) {
-        let (bs, hkv, dh) = (self.block_size, self.num_kv_heads, self.head_dim);
-        let at = |slot: usize| ((slot / bs * hkv + g) * bs + slot % bs) * dh;
-        let (a, b) = (at(src), at(dst));
+        let (a, b) = (self.row(src, g), self.row(dst, g));
+        let (dh, codec) = (self.head_dim, self.codec);
         let (kb, vb) = &mut self.layers[layer];
         for buf in [kb, vb] {
             match buf {
-                Buf::F32(x) => x.copy_within(a..a + dh, b),
-                Buf::U16(x) => x.copy_within(a..a + dh, b),
+                Buf::F32(x) => x.copy_within(a * dh..(a + 1) * dh, b * dh),
+                Buf::U16(x) => x.copy_within(a * dh..(a + 1) * dh, b * dh),
+                Buf::Int { codes, params } => {
+                    let (cb, pf) = (codec.code_bytes(dh), codec.param_floats(dh));
+                    codes.copy_within(a * cb..(a + 1) * cb, b * cb);
+                    params.copy_within(a * pf..(a + 1) * pf, b * pf);
+                }
             }
         }
     }
 
-    /// f32 storage of `layer`'s K and V (`None` for 16-bit pools).
-    pub fn f32_views(&self, layer: usize) -> Option<(&[f32], &[f32])> {
-        match &self.layers[layer] {
-            (Buf::F32(k), Buf::F32(v)) => Some((k, v)),
-            _ => None,
-        }
-    }
-
-    /// Typed views of `layer`'s K and V.
+    /// Views of `layer`'s K and V.
     pub fn views(&self, layer: usize) -> (KvView<'_>, KvView<'_>) {
         let (k, v) = &self.layers[layer];
         (self.view(k), self.view(v))
     }
 
     fn view<'a>(&self, b: &'a Buf) -> KvView<'a> {
-        match (b, self.dtype) {
+        match (b, self.codec) {
             (Buf::F32(x), _) => KvView::F32(x),
-            (Buf::U16(x), KvDtype::Bf16) => KvView::Bf16(bytemuck::cast_slice(x)),
+            (Buf::U16(x), KvCodec::Bf16) => KvView::Bf16(bytemuck::cast_slice(x)),
             (Buf::U16(x), _) => KvView::F16(bytemuck::cast_slice(x)),
+            (Buf::Int { codes, params }, KvCodec::Int { bits, group }) => KvView::Int {
+                codes,
+                params,
+                bits,
+                group: group as usize,
+                code_bytes: self.codec.code_bytes(self.head_dim),
+                param_floats: self.codec.param_floats(self.head_dim),
+            },
+            (Buf::Int { .. }, _) => unreachable!("integer buffers belong to integer codecs"),
         }
     }
 }

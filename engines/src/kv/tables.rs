@@ -1,7 +1,10 @@
-//! Block tables of the sequences of a paged pool: the bookkeeping `full` shares between
-//! its CPU and CUDA storage (the K/V bytes live elsewhere).
+//! Block tables of the sequences of a paged pool: the bookkeeping each paradigm shares
+//! between its CPU and CUDA storage (the K/V bytes live elsewhere). `full` counts
+//! tokens in it, the evicting policies kept slots
+//! ([`crate::policy::evicting::book::SlotBook`]).
 
 use super::{BlockId, BlockPool};
+use crate::policy::spec::Reservation;
 use crate::policy::SeqId;
 use std::collections::HashMap;
 
@@ -40,6 +43,27 @@ impl SeqTables {
             block_size,
             seqs: HashMap::new(),
         }
+    }
+
+    /// Tables over a pool allocated up front (`fraction`) or grown on demand (`budget`)
+    /// up to `num_blocks`; `shuffle_seed` shuffles the free list of a pool allocated
+    /// up front.
+    pub fn with_reservation(
+        reservation: Reservation,
+        num_blocks: usize,
+        block_size: usize,
+        shuffle_seed: Option<u64>,
+    ) -> Self {
+        match reservation {
+            Reservation::Fraction => Self::new(num_blocks, block_size, shuffle_seed),
+            Reservation::Budget => Self::on_demand(num_blocks, block_size),
+        }
+    }
+
+    /// Grow a pool reserved on demand to `blocks` blocks ahead of need (see
+    /// [`BlockPool::grow_to`]).
+    pub fn grow_to(&mut self, blocks: usize) {
+        self.pool.grow_to(blocks);
     }
 
     /// Most blocks the pool may hold.
@@ -84,6 +108,22 @@ impl SeqTables {
         if let Some(s) = self.seqs.remove(&seq) {
             self.pool.release_all(s.table);
         }
+    }
+
+    /// Return the blocks of `seq` past what `tokens` need.
+    pub fn shrink(&mut self, seq: SeqId, tokens: usize) {
+        if let Some(s) = self.seqs.get_mut(&seq) {
+            while s.table.len() > tokens.div_ceil(self.block_size) {
+                if let Some(b) = s.table.pop() {
+                    self.pool.release(b);
+                }
+            }
+        }
+    }
+
+    /// Whether `seq` holds a table (reserved and not released).
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
     }
 
     /// The block table of `seq` (empty when it holds nothing).

@@ -10,6 +10,7 @@
 use super::spec::PolicySpec;
 use super::SeqInfo;
 use crate::config::ModelConfig;
+use crate::kv::KvCodec;
 
 /// Relative slack on device bytes.
 pub const BYTES_MARGIN: f64 = 0.01;
@@ -21,20 +22,29 @@ pub fn nominal_attended(spec: &PolicySpec, layer: usize, info: &SeqInfo, n: usiz
 }
 
 /// Device KV bytes one sequence may hold after a decode step with `n` tokens of
-/// context, the CPU policy storing K/V in its own element size (`full`: the model's
-/// `elem`; the slot stores: f32) and statistics in f32, before the margin.
+/// context, the CPU policy storing K/V as it does (the engine's `kv_codec` option
+/// `chosen`, else its own given the model's compute dtype `model`) and statistics in
+/// f32, before the margin.
 pub fn nominal_device_bytes(
     spec: &PolicySpec,
     cfg: &ModelConfig,
     info: &SeqInfo,
     n: usize,
-    elem: usize,
+    model: KvCodec,
+    chosen: Option<KvCodec>,
 ) -> u64 {
-    device_kv_bytes(spec, cfg, info, n, spec.params().cpu_kv_elem(elem), 4)
+    device_kv_bytes(
+        spec,
+        cfg,
+        info,
+        n,
+        spec.params().cpu_kv_codec(model, chosen),
+        4,
+    )
 }
 
 /// Device KV bytes of one sequence after a step with `n` tokens of context, its K/V
-/// rows stored in `kv` bytes per element and statistics (InfiniGen's partial keys) in
+/// rows stored as `kv` says and statistics (InfiniGen's partial keys) in
 /// `statistic` bytes: the audit's bound ([`nominal_device_bytes`]) and the cost
 /// model's memory.
 pub fn device_kv_bytes(
@@ -42,7 +52,7 @@ pub fn device_kv_bytes(
     cfg: &ModelConfig,
     info: &SeqInfo,
     n: usize,
-    kv: usize,
+    kv: KvCodec,
     statistic: usize,
 ) -> u64 {
     spec.params().device_kv_bytes(cfg, info, n, kv, statistic)

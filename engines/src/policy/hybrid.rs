@@ -20,6 +20,8 @@ use super::{
 };
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::kv::codec::KV_CODEC_KEY;
+use crate::kv::KvCodec;
 use crate::model::Llama;
 use crate::policy::infinigen::skew::Skewing;
 use candle_core::Tensor;
@@ -71,10 +73,12 @@ impl HybridParams {
                 "a strategy that compresses or offloads (not `full` or `hybrid`)",
             ));
         }
-        if params.iter().any(|(k, _)| k == RESERVATION_KEY) {
-            return Err(Error::Config(format!(
-                "hybrid: `long.{RESERVATION_KEY}` is the engine's: set `{RESERVATION_KEY}` itself"
-            )));
+        for key in [RESERVATION_KEY, KV_CODEC_KEY] {
+            if params.iter().any(|(k, _)| k == key) {
+                return Err(Error::Config(format!(
+                    "hybrid: `long.{key}` is the engine's: set `{key}` itself"
+                )));
+            }
         }
         PolicySpec::parse(name, budget, params)
     }
@@ -143,6 +147,7 @@ impl StrategyParams for HybridParams {
         audit: &[Variant::both(&[("threshold", "80")])],
         bench: &[("threshold", "1")],
         cuda: true,
+        kv_codec: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -229,15 +234,24 @@ impl StrategyParams for HybridParams {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         statistic: usize,
     ) -> u64 {
         self.side(info).device_kv_bytes(cfg, info, n, kv, statistic)
     }
 
     /// The larger of the two sides' (an upper bound for the side that stores less).
-    fn cpu_kv_elem(&self, elem: usize) -> usize {
-        elem.max(self.long.params().cpu_kv_elem(elem))
+    fn cpu_kv_codec(&self, model: KvCodec, chosen: Option<KvCodec>) -> KvCodec {
+        let (short, long) = (
+            chosen.unwrap_or(model),
+            self.long.params().cpu_kv_codec(model, chosen),
+        );
+        // Row bytes of an 8-element row order the codecs as any head size would.
+        if long.row_bytes(8) > short.row_bytes(8) {
+            long
+        } else {
+            short
+        }
     }
 
     fn needs_skewing(&self) -> bool {

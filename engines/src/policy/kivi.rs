@@ -21,6 +21,8 @@ use super::{
 use crate::attention::prefill::{prefill_attention, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
+use crate::kv::codec::{code, quantize_into, unpack};
+use crate::kv::KvCodec;
 use crate::model::Llama;
 use candle_core::Tensor;
 use rayon::prelude::*;
@@ -97,6 +99,7 @@ impl StrategyParams for KiviParams {
         audit: &[Variant::both(&[("residual", "8"), ("group", "4")])],
         bench: &[],
         cuda: false,
+        kv_codec: false,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -148,6 +151,10 @@ impl StrategyParams for KiviParams {
     }
 
     fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        env.refuse_codec(
+            Self::STRATEGY.name,
+            "it stores its own codes (set `bits`, `group` and `residual`)",
+        )?;
         Ok(Box::new(KiviPolicy::new(*self, &model.cfg, env)))
     }
 
@@ -160,7 +167,7 @@ impl StrategyParams for KiviParams {
         cfg: &ModelConfig,
         _info: &SeqInfo,
         n: usize,
-        _kv: usize,
+        _kv: KvCodec,
         _statistic: usize,
     ) -> u64 {
         cfg.num_layers as u64 * kivi_layer_bytes(self, n, cfg.num_kv_heads, cfg.head_dim)
@@ -168,47 +175,12 @@ impl StrategyParams for KiviParams {
 }
 
 /// Codes of `x` (min/max asymmetric, `bits` wide) packed low bits first, with the
-/// scale and minimum: `x̂ = code·scale + min`.
+/// scale and minimum: `x̂ = code·scale + min` (the codec's quantizer, on its own
+/// buffer).
 fn quantize(x: &[f32], bits: usize) -> (f32, f32, Vec<u8>) {
-    let (lo, hi) = x
-        .iter()
-        .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| {
-            (l.min(v), h.max(v))
-        });
-    let levels = ((1u32 << bits) - 1) as f32;
-    let scale = (hi - lo) / levels;
     let mut codes = vec![0u8; (x.len() * bits).div_ceil(8)];
-    for (i, &v) in x.iter().enumerate() {
-        let c = if scale > 0.0 {
-            ((v - lo) / scale).round().clamp(0.0, levels) as u8
-        } else {
-            0
-        };
-        codes[i * bits / 8] |= c << (i * bits % 8);
-    }
-    (scale, lo, codes)
-}
-
-/// The codes of elements `start..start + out.len()` as f32.
-fn unpack(codes: &[u8], start: usize, bits: usize, out: &mut [f32]) {
-    match bits {
-        2 => {
-            for (j, o) in out.iter_mut().enumerate() {
-                let i = start + j;
-                *o = ((codes[i >> 2] >> ((i & 3) << 1)) & 3) as f32;
-            }
-        }
-        _ => {
-            for (j, o) in out.iter_mut().enumerate() {
-                let i = start + j;
-                *o = ((codes[i >> 1] >> ((i & 1) << 2)) & 15) as f32;
-            }
-        }
-    }
-}
-
-fn code(codes: &[u8], i: usize, bits: usize) -> f32 {
-    ((codes[i * bits / 8] >> (i * bits % 8)) & ((1u8 << bits) - 1)) as f32
+    let (scale, min) = quantize_into(x, bits, &mut codes, 0);
+    (scale, min, codes)
 }
 
 /// Bytes a layer's codes, scales and residuals take.
@@ -347,13 +319,9 @@ impl KiviPolicy {
             let mut at = 0;
             for head in row.chunks_exact(dh) {
                 for g in head.chunks(p.group) {
-                    let (s, m, cc) = quantize(g, p.bits);
+                    let (s, m) = quantize_into(g, p.bits, &mut codes, at);
                     scale.push(s);
                     min.push(m);
-                    for j in 0..g.len() {
-                        let i = at + j;
-                        codes[i * p.bits / 8] |= (code(&cc, j, p.bits) as u8) << (i * p.bits % 8);
-                    }
                     at += g.len();
                 }
             }
@@ -709,7 +677,8 @@ mod tests {
             block_size: 16,
             attention: crate::attention::prefill::AttentionImpl::Flash,
             chunk_size: 512,
-            kv_dtype: crate::kv::KvDtype::F32,
+            compute_codec: crate::kv::KvCodec::F32,
+            kv_codec: None,
             shuffle_seed: None,
         };
         let mut cfg = crate::config::preset("tiny").expect("preset");

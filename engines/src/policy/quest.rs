@@ -21,6 +21,7 @@ use super::{
 use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::kv::KvCodec;
 use crate::model::Llama;
 use candle_core::Tensor;
 use rayon::prelude::*;
@@ -89,6 +90,7 @@ impl StrategyParams for QuestParams {
         audit: &[Variant::both(&[("dense_layers", "0"), ("page", "4")])],
         bench: &[],
         cuda: false,
+        kv_codec: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -130,7 +132,7 @@ impl StrategyParams for QuestParams {
         // The pages' metadata lives in the KV budget: the pool is what leaves room for
         // the metadata of every token it can hold.
         let cfg = &model.cfg;
-        let token = cfg.kv_bytes_per_token(env.kv_dtype.size()) as f64;
+        let token = env.full_options().kv_codec.token_bytes(cfg) as f64;
         let meta = self.meta_per_page(cfg) as f64 / self.page as f64;
         env.kv_device_bytes = (env.kv_device_bytes as f64 * token / (token + meta)) as u64;
         Ok(Box::new(QuestPolicy::new(*self, model, env)))
@@ -148,15 +150,15 @@ impl StrategyParams for QuestParams {
         cfg: &ModelConfig,
         _info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         statistic: usize,
     ) -> u64 {
-        n as u64 * cfg.kv_bytes_per_token(kv)
+        n as u64 * kv.token_bytes(cfg)
             + n.div_ceil(self.page) as u64 * self.meta_per_page(cfg) / 4 * statistic as u64
     }
 
-    fn cpu_kv_elem(&self, elem: usize) -> usize {
-        elem
+    fn cpu_kv_codec(&self, model: KvCodec, chosen: Option<KvCodec>) -> KvCodec {
+        chosen.unwrap_or(model)
     }
 }
 
@@ -332,7 +334,9 @@ impl KvPolicy for QuestPolicy {
         let kf = to_f32(input.k)?;
         self.full.write(batch, layer, &kf, &to_f32(input.v)?);
         if self.sparse(layer) {
-            self.update_meta(batch, layer, &kf);
+            // The bounds are over the keys as stored, so U(page) bounds what is read.
+            let stored = self.full.codec().round_trip_rows(&kf, dh);
+            self.update_meta(batch, layer, &stored);
         }
         self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
         let qf = to_f32(input.q)?;

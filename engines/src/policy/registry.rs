@@ -10,6 +10,7 @@ use super::spec::{PolicyEnv, Reservation};
 use super::{KvPolicy, SeqInfo};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::kv::codec::{KvCodec, KV_CODEC_KEY};
 use crate::model::Llama;
 use crate::policy::infinigen::skew::Skewing;
 use std::sync::Arc;
@@ -72,7 +73,8 @@ pub struct Strategy {
     pub name: &'static str,
     /// One line: what it keeps and where.
     pub about: &'static str,
-    /// Its `key=value` parameters (the engine-level `reservation` is everyone's).
+    /// Its `key=value` parameters (the engine-level `reservation` is everyone's, and
+    /// `kv_codec` where [`Strategy::kv_codec`] says).
     pub params: &'static [Param],
     /// Whether it compresses (keeps or reads a budget `b < 1` of the tokens); `full`
     /// takes no budget.
@@ -86,6 +88,9 @@ pub struct Strategy {
     /// Whether it has a CUDA implementation (else building it on CUDA is refused with
     /// a named error).
     pub cuda: bool,
+    /// Whether the engine's `kv_codec` option applies: its K/V rows live in the paged
+    /// storage the codecs write (else the option is refused with a named error).
+    pub kv_codec: bool,
 }
 
 impl Strategy {
@@ -93,6 +98,9 @@ impl Strategy {
     pub fn keys(&self) -> String {
         let mut keys: Vec<&str> = self.params.iter().map(|p| p.key).collect();
         keys.push(super::spec::RESERVATION_KEY);
+        if self.kv_codec {
+            keys.push(KV_CODEC_KEY);
+        }
         keys.join(", ")
     }
 }
@@ -140,20 +148,21 @@ pub trait StrategyParams: Clone + std::fmt::Debug + Send + Sync + 'static {
     fn nominal_attended(&self, layer: usize, info: &SeqInfo, n: usize) -> usize;
 
     /// Device KV bytes of one sequence after a step with `n` tokens of context, its
-    /// K/V rows in `kv` bytes per element and statistics in `statistic` bytes.
+    /// K/V rows stored as `kv` says and statistics in `statistic` bytes.
     fn device_kv_bytes(
         &self,
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         statistic: usize,
     ) -> u64;
 
-    /// Bytes per K/V element of the CPU policy's storage, given the model's `elem`
-    /// (`full` stores the compute dtype; the slot stores keep f32).
-    fn cpu_kv_elem(&self, _elem: usize) -> usize {
-        4
+    /// The CPU policy's row storage: the engine's `kv_codec` option where given, else
+    /// the paradigm's own given the model's compute dtype `model` (`full` stores the
+    /// compute dtype; the slot stores keep f32).
+    fn cpu_kv_codec(&self, _model: KvCodec, chosen: Option<KvCodec>) -> KvCodec {
+        chosen.unwrap_or(KvCodec::F32)
     }
 
     /// Whether the policy needs InfiniGen's skewing matrices before it is built.
@@ -231,10 +240,10 @@ pub trait DynParams: Send + Sync {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         statistic: usize,
     ) -> u64;
-    fn cpu_kv_elem(&self, elem: usize) -> usize;
+    fn cpu_kv_codec(&self, model: KvCodec, chosen: Option<KvCodec>) -> KvCodec;
     fn needs_skewing(&self) -> bool;
     fn set_skewing(&mut self, skewing: Arc<Skewing>);
 }
@@ -272,13 +281,13 @@ impl<T: StrategyParams> DynParams for T {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         statistic: usize,
     ) -> u64 {
         StrategyParams::device_kv_bytes(self, cfg, info, n, kv, statistic)
     }
-    fn cpu_kv_elem(&self, elem: usize) -> usize {
-        StrategyParams::cpu_kv_elem(self, elem)
+    fn cpu_kv_codec(&self, model: KvCodec, chosen: Option<KvCodec>) -> KvCodec {
+        StrategyParams::cpu_kv_codec(self, model, chosen)
     }
     fn needs_skewing(&self) -> bool {
         StrategyParams::needs_skewing(self)

@@ -14,7 +14,7 @@ use super::registry::{DynParams, Strategy, StrategyParams};
 use super::KvPolicy;
 use crate::attention::prefill::AttentionImpl;
 use crate::error::{Error, Result};
-use crate::kv::KvDtype;
+use crate::kv::codec::{KvCodec, KV_CODEC_KEY};
 use crate::model::Llama;
 use std::sync::Arc;
 
@@ -35,8 +35,11 @@ pub struct PolicyEnv {
     pub attention: AttentionImpl,
     /// Query rows per chunk for `AttentionImpl::Chunked`.
     pub chunk_size: usize,
-    /// Storage type of `full`'s pool (the model's compute dtype).
-    pub kv_dtype: KvDtype,
+    /// The model's compute dtype as a row storage: `full`'s own.
+    pub compute_codec: KvCodec,
+    /// The engine's `kv_codec` option: how every paged store keeps its rows (`None`:
+    /// each paradigm's own, [`PolicyEnv::codec_or`]).
+    pub kv_codec: Option<KvCodec>,
     /// Shuffle `full`'s free list (tests: random block tables).
     pub shuffle_seed: Option<u64>,
 }
@@ -94,19 +97,27 @@ impl std::str::FromStr for Reservation {
 /// `key=value` parameters.
 pub type Params = Vec<(String, String)>;
 
-/// Split the engine-level `reservation` option off a strategy's `key=value` parameters:
-/// the option (`None`: the paradigm's default) and the strategy's own parameters.
-pub fn split_reservation(params: &[(String, String)]) -> Result<(Option<Reservation>, Params)> {
-    let mut reservation = None;
+/// The engine-level options every strategy's parameters may carry (`None`: the
+/// paradigm's own).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineOptions {
+    pub reservation: Option<Reservation>,
+    pub kv_codec: Option<KvCodec>,
+}
+
+/// Split the engine-level options (`reservation`, `kv_codec`) off a strategy's
+/// `key=value` parameters: the options and the strategy's own parameters.
+pub fn split_engine_options(params: &[(String, String)]) -> Result<(EngineOptions, Params)> {
+    let mut opts = EngineOptions::default();
     let mut rest = Vec::new();
     for (k, v) in params {
-        if k == RESERVATION_KEY {
-            reservation = Some(v.parse()?);
-        } else {
-            rest.push((k.clone(), v.clone()));
+        match k.as_str() {
+            RESERVATION_KEY => opts.reservation = Some(v.parse()?),
+            KV_CODEC_KEY => opts.kv_codec = Some(v.parse()?),
+            _ => rest.push((k.clone(), v.clone())),
         }
     }
-    Ok((reservation, rest))
+    Ok((opts, rest))
 }
 
 /// Declares the strategies: the spec enum, the registry and the dispatch, from one
@@ -174,10 +185,26 @@ impl PolicyEnv {
     pub(crate) fn full_options(&self) -> FullOptions {
         FullOptions {
             block_size: self.block_size,
-            kv_dtype: self.kv_dtype,
+            kv_codec: self.codec_or(self.compute_codec),
             shuffle_seed: self.shuffle_seed,
             attention: self.attention,
             chunk_size: self.chunk_size,
+        }
+    }
+
+    /// How a paged store keeps its rows: the `kv_codec` option, else `own` (the
+    /// paradigm's).
+    pub fn codec_or(&self, own: KvCodec) -> KvCodec {
+        self.kv_codec.unwrap_or(own)
+    }
+
+    /// Refuse the `kv_codec` option for a policy whose rows live elsewhere.
+    pub fn refuse_codec(&self, strategy: &str, why: &str) -> Result<()> {
+        match self.kv_codec {
+            Some(c) => Err(Error::Config(format!(
+                "`{KV_CODEC_KEY}={c}` does not apply to `{strategy}`: {why}"
+            ))),
+            None => Ok(()),
         }
     }
 
@@ -228,8 +255,17 @@ impl PolicySpec {
         for (k, v) in plain.into_iter().chain(nested) {
             if k == RESERVATION_KEY {
                 // An engine option, not the strategy's: checked here, taken by
-                // `split_reservation` into `EngineConfig::reservation`.
+                // `split_engine_options` into `EngineConfig::options`.
                 v.parse::<Reservation>()?;
+                continue;
+            }
+            if k == KV_CODEC_KEY {
+                let codec: KvCodec = v.parse()?;
+                if !spec.strategy().kv_codec {
+                    return Err(Error::Config(format!(
+                        "`{KV_CODEC_KEY}={codec}` does not apply to `{name}`: it keeps its K/V in storage of its own"
+                    )));
+                }
                 continue;
             }
             spec.set(k, v)?;
@@ -272,6 +308,11 @@ impl PolicySpec {
             return Err(Error::Config(format!(
                 "the CUDA kernels keep K/V in bf16: load the model with bf16 weights (got {})",
                 model.weight_dtype
+            )));
+        }
+        if let Some(c) = env.kv_codec.filter(|&c| c != KvCodec::Bf16) {
+            return Err(Error::Config(format!(
+                "`{KV_CODEC_KEY}={c}`: the CUDA kernels keep K/V in bf16; other codecs run with --device cpu"
             )));
         }
         self.params().build_cuda(model, env)

@@ -11,7 +11,7 @@ use anyhow::Context;
 use anyhow::Result;
 use kvbench_engines::device::parse_bytes;
 use kvbench_engines::engine::{Engine, EngineConfig};
-use kvbench_engines::policy::spec::{split_reservation, PolicySpec};
+use kvbench_engines::policy::spec::{split_engine_options, PolicySpec};
 use kvbench_engines::scheduler::{PrefillMode, SchedulerConfig};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -117,6 +117,7 @@ pub(crate) fn policy_engine(
         Some(m) => parse_bytes(m).map_err(anyhow::Error::msg)?,
         None => host_memory_bytes(),
     };
+    let (opts, _) = split_engine_options(&pairs)?;
     let cfg = EngineConfig {
         device_name: setup.device.to_string(),
         device_memory: Some(capacity),
@@ -137,7 +138,8 @@ pub(crate) fn policy_engine(
         attention: cell.attention.parse().map_err(anyhow::Error::msg)?,
         chunk_size: cell.chunk_size.unwrap_or(512),
         host_memory: Some(host),
-        reservation: split_reservation(&pairs)?.0,
+        reservation: opts.reservation,
+        kv_codec: opts.kv_codec,
         ..Default::default()
     };
     Ok(Engine::new(setup.loaded.model.clone(), cfg)?)

@@ -71,6 +71,9 @@ struct Output {
     batch_decode_tok_s: Option<f64>,
     /// KV bytes on the device held for this request's tokens.
     kv_device_bytes: u64,
+    /// How the paged stores kept their rows (`kv_codec`); null where the strategy
+    /// keeps storage of its own.
+    kv_codec: Option<String>,
     /// Most KV bytes the engine held on the device (for `full`, its whole pool).
     kv_pool_bytes: u64,
     /// KV bytes in the host tier for this request's tokens.
@@ -151,6 +154,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         batch_ttft_s,
         batch_decode_tok_s,
         kv_device_bytes: r.kv_device_bytes,
+        kv_codec: mem.kv_codec.map(|c| c.to_string()),
         kv_pool_bytes: mem.kv_device,
         kv_host_bytes: r.kv_host_bytes,
         kv_host_peak_bytes: mem.kv_host,
@@ -205,10 +209,13 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         );
     }
     println!(
-        "KV        device {} held for this request (engine peak {}), host {}",
+        "KV        device {} held for this request (engine peak {}), host {}{}",
         human(out.kv_device_bytes),
         human(out.kv_pool_bytes),
-        human(out.kv_host_bytes)
+        human(out.kv_host_bytes),
+        out.kv_codec
+            .as_ref()
+            .map_or_else(String::new, |c| format!(", rows in {c}"))
     );
     if out.h2d_bytes > 0 {
         println!(

@@ -292,7 +292,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         prefill_len: prompts[0].len(),
     };
     let token_bytes = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4) as u64;
-    let elem = kvbench_engines::kv::KvDtype::from_candle(model.dtype()).size();
+    let compute = kvbench_engines::kv::KvCodec::from_candle(model.dtype());
     let audited = variants(|s| s.audit);
     for &(name, extra) in &audited {
         // A strategy that takes no budget (KIVI: its bits set the size) is audited at
@@ -309,7 +309,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         let params = spec.params_json();
         let n = prompts[0].len() + a.steps - 1;
         let allowed = allowed_device_bytes(
-            nominal_device_bytes(&spec, cfg, &info, n, elem),
+            nominal_device_bytes(&spec, cfg, &info, n, compute, None),
             16,
             token_bytes,
         );

@@ -31,9 +31,9 @@ use crate::cuda::{
     DecodeShape, DecodeTables, LayerCache, RollingKeys, MODULE, PTX,
 };
 use crate::error::{Error, Result};
-use crate::kv::{BlockId, BlockPool};
-use crate::policy::evicting::{peak_blocks, Counts, Eviction, SeqState, VictimKind};
-use crate::policy::spec::{PolicyEnv, Reservation};
+use crate::policy::evicting::book::SlotBook;
+use crate::policy::evicting::{Counts, Eviction, VictimKind};
+use crate::policy::spec::PolicyEnv;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
 };
@@ -85,13 +85,6 @@ impl SlotLayer {
     }
 }
 
-#[derive(Debug, Default)]
-struct DevSeq {
-    table: Vec<BlockId>,
-    /// Slots holding kept tokens (the same in every layer and head).
-    len: usize,
-}
-
 /// What the layers of one step share on the device, built at its first layer.
 struct StepDecode {
     /// Slots and positions of the step's new K/V, one per row.
@@ -123,12 +116,11 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     block_size: usize,
     device_name: String,
     layers: Vec<SlotLayer>,
-    pool: BlockPool,
+    /// Sequences, block tables and the pool (shared with the CPU policy).
+    book: SlotBook,
     /// Blocks the device buffers hold: the whole pool under `fraction`; under `budget`
     /// what the pool grew to by the last step (grown at the next step's first layer).
     alloc_blocks: usize,
-    seqs: HashMap<SeqId, SeqState>,
-    store: HashMap<SeqId, DevSeq>,
     stats: PolicyStats,
     attended: Vec<AttendRecord>,
     scratch_limit: Option<u64>,
@@ -136,8 +128,6 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     events: Vec<(CudaEvent, CudaEvent)>,
     event_errors: u64,
     step: Option<StepDecode>,
-    /// Bytes of one slot over all layers: K, V, score and position of every KV head.
-    slot_bytes: u64,
     /// Rotation rows cos, sin (`[indices, D/2]`) of cache indices for rolling
     /// positions, and how many indices they cover.
     rope: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
@@ -167,21 +157,13 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             )));
         }
         let dev = device_of(dev)?;
-        let slot_bytes = Self::slot_bytes(cfg);
+        let book = SlotBook::new(&env, Self::slot_bytes(cfg));
         let bs = env.block_size;
-        let num_blocks = env.kv_blocks(slot_bytes * bs as u64);
-        let alloc_blocks = initial_blocks(env.reservation, num_blocks);
+        let alloc_blocks = initial_blocks(env.reservation, book.num_blocks());
         let slots = alloc_blocks * bs;
         let layers = (0..cfg.num_layers)
             .map(|_| SlotLayer::new(&dev, slots, cfg.num_kv_heads, cfg.head_dim))
             .collect::<Result<Vec<_>>>()?;
-        let mut pool = match env.reservation {
-            Reservation::Fraction => BlockPool::new(num_blocks),
-            Reservation::Budget => BlockPool::on_demand(num_blocks),
-        };
-        if let Some(seed) = env.shuffle_seed {
-            pool.shuffle_free(seed);
-        }
         Ok(Self {
             rule,
             dev,
@@ -191,17 +173,14 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             block_size: bs,
             device_name: env.device_name,
             layers,
-            pool,
+            book,
             alloc_blocks,
-            seqs: HashMap::new(),
-            store: HashMap::new(),
             stats: PolicyStats::default(),
             attended: Vec::new(),
             scratch_limit: None,
             events: Vec::new(),
             event_errors: 0,
             step: None,
-            slot_bytes,
             rope: None,
             window_q: HashMap::new(),
         })
@@ -209,7 +188,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
 
     /// Grow the device buffers to the blocks the pool handed out (`budget`).
     fn grow_device(&mut self) -> Result<()> {
-        let n = self.pool.num_blocks();
+        let n = self.book.num_blocks();
         if n > self.alloc_blocks {
             let slots = n * self.block_size;
             for l in &mut self.layers {
@@ -221,14 +200,11 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
     }
 
     fn phys(&self, seq: SeqId, slot: usize) -> i32 {
-        let t = &self.store[&seq].table;
-        (t[slot / self.block_size] as usize * self.block_size + slot % self.block_size) as i32
+        self.book.phys(seq, slot) as i32
     }
 
     fn table_i32(&self, seq: SeqId) -> Vec<i32> {
-        self.store
-            .get(&seq)
-            .map_or_else(Vec::new, |s| s.table.iter().map(|&b| b as i32).collect())
+        self.book.table(seq).iter().map(|&b| b as i32).collect()
     }
 
     fn begin(&self) -> Result<CudaEvent> {
@@ -253,18 +229,14 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let mut slots = Vec::with_capacity(batch.num_tokens);
         let mut positions = Vec::with_capacity(batch.num_tokens);
         for s in &batch.seqs {
-            let first = if self.seqs[&s.id].prefilled() {
-                self.store[&s.id].len
-            } else {
-                s.ctx_before
-            };
+            let first = self.book.first_write_slot(s.id, s.ctx_before);
             for i in 0..s.q_len {
                 slots.push(self.phys(s.id, first + i));
                 positions.push(as_i32(s.ctx_before + i, "position")?);
             }
         }
         let rows: Vec<usize> = (0..batch.seqs.len())
-            .filter(|&i| self.seqs[&batch.seqs[i].id].prefilled())
+            .filter(|&i| self.book.prefilled(batch.seqs[i].id))
             .collect();
         let mut tables = Vec::with_capacity(rows.len());
         let mut ctx = Vec::with_capacity(rows.len());
@@ -272,10 +244,10 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let (mut evicts, mut counted) = (false, false);
         for &i in &rows {
             let s = batch.seqs[i];
-            let m = self.store[&s.id].len + 1;
+            let m = self.book.len(s.id) + 1;
             tables.push(self.table_i32(s.id));
             ctx.push(m);
-            let st = self.seqs[&s.id];
+            let st = self.book.state(s.id);
             let (cap, rec) = match st.counts {
                 Some(c) => {
                     counted = true;
@@ -340,7 +312,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             self.attended.push(AttendRecord {
                 seq: s.id,
                 layer,
-                attended: self.store[&s.id].len + 1,
+                attended: self.book.len(s.id) + 1,
                 context: s.ctx_before + 1,
             });
         }
@@ -513,7 +485,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         rope: &dyn crate::policy::Rope,
     ) -> Result<Tensor> {
         let (h, kvh, d) = self.heads;
-        let st = self.seqs[&s.id];
+        let st = self.book.state(s.id);
         let n = s.ctx_before + s.q_len;
         let stats = st
             .counts
@@ -708,7 +680,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
-        self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+        self.book.admit(&self.rule, seq, info);
         self.window_q.remove(&seq);
         Ok(())
     }
@@ -716,8 +688,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
         // A pool reserved on demand grows to the batch's peak before the timed steps
         // (device buffers included), not inside them.
-        self.pool
-            .grow_to(peak_blocks(&self.rule, held, self.block_size));
+        self.book.prepare(&self.rule, held);
         self.grow_device()
     }
 
@@ -726,31 +697,19 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
-        let st = *self
-            .seqs
-            .entry(seq)
-            .or_insert_with(|| SeqState::unannounced(total_tokens));
-        let e = self.store.entry(seq).or_default();
-        let slots = st.slots_for(e.len, total_tokens);
-        Ok(self
-            .pool
-            .grow(&mut e.table, slots.div_ceil(self.block_size)))
+        Ok(self.book.reserve(seq, total_tokens))
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.block_size) <= self.pool.limit()
+        self.book.fits(total_tokens)
     }
 
     fn set_device_ceiling(&mut self, bytes: u64) -> bool {
-        let block = self.slot_bytes * self.block_size as u64;
-        self.pool.set_limit((bytes / block.max(1)) as usize)
+        self.book.set_device_ceiling(bytes)
     }
 
     fn release(&mut self, seq: SeqId) {
-        if let Some(e) = self.store.remove(&seq) {
-            self.pool.release_all(e.table);
-        }
-        self.seqs.remove(&seq);
+        self.book.release(seq);
         self.window_q.remove(&seq);
     }
 
@@ -788,7 +747,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         let decode: Vec<bool> = batch
             .seqs
             .iter()
-            .map(|s| self.seqs[&s.id].prefilled())
+            .map(|s| self.book.prefilled(s.id))
             .collect();
         let out = join_rows(batch, &decode, dec_out.as_ref(), |s| {
             self.prefill(layer, s, &q, &k, &v, input.rope)
@@ -796,27 +755,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
         if layer + 1 == self.layers.len() {
             for s in &batch.seqs {
-                let st = self.seqs.get_mut(&s.id).expect("admitted");
-                let was_prefilled = st.prefilled();
-                st.computed = s.ctx_before + s.q_len;
-                let e = self.store.get_mut(&s.id).expect("reserved");
-                let held = if was_prefilled {
-                    e.len + 1
-                } else {
-                    st.computed
-                };
-                e.len = match st.counts {
-                    Some(c) if st.prefilled() => {
-                        held.min(self.rule.capacity_at(c, &st.info, st.computed))
-                    }
-                    _ => held,
-                };
-                let keep_slots = if st.prefilled() { e.len + 1 } else { e.len };
-                while e.table.len() > keep_slots.div_ceil(self.block_size) {
-                    if let Some(b) = e.table.pop() {
-                        self.pool.release(b);
-                    }
-                }
+                self.book.end_step(&self.rule, s.id, s.ctx_before + s.q_len);
             }
         }
         Ok(out.to_dtype(input.q.dtype())?)
@@ -828,20 +767,12 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let block = self.slot_bytes * self.block_size as u64;
-        PolicyMemory {
-            // The buffers as allocated, or as they grow at the next step's first layer.
-            device_reserved: block * self.pool.num_blocks().max(self.alloc_blocks) as u64,
-            device_used: block * self.pool.num_used() as u64,
-            host_reserved: 0,
-            host_used: 0,
-        }
+        // The buffers as allocated, or as they grow at the next step's first layer.
+        self.book.memory(self.alloc_blocks)
     }
 
     fn seq_device_bytes(&self, seq: SeqId) -> u64 {
-        self.store
-            .get(&seq)
-            .map_or(0, |s| s.len as u64 * self.slot_bytes)
+        self.book.seq_device_bytes(seq)
     }
 
     fn take_stats(&mut self) -> PolicyStats {
@@ -856,7 +787,9 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
     /// Kept positions in slot order (copies the layer's positions back: tests only).
     fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
-        let e = self.store.get(&seq)?;
+        if !self.book.holds(seq) {
+            return None;
+        }
         let kvh = self.heads.1;
         let all = self
             .dev
@@ -864,37 +797,15 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
             .clone_dtoh(&self.layers[layer].pos)
             .ok()?;
         Some(
-            (0..e.len)
+            (0..self.book.len(seq))
                 .map(|i| all[self.phys(seq, i) as usize * kvh + g] as u32)
                 .collect(),
         )
     }
 
+    /// Positions stay on the device: the recent window is checked on the CPU policy.
     fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.pool
-            .check_invariants(self.store.values().map(|s| s.table.as_slice()))?;
-        for (id, s) in &self.seqs {
-            let Some(e) = self.store.get(id) else {
-                continue;
-            };
-            if e.len > e.table.len() * self.block_size {
-                return Err(format!(
-                    "sequence {id}: {} slots in {} blocks",
-                    e.len,
-                    e.table.len()
-                ));
-            }
-            if let (Some(c), true) = (s.counts, s.prefilled()) {
-                let capacity = self.rule.capacity_at(c, &s.info, s.computed);
-                if e.len > capacity {
-                    return Err(format!(
-                        "sequence {id}: {} tokens kept, capacity {capacity}",
-                        e.len
-                    ));
-                }
-            }
-        }
-        Ok(())
+        self.book.check_invariants(&self.rule, None)
     }
 }
 

@@ -6,6 +6,7 @@
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::kv::KvCodec;
 use crate::model::Llama;
 use crate::policy::budget::{h2o_counts, H2oRatio};
 use crate::policy::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
@@ -76,6 +77,7 @@ impl StrategyParams for H2oParams {
         audit: &[Variant::DEFAULT, Variant::cuda(&[("stats", "eager")])],
         bench: &[],
         cuda: true,
+        kv_codec: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -157,7 +159,7 @@ impl StrategyParams for H2oParams {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         _statistic: usize,
     ) -> u64 {
         let kept = h2o_counts(
@@ -167,7 +169,7 @@ impl StrategyParams for H2oParams {
             self.ratio,
         )
         .map_or(n, |c| c.capacity.min(n));
-        kept as u64 * cfg.kv_bytes_per_token(kv)
+        kept as u64 * kv.token_bytes(cfg)
     }
 }
 

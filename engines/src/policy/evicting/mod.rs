@@ -4,6 +4,7 @@
 //! C+1 during a step, algorithms.md §3), then one eviction per (layer, head) once full.
 //! Each strategy supplies only its [`Eviction`] rule.
 
+pub(crate) mod book;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod h2o;
@@ -14,11 +15,12 @@ use crate::attention::decode::{decode_attention, DecodeRow, DecodeShape, KeySet}
 use crate::attention::prefill::{prefill_attention, AttentionImpl, ColumnStats, PrefillShape};
 use crate::error::{Component, Error, Result};
 use crate::kv::slots::SlotStore;
-use crate::policy::spec::{PolicyEnv, Reservation};
+use crate::policy::spec::PolicyEnv;
 use crate::policy::to_f32;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
 };
+use book::SlotBook;
 use candle_core::Tensor;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -151,10 +153,10 @@ pub(crate) fn peak_blocks<E: Eviction>(rule: &E, held: &[SeqInfo], block_size: u
 pub struct EvictingPolicy<E: Eviction> {
     rule: E,
     env: PolicyEnv,
+    book: SlotBook,
     store: SlotStore,
     num_layers: usize,
     shape: PrefillShape,
-    seqs: HashMap<SeqId, SeqState>,
     stats: PolicyStats,
     attended: Vec<AttendRecord>,
     scratch_limit: Option<u64>,
@@ -166,27 +168,28 @@ pub struct EvictingPolicy<E: Eviction> {
 
 impl<E: Eviction> EvictingPolicy<E> {
     pub fn new(rule: E, cfg: &crate::config::ModelConfig, env: PolicyEnv) -> Self {
-        let block_bytes = crate::kv::PagedKv::block_bytes(
+        // The slot stores keep f32 unless the engine's `kv_codec` says otherwise.
+        let dtype = env.codec_or(crate::kv::KvCodec::F32);
+        let slot_bytes = SlotStore::slot_bytes(
             cfg.num_layers,
             env.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            crate::kv::KvDtype::F32,
+            dtype,
         );
-        let num_blocks = env.kv_blocks(block_bytes);
-        let store = match env.reservation {
-            Reservation::Fraction => SlotStore::new,
-            Reservation::Budget => SlotStore::on_demand,
-        };
+        let book = SlotBook::new(&env, slot_bytes);
+        let mut store = SlotStore::new(
+            cfg.num_layers,
+            env.block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+        );
+        store.ensure_blocks(book.num_blocks());
         Self {
             rule,
-            store: store(
-                cfg.num_layers,
-                num_blocks,
-                env.block_size,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-            ),
+            book,
+            store,
             env,
             num_layers: cfg.num_layers,
             shape: PrefillShape {
@@ -194,7 +197,6 @@ impl<E: Eviction> EvictingPolicy<E> {
                 num_kv_heads: cfg.num_kv_heads,
                 head_dim: cfg.head_dim,
             },
-            seqs: HashMap::new(),
             stats: PolicyStats::default(),
             attended: Vec::new(),
             scratch_limit: None,
@@ -209,9 +211,9 @@ impl<E: Eviction> EvictingPolicy<E> {
 
     /// Scores of the kept slots, same order as [`Self::kept_positions`].
     pub fn kept_scores(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<f32>> {
-        let s = self.store.seqs.get(&seq)?;
+        let s = self.store.meta.get(&seq)?;
         let p = &s.score[layer * self.shape.num_kv_heads + g];
-        Some(p[..s.len.min(p.len())].to_vec())
+        Some(p[..self.book.len(seq).min(p.len())].to_vec())
     }
 
     fn oom(&self, requested: u64) -> Error {
@@ -246,9 +248,11 @@ impl<E: Eviction> EvictingPolicy<E> {
     ) -> (Vec<f32>, Vec<f32>) {
         let (hkv, dh) = (self.shape.num_kv_heads, self.shape.head_dim);
         let half = dh / 2;
-        let s = &self.store.seqs[&seq];
-        let (kf, vf) = self.store.kv.f32_views(layer).expect("slot storage is f32");
+        let s = &self.store.meta[&seq];
+        let table = self.book.table(seq);
+        let (kview, vview) = self.store.kv.views(layer);
         let bs = self.store.block_size();
+        let mut scratch = Vec::new();
         let mut k = vec![0f32; m * hkv * dh];
         let mut v = vec![0f32; m * hkv * dh];
         for g in 0..hkv {
@@ -256,14 +260,14 @@ impl<E: Eviction> EvictingPolicy<E> {
             let mut order: Vec<usize> = (0..m).collect();
             order.sort_unstable_by_key(|&i| pos[i]);
             for (rank, &slot) in order.iter().enumerate() {
-                let src = ((s.table[slot / bs] as usize * hkv + g) * bs + slot % bs) * dh;
+                let src = (table[slot / bs] as usize * hkv + g) * bs + slot % bs;
                 let dst = if head_major {
                     (g * m + rank) * dh
                 } else {
                     (rank * hkv + g) * dh
                 };
-                k[dst..dst + dh].copy_from_slice(&kf[src..src + dh]);
-                v[dst..dst + dh].copy_from_slice(&vf[src..src + dh]);
+                k[dst..dst + dh].copy_from_slice(kview.rows(src, 1, dh, &mut scratch));
+                v[dst..dst + dh].copy_from_slice(vview.rows(src, 1, dh, &mut scratch));
                 let (c, sn) = (&self.rope_cache.0, &self.rope_cache.1);
                 crate::policy::rotate_in_place(
                     &mut k[dst..dst + dh],
@@ -283,15 +287,15 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn admit(&mut self, seq: SeqId, info: SeqInfo) -> Result<()> {
-        self.seqs.insert(seq, SeqState::admitted(&self.rule, info));
+        self.book.admit(&self.rule, seq, info);
         self.window_q.remove(&seq);
         Ok(())
     }
 
     fn prepare(&mut self, held: &[SeqInfo]) -> Result<()> {
         // A pool reserved on demand grows to the batch's peak before the timed steps.
-        let blocks = peak_blocks(&self.rule, held, self.store.block_size());
-        self.store.grow_to(blocks);
+        let blocks = self.book.prepare(&self.rule, held);
+        self.store.ensure_blocks(blocks);
         Ok(())
     }
 
@@ -300,26 +304,22 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn reserve(&mut self, seq: SeqId, total_tokens: usize) -> Result<bool> {
-        let st = *self
-            .seqs
-            .entry(seq)
-            .or_insert_with(|| SeqState::unannounced(total_tokens));
-        let len = self.store.seqs.get(&seq).map_or(0, |s| s.len);
-        Ok(self.store.reserve(seq, st.slots_for(len, total_tokens)))
+        let ok = self.book.reserve(seq, total_tokens);
+        self.store.ensure_blocks(self.book.num_blocks());
+        Ok(ok)
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        total_tokens.div_ceil(self.store.block_size()) <= self.store.limit()
+        self.book.fits(total_tokens)
     }
 
     fn set_device_ceiling(&mut self, bytes: u64) -> bool {
-        let block = self.store.block_bytes().max(1);
-        self.store.set_limit((bytes / block) as usize)
+        self.book.set_device_ceiling(bytes)
     }
 
     fn release(&mut self, seq: SeqId) {
+        self.book.release(seq);
         self.store.release(seq);
-        self.seqs.remove(&seq);
         self.window_q.remove(&seq);
     }
 
@@ -336,16 +336,12 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         let vf = to_f32(input.v)?;
         let stride = hkv * dh;
         for s in &batch.seqs {
-            let st = self.seqs[&s.id];
-            let first_slot = if st.prefilled() {
-                self.store.seqs[&s.id].len
-            } else {
-                s.ctx_before
-            };
+            let first_slot = self.book.first_write_slot(s.id, s.ctx_before);
             for i in 0..s.q_len {
                 let r = s.q_start + i;
                 self.store.write(
                     s.id,
+                    self.book.table(s.id),
                     layer,
                     first_slot + i,
                     (s.ctx_before + i) as u32,
@@ -358,26 +354,23 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
 
         let qf = to_f32(input.q)?;
         let mut out = vec![0f32; batch.num_tokens * h * dh];
-        let (decode, prefill) = batch.split(|id| self.seqs[&id].prefilled());
+        let (decode, prefill) = batch.split(|id| self.book.prefilled(id));
 
         // Decode: the query over the kept slots and its own token (last slot).
         let mut probs = Vec::new();
         if !decode.is_empty() && !rolling {
-            let (kv_k, kv_v) = self.store.kv.f32_views(layer).expect("slot storage is f32");
+            let (kv_k, kv_v) = self.store.kv.views(layer);
             let rows: Vec<DecodeRow<'_>> = decode
                 .iter()
-                .map(|s| {
-                    let e = &self.store.seqs[&s.id];
-                    DecodeRow {
-                        row: s.q_start,
-                        keys: KeySet::Paged {
-                            k: kv_k,
-                            v: kv_v,
-                            table: &e.table,
-                            len: e.len + 1,
-                            block_size: self.store.block_size(),
-                        },
-                    }
+                .map(|s| DecodeRow {
+                    row: s.q_start,
+                    keys: KeySet::Paged {
+                        k: kv_k,
+                        v: kv_v,
+                        table: self.book.table(s.id),
+                        len: self.book.len(s.id) + 1,
+                        block_size: self.store.block_size(),
+                    },
                 })
                 .collect();
             let shape = DecodeShape {
@@ -393,10 +386,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             let interleaved = input.rope.interleaved();
             let half = dh / 2;
             let mut qrot = qraw.clone();
-            let lens: Vec<usize> = decode
-                .iter()
-                .map(|s| self.store.seqs[&s.id].len + 1)
-                .collect();
+            let lens: Vec<usize> = decode.iter().map(|s| self.book.len(s.id) + 1).collect();
             self.rope_rows(input.rope, lens.iter().copied().max().unwrap_or(0));
             // Gathering and rotating is the bulk of the per-step cost: one sequence per
             // worker.
@@ -434,7 +424,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             self.attended.push(AttendRecord {
                 seq: s.id,
                 layer,
-                attended: self.store.seqs[&s.id].len + 1,
+                attended: self.book.len(s.id) + 1,
                 context: s.ctx_before + 1,
             });
         }
@@ -447,9 +437,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 self.rope_rows(input.rope, n);
                 self.rolled(layer, s.id, n, input.rope.interleaved(), false)
             } else {
-                self.store
-                    .kv
-                    .gather(layer, &self.store.seqs[&s.id].table, n)
+                self.store.kv.gather(layer, self.book.table(s.id), n)
             };
             let q = &qf[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh];
             let r = prefill_attention(
@@ -468,7 +456,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             self.stats.add_scratch(r.scratch_bytes);
             out[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh].copy_from_slice(&r.out);
             if let Some(col) = r.col {
-                let e = self.store.seqs.get_mut(&s.id).expect("reserved");
+                let e = self.store.meta.get_mut(&s.id).expect("written above");
                 for g in 0..hkv {
                     let sc = &mut e.score[layer * hkv + g];
                     for (x, c) in sc[..n].iter_mut().zip(&col[g * n..(g + 1) * n]) {
@@ -477,7 +465,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 }
             }
             let w = self.rule.observation_window();
-            let st = self.seqs[&s.id];
+            let st = self.book.state(s.id);
             let plen = st.info.prefill_len;
             if w > 0 && st.counts.is_some_and(|c| plen > c.capacity) {
                 // Hold the window's queries until the prompt ends, then let them vote.
@@ -499,7 +487,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                     );
                     self.stats
                         .add_scratch(((rows.len() + votes.len() + n) * 4) as u64);
-                    let e = self.store.seqs.get_mut(&s.id).expect("reserved");
+                    let e = self.store.meta.get_mut(&s.id).expect("written above");
                     for g in 0..hkv {
                         e.score[layer * hkv + g][..n].copy_from_slice(&votes[g * n..(g + 1) * n]);
                     }
@@ -513,9 +501,9 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         // Statistics and eviction: cache operations.
         let t1 = Instant::now();
         for (i, s) in decode.iter().enumerate() {
-            let st = self.seqs[&s.id];
-            let e = self.store.seqs.get_mut(&s.id).expect("reserved");
-            let m = e.len + 1;
+            let st = self.book.state(s.id);
+            let m = self.book.len(s.id) + 1;
+            let e = self.store.meta.get_mut(&s.id).expect("written above");
             if self.rule.decode_probs() {
                 for g in 0..hkv {
                     let sc = &mut e.score[layer * hkv + g];
@@ -528,20 +516,21 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 let n = s.ctx_before + 1;
                 if m > self.rule.capacity_at(c, &st.info, n) {
                     for g in 0..hkv {
-                        let e = &self.store.seqs[&s.id];
+                        let e = &self.store.meta[&s.id];
                         let victim = self.rule.victim(
                             c,
                             n,
                             &e.pos[layer * hkv + g][..m],
                             &e.score[layer * hkv + g][..m],
                         );
-                        self.store.replace(s.id, layer, g, victim, m - 1);
+                        let table = self.book.table(s.id);
+                        self.store.replace(s.id, table, layer, g, victim, m - 1);
                     }
                 }
             }
         }
         for s in &prefill {
-            let st = self.seqs[&s.id];
+            let st = self.book.state(s.id);
             let n = s.ctx_before + s.q_len;
             if n < st.info.prefill_len {
                 continue;
@@ -550,33 +539,18 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                 if n > c.capacity {
                     for g in 0..hkv {
                         let keep = {
-                            let e = &self.store.seqs[&s.id];
+                            let e = &self.store.meta[&s.id];
                             self.rule.prefill_keep(c, n, &e.score[layer * hkv + g][..n])
                         };
-                        self.store.compact(s.id, layer, g, &keep);
+                        let table = self.book.table(s.id);
+                        self.store.compact(s.id, table, layer, g, &keep);
                     }
                 }
             }
         }
         if layer + 1 == self.num_layers {
             for s in &batch.seqs {
-                let st = self.seqs.get_mut(&s.id).expect("admitted");
-                let was_prefilled = st.prefilled();
-                st.computed = s.ctx_before + s.q_len;
-                let e = self.store.seqs.get_mut(&s.id).expect("reserved");
-                let held = if was_prefilled {
-                    e.len + 1
-                } else {
-                    st.computed
-                };
-                e.len = match st.counts {
-                    Some(c) if st.prefilled() => {
-                        held.min(self.rule.capacity_at(c, &st.info, st.computed))
-                    }
-                    _ => held,
-                };
-                let keep_slots = if st.prefilled() { e.len + 1 } else { e.len };
-                self.store.shrink(s.id, keep_slots);
+                self.book.end_step(&self.rule, s.id, s.ctx_before + s.q_len);
             }
         }
         self.stats.cache_ops_s += t1.elapsed().as_secs_f64();
@@ -587,22 +561,13 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
     }
 
     fn memory(&self) -> PolicyMemory {
-        let block = self.store.block_bytes();
-        PolicyMemory {
-            // The pool as allocated: all of it under `fraction`, what it grew to under
-            // `budget`.
-            device_reserved: self.store.num_blocks() as u64 * block,
-            device_used: self.store.num_used_blocks() as u64 * block,
-            host_reserved: 0,
-            host_used: 0,
-        }
+        // The pool as allocated: all of it under `fraction`, what it grew to under
+        // `budget`.
+        self.book.memory(self.book.num_blocks())
     }
 
     fn seq_device_bytes(&self, seq: SeqId) -> u64 {
-        self.store
-            .seqs
-            .get(&seq)
-            .map_or(0, |s| s.len as u64 * self.store.slot_bytes())
+        self.book.seq_device_bytes(seq)
     }
 
     fn take_stats(&mut self) -> PolicyStats {
@@ -615,38 +580,19 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
 
     /// Kept positions in slot order.
     fn kept_positions(&self, seq: SeqId, layer: usize, g: usize) -> Option<Vec<u32>> {
-        let s = self.store.seqs.get(&seq)?;
+        let s = self.store.meta.get(&seq)?;
         let p = &s.pos[layer * self.shape.num_kv_heads + g];
-        Some(p[..s.len.min(p.len())].to_vec())
+        Some(p[..self.book.len(seq).min(p.len())].to_vec())
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {
         self.store.check_invariants()?;
-        for (id, s) in &self.seqs {
-            let Some(e) = self.store.seqs.get(id) else {
-                continue;
-            };
-            if let (Some(c), true) = (s.counts, s.prefilled()) {
-                let capacity = self.rule.capacity_at(c, &s.info, s.computed);
-                if e.len > capacity {
-                    return Err(format!(
-                        "sequence {id}: {} tokens kept, capacity {capacity}",
-                        e.len
-                    ));
-                }
-                // The most recent R positions are present in every (layer, head).
-                let n = s.computed as u32;
-                let r = c.recent.min(e.len) as u32;
-                for p in &e.pos {
-                    let kept = &p[..e.len.min(p.len())];
-                    for q in n.saturating_sub(r)..n {
-                        if !kept.contains(&q) {
-                            return Err(format!("sequence {id}: recent position {q} missing"));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
+        let kept = |id: SeqId| {
+            self.store
+                .meta
+                .get(&id)
+                .map_or_else(Vec::new, |m| m.pos.clone())
+        };
+        self.book.check_invariants(&self.rule, Some(&kept))
     }
 }

@@ -14,6 +14,7 @@ use crate::attention::paged::dot;
 use crate::attention::prefill::{AttentionImpl, ColumnStats, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::kv::KvCodec;
 use crate::model::Llama;
 use crate::policy::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
 use crate::policy::registry::{
@@ -111,6 +112,7 @@ impl StrategyParams for SnapkvParams {
         audit: &[Variant::DEFAULT],
         bench: &[],
         cuda: true,
+        kv_codec: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -188,11 +190,11 @@ impl StrategyParams for SnapkvParams {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         _statistic: usize,
     ) -> u64 {
         let c = snapkv_counts(self.budget, info.prompt_len, self.window);
-        kept_at(c, info, n) as u64 * cfg.kv_bytes_per_token(kv)
+        kept_at(c, info, n) as u64 * kv.token_bytes(cfg)
     }
 }
 

@@ -6,6 +6,7 @@
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::error::Result;
+use crate::kv::KvCodec;
 use crate::model::Llama;
 use crate::policy::budget::streaming_counts;
 use crate::policy::evicting::{Counts, EvictingPolicy, Eviction, VictimKind};
@@ -61,6 +62,7 @@ impl StrategyParams for StreamingParams {
         ],
         bench: &[],
         cuda: true,
+        kv_codec: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -121,12 +123,12 @@ impl StrategyParams for StreamingParams {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         _statistic: usize,
     ) -> u64 {
         let kept = streaming_counts(self.budget, info.prompt_len, self.sinks)
             .map_or(n, |(s, w)| (s + w).min(n));
-        kept as u64 * cfg.kv_bytes_per_token(kv)
+        kept as u64 * kv.token_bytes(cfg)
     }
 }
 

@@ -68,10 +68,12 @@ impl CudaFullPolicy {
         let layers = (0..cfg.num_layers)
             .map(|_| LayerCache::new(&dev, slots, row))
             .collect::<Result<Vec<_>>>()?;
-        let tables = match reservation {
-            Reservation::Fraction => SeqTables::new(num_blocks, opts.block_size, opts.shuffle_seed),
-            Reservation::Budget => SeqTables::on_demand(num_blocks, opts.block_size),
-        };
+        let tables = SeqTables::with_reservation(
+            reservation,
+            num_blocks,
+            opts.block_size,
+            opts.shuffle_seed,
+        );
         Ok(Self {
             dev,
             cfg_heads: (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),

@@ -8,7 +8,7 @@ use crate::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use crate::attention::prefill::{prefill_attention, AttentionImpl, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
-use crate::kv::{BlockId, KvDtype, PagedKv, SeqTables};
+use crate::kv::{BlockId, KvCodec, PagedKv, SeqTables};
 use crate::model::Llama;
 use crate::policy::registry::{Param, Strategy, StrategyParams, Variant};
 use crate::policy::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
@@ -33,6 +33,7 @@ impl StrategyParams for FullParams {
         audit: &[],
         bench: &[],
         cuda: true,
+        kv_codec: true,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -93,14 +94,14 @@ impl StrategyParams for FullParams {
         cfg: &ModelConfig,
         _info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         _statistic: usize,
     ) -> u64 {
-        n as u64 * (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv) as u64
+        n as u64 * kv.token_bytes(cfg)
     }
 
-    fn cpu_kv_elem(&self, elem: usize) -> usize {
-        elem
+    fn cpu_kv_codec(&self, model: KvCodec, chosen: Option<KvCodec>) -> KvCodec {
+        chosen.unwrap_or(model)
     }
 }
 
@@ -108,7 +109,8 @@ impl StrategyParams for FullParams {
 pub struct FullOptions {
     /// Tokens per block (vLLM default 16).
     pub block_size: usize,
-    pub kv_dtype: KvDtype,
+    /// How the pool stores its rows.
+    pub kv_codec: KvCodec,
     /// Shuffle the free list (tests: random block tables).
     pub shuffle_seed: Option<u64>,
     /// Prefill attention: `flash` reads the blocks in place (online softmax); `eager`
@@ -121,7 +123,7 @@ impl Default for FullOptions {
     fn default() -> Self {
         Self {
             block_size: 16,
-            kv_dtype: KvDtype::F32,
+            kv_codec: KvCodec::F32,
             shuffle_seed: None,
             attention: AttentionImpl::Flash,
             chunk_size: 512,
@@ -159,7 +161,7 @@ impl FullPolicy {
             opts.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            opts.kv_dtype,
+            opts.kv_codec,
         );
         Self {
             shape: AttnShape {
@@ -185,7 +187,7 @@ impl FullPolicy {
             opts.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            opts.kv_dtype,
+            opts.kv_codec,
         )
     }
 
@@ -305,13 +307,18 @@ impl FullPolicy {
         Ok(out)
     }
 
+    /// How the pool stores its rows.
+    pub(crate) fn codec(&self) -> crate::kv::KvCodec {
+        self.store.codec()
+    }
+
     /// The paged storage and a sequence's block table (Quest reads selected pages).
     pub(crate) fn kv_of(&self, seq: SeqId) -> (&PagedKv, &[BlockId]) {
         (&self.store, self.tables.table(seq))
     }
 
     fn token_bytes(&self) -> u64 {
-        (2 * self.num_layers * self.store.token_stride() * self.store.dtype().size()) as u64
+        self.store.bytes_per_block() / self.store.block_size() as u64
     }
 }
 

@@ -473,10 +473,7 @@ impl CudaInfinigenPolicy {
             a,
             dense_kv,
             khat,
-            tables: match env.reservation {
-                Reservation::Fraction => SeqTables::new(num_blocks, bs, env.shuffle_seed),
-                Reservation::Budget => SeqTables::on_demand(num_blocks, bs),
-            },
+            tables: SeqTables::with_reservation(env.reservation, num_blocks, bs, env.shuffle_seed),
             block_bytes,
             alloc_blocks,
             host,

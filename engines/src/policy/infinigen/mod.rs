@@ -18,7 +18,7 @@ use crate::attention::prefill::{prefill_attention, PrefillShape};
 use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
 use crate::kv::host::{CpuHostTier, HostTier};
-use crate::kv::{BlockId, BlockPool, KvDtype, PagedKv};
+use crate::kv::{KvCodec, PagedKv, SeqTables};
 use crate::model::{Linear, Llama};
 use crate::policy::budget::{infinigen_k_max, infinigen_selection_cap};
 use crate::policy::infinigen::skew::Skewing;
@@ -163,6 +163,7 @@ impl StrategyParams for InfinigenParams {
         // depend on how many tokens the bench happens to decode.
         bench: &[("relative_to_current", "true")],
         cuda: true,
+        kv_codec: false,
     };
 
     fn at_budget(budget: f64) -> Result<Self> {
@@ -234,6 +235,10 @@ impl StrategyParams for InfinigenParams {
     }
 
     fn build(&self, model: &Llama, env: PolicyEnv) -> Result<Box<dyn KvPolicy>> {
+        env.refuse_codec(
+            Self::STRATEGY.name,
+            "its host tier and partial keys are f32 and its transfers move them as they are",
+        )?;
         Ok(Box::new(InfinigenPolicy::new(self.clone(), model, env)?))
     }
 
@@ -264,11 +269,12 @@ impl StrategyParams for InfinigenParams {
         cfg: &ModelConfig,
         info: &SeqInfo,
         n: usize,
-        kv: usize,
+        kv: KvCodec,
         statistic: usize,
     ) -> u64 {
         let d = cfg.num_layers;
-        let token = |layers: usize| (2 * layers * cfg.num_kv_heads * cfg.head_dim * kv) as u64;
+        let token =
+            |layers: usize| (2 * layers * cfg.num_kv_heads * kv.row_bytes(cfg.head_dim)) as u64;
         let dense = self.dense_layers.min(d);
         let off = (d - dense) as u64;
         let (hkv, dh) = (cfg.num_kv_heads as u64, cfg.head_dim as u64);
@@ -284,7 +290,7 @@ impl StrategyParams for InfinigenParams {
         let staging = if off == 0 {
             0
         } else {
-            2 * 2 * hkv * cap * dh * kv as u64
+            2 * 2 * hkv * cap * kv.row_bytes(cfg.head_dim) as u64
         };
         n as u64 * token(dense) + off * hkv * (n_max * r + dh * r) * statistic as u64 + staging
     }
@@ -363,8 +369,8 @@ pub struct InfinigenPolicy {
     wq: Vec<Linear>,
     /// Dense layers' K/V on the device.
     dense_kv: PagedKv,
-    dense_pool: BlockPool,
-    dense_tables: HashMap<SeqId, Vec<BlockId>>,
+    /// Block tables of the dense layers' pool (the bookkeeping `full` uses too).
+    dense_tables: SeqTables,
     host: Box<dyn HostTier>,
     seqs: HashMap<SeqId, IgSeq>,
     stats: PolicyStats,
@@ -449,7 +455,7 @@ impl InfinigenPolicy {
         let (skew, dense, r) = params.checked(cfg)?;
         let bs = env.block_size;
         let dense_block =
-            PagedKv::block_bytes(dense, bs, cfg.num_kv_heads, cfg.head_dim, KvDtype::F32).max(1);
+            PagedKv::block_bytes(dense, bs, cfg.num_kv_heads, cfg.head_dim, KvCodec::F32).max(1);
         let dense_blocks = if dense == 0 {
             0
         } else {
@@ -483,13 +489,9 @@ impl InfinigenPolicy {
                 bs,
                 cfg.num_kv_heads,
                 cfg.head_dim,
-                KvDtype::F32,
+                KvCodec::F32,
             ),
-            dense_pool: match env.reservation {
-                Reservation::Fraction => BlockPool::new(dense_blocks),
-                Reservation::Budget => BlockPool::on_demand(dense_blocks),
-            },
-            dense_tables: HashMap::new(),
+            dense_tables: SeqTables::with_reservation(env.reservation, dense_blocks, bs, None),
             host: Box::new(CpuHostTier::new(
                 dense,
                 offloaded,
@@ -526,13 +528,13 @@ impl InfinigenPolicy {
     }
 
     fn device_used(&self) -> u64 {
-        self.dense_pool.num_used() as u64 * self.dense_block_bytes() + self.fixed_device_bytes()
+        self.dense_tables.num_used() as u64 * self.dense_block_bytes() + self.fixed_device_bytes()
     }
 
     /// Device bytes held: the dense pool as allocated (all of it under `fraction`, what
     /// it grew to under `budget`) and the sequences' buffers.
     fn device_reserved(&self) -> u64 {
-        self.dense_pool.num_blocks() as u64 * self.dense_block_bytes() + self.fixed_device_bytes()
+        self.dense_tables.num_blocks() as u64 * self.dense_block_bytes() + self.fixed_device_bytes()
     }
 
     /// What counts against the KV bytes: the live tokens within a pool allocated up
@@ -711,11 +713,9 @@ impl KvPolicy for InfinigenPolicy {
         if self.device_charged() > self.env.kv_device_bytes {
             return Ok(false);
         }
-        let bs = self.env.block_size;
         if self.dense > 0 {
-            let t = self.dense_tables.entry(seq).or_default();
-            let grown = self.dense_pool.grow(t, total_tokens.div_ceil(bs));
-            self.dense_kv.ensure_blocks(self.dense_pool.num_blocks());
+            let grown = self.dense_tables.reserve(seq, total_tokens);
+            self.dense_kv.ensure_blocks(self.dense_tables.num_blocks());
             if !grown {
                 return Ok(false);
             }
@@ -727,8 +727,7 @@ impl KvPolicy for InfinigenPolicy {
     }
 
     fn fits(&self, total_tokens: usize) -> bool {
-        let dense_ok = self.dense == 0
-            || total_tokens.div_ceil(self.env.block_size) <= self.dense_pool.limit();
+        let dense_ok = self.dense == 0 || self.dense_tables.fits(total_tokens);
         let host_ok = self.num_layers == self.dense || self.host.fits(total_tokens);
         dense_ok
             && host_ok
@@ -744,13 +743,11 @@ impl KvPolicy for InfinigenPolicy {
         self.env.kv_device_bytes = bytes;
         let block = self.dense_block_bytes().max(1);
         let room = bytes.saturating_sub(self.fixed_device_bytes()) / block;
-        self.dense_pool.set_limit(room as usize)
+        self.dense_tables.set_limit(room as usize)
     }
 
     fn release(&mut self, seq: SeqId) {
-        if let Some(t) = self.dense_tables.remove(&seq) {
-            self.dense_pool.release_all(t);
-        }
+        self.dense_tables.release(seq);
         self.host.release(seq);
         self.seqs.remove(&seq);
     }
@@ -780,7 +777,7 @@ impl KvPolicy for InfinigenPolicy {
                 } else {
                     let slot = self
                         .dense_kv
-                        .slot(&self.dense_tables[&s.id], s.ctx_before + i);
+                        .slot(self.dense_tables.table(s.id), s.ctx_before + i);
                     self.dense_kv.write(layer, slot, k, v);
                 }
             }
@@ -800,7 +797,8 @@ impl KvPolicy for InfinigenPolicy {
             let (k, v) = if offloaded {
                 self.host.read_prefix(s.id, layer, n)
             } else {
-                self.dense_kv.gather(layer, &self.dense_tables[&s.id], n)
+                self.dense_kv
+                    .gather(layer, self.dense_tables.table(s.id), n)
             };
             let q = &qf[s.q_start * h * dh..(s.q_start + s.q_len) * h * dh];
             let r = prefill_attention(
@@ -914,7 +912,7 @@ impl KvPolicy for InfinigenPolicy {
                     st.staging[layer % 2].layer = None;
                 }
             } else {
-                let (k, v) = self.dense_kv.f32_views(layer).expect("f32 pool");
+                let (k, v) = self.dense_kv.views(layer);
                 let rows: Vec<DecodeRow<'_>> = decode
                     .iter()
                     .map(|s| DecodeRow {
@@ -922,7 +920,7 @@ impl KvPolicy for InfinigenPolicy {
                         keys: KeySet::Paged {
                             k,
                             v,
-                            table: &self.dense_tables[&s.id],
+                            table: self.dense_tables.table(s.id),
                             len: s.ctx_before + 1,
                             block_size: self.env.block_size,
                         },
@@ -988,8 +986,7 @@ impl KvPolicy for InfinigenPolicy {
     }
 
     fn seq_device_bytes(&self, seq: SeqId) -> u64 {
-        let dense =
-            self.dense_tables.get(&seq).map_or(0, |t| t.len() as u64) * self.dense_block_bytes();
+        let dense = self.dense_tables.table(seq).len() as u64 * self.dense_block_bytes();
         dense + self.seqs.get(&seq).map_or(0, |s| s.fixed_device_bytes)
     }
 
@@ -1010,8 +1007,7 @@ impl KvPolicy for InfinigenPolicy {
     }
 
     fn check_invariants(&self) -> std::result::Result<(), String> {
-        self.dense_pool
-            .check_invariants(self.dense_tables.values().map(|t| t.as_slice()))?;
+        self.dense_tables.check_invariants()?;
         self.host.check_invariants()
     }
 }
