@@ -39,7 +39,7 @@ use crate::kv::SeqTables;
 use crate::model::{Linear, Llama};
 use crate::policy::budget::{infinigen_k_max, infinigen_selection_cap};
 use crate::policy::infinigen::{top_k, InfinigenParams, Speculation, Transfer};
-use crate::policy::spec::{PolicyEnv, Reservation};
+use crate::policy::spec::PolicyEnv;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
     StepSeq,
