@@ -67,34 +67,41 @@ impl SlotStore {
         self.meta.remove(&seq);
     }
 
-    /// Write one token's K and V (`[Hkv, dh]`) into `slot` of `layer` for every head,
-    /// recording `position` with score 0.
+    /// Write `n` tokens' K and V (`[n, Hkv, dh]` rows) into slots `first..first + n`
+    /// of `layer` for every head, recording positions `pos0..pos0 + n` with score 0.
     #[allow(clippy::too_many_arguments)]
     pub fn write(
         &mut self,
         seq: SeqId,
         table: &[BlockId],
         layer: usize,
-        slot: usize,
-        position: u32,
+        first: usize,
+        pos0: u32,
         k: &[f32],
         v: &[f32],
     ) {
         let (layers, hkv) = (self.num_layers, self.num_kv_heads);
+        let stride = self.kv.token_stride();
+        let n = k.len() / stride.max(1);
+        for i in 0..n {
+            let phys = self.kv.slot(table, first + i);
+            let rows = i * stride..(i + 1) * stride;
+            self.kv.write(layer, phys, &k[rows.clone()], &v[rows]);
+        }
         let e = self.meta.entry(seq).or_insert_with(|| SlotMeta {
             pos: vec![Vec::new(); layers * hkv],
             score: vec![Vec::new(); layers * hkv],
         });
-        let phys = self.kv.slot(table, slot);
-        self.kv.write(layer, phys, k, v);
         for g in 0..hkv {
             let (p, s) = (&mut e.pos[layer * hkv + g], &mut e.score[layer * hkv + g]);
-            if p.len() <= slot {
-                p.resize(slot + 1, 0);
-                s.resize(slot + 1, 0.0);
+            if p.len() < first + n {
+                p.resize(first + n, 0);
+                s.resize(first + n, 0.0);
             }
-            p[slot] = position;
-            s[slot] = 0.0;
+            for i in 0..n {
+                p[first + i] = pos0 + i as u32;
+            }
+            s[first..first + n].fill(0.0);
         }
     }
 

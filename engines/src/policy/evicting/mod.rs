@@ -337,18 +337,16 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
         let stride = hkv * dh;
         for s in &batch.seqs {
             let first_slot = self.book.first_write_slot(s.id, s.ctx_before);
-            for i in 0..s.q_len {
-                let r = s.q_start + i;
-                self.store.write(
-                    s.id,
-                    self.book.table(s.id),
-                    layer,
-                    first_slot + i,
-                    (s.ctx_before + i) as u32,
-                    &kf[r * stride..(r + 1) * stride],
-                    &vf[r * stride..(r + 1) * stride],
-                );
-            }
+            let rows = s.q_start * stride..(s.q_start + s.q_len) * stride;
+            self.store.write(
+                s.id,
+                self.book.table(s.id),
+                layer,
+                first_slot,
+                s.ctx_before as u32,
+                &kf[rows.clone()],
+                &vf[rows],
+            );
         }
         self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
 
@@ -515,6 +513,7 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
             if let Some(c) = st.counts {
                 let n = s.ctx_before + 1;
                 if m > self.rule.capacity_at(c, &st.info, n) {
+                    let table = self.book.table(s.id);
                     for g in 0..hkv {
                         let e = &self.store.meta[&s.id];
                         let victim = self.rule.victim(
@@ -523,7 +522,6 @@ impl<E: Eviction> KvPolicy for EvictingPolicy<E> {
                             &e.pos[layer * hkv + g][..m],
                             &e.score[layer * hkv + g][..m],
                         );
-                        let table = self.book.table(s.id);
                         self.store.replace(s.id, table, layer, g, victim, m - 1);
                     }
                 }
