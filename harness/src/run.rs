@@ -427,9 +427,10 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
+        "{:>5}  {:<10} {:<16} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
         "cell",
         "engine",
+        "params",
         "batch",
         "budget",
         "attn",
@@ -449,9 +450,10 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         let c = &v["cell"];
         let m = &v["metrics"];
         println!(
-            "{:>5}  {:<10} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
+            "{:>5}  {:<10} {:<16} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
             c["index"].to_string(),
             c["engine"].as_str().unwrap_or("?"),
+            params_of(c),
             c["batch"].to_string(),
             c["budget"].to_string(),
             c["attention"].as_str().unwrap_or("?"),
@@ -473,12 +475,36 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     Ok(())
 }
 
+/// A cell's parameters as `k=v,k=v` (`-` for the engine's defaults), so variants of
+/// one engine read apart in the summaries.
+fn params_of(c: &serde_json::Value) -> String {
+    let p: Vec<String> = c["params"]
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    format!(
+                        "{k}={}",
+                        v.as_str().map_or_else(|| v.to_string(), str::to_string)
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    if p.is_empty() {
+        "-".into()
+    } else {
+        p.join(",")
+    }
+}
+
 /// One line per accuracy cell: its task, mode and scores.
 fn print_accuracy(rows: &[serde_json::Value]) {
     println!(
-        "{:>5}  {:<10} {:>6} {:<11} {:<9} {:<6} {:>5} {:>15} {:>15} {:>8}",
+        "{:>5}  {:<10} {:<16} {:>6} {:<11} {:<9} {:<6} {:>5} {:>15} {:>15} {:>8}",
         "cell",
         "engine",
+        "params",
         "budget",
         "task",
         "mode",
@@ -497,9 +523,10 @@ fn print_accuracy(rows: &[serde_json::Value]) {
         let c = &v["cell"];
         let s = &v["accuracy"];
         println!(
-            "{:>5}  {:<10} {:>6} {:<11} {:<9} {:<6} {:>5} {:>15} {:>15} {:>8}",
+            "{:>5}  {:<10} {:<16} {:>6} {:<11} {:<9} {:<6} {:>5} {:>15} {:>15} {:>8}",
             c["index"].to_string(),
             c["engine"].as_str().unwrap_or("?"),
+            params_of(c),
             c["budget"].to_string(),
             c["task"].as_str().unwrap_or("?"),
             c["mode"].as_str().unwrap_or("?"),

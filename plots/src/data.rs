@@ -50,6 +50,8 @@ pub use crate::schema::METRICS;
 #[derive(Debug, Clone)]
 pub struct Run {
     pub cell_id: String,
+    /// The cell's readable key (`cell_key`): joins accuracy rows to their cell.
+    pub cell_key: Option<String>,
     /// `None` where the table does not say (never taken for repeat 0).
     pub repeat: Option<i64>,
     pub engine: String,
@@ -118,6 +120,9 @@ pub struct AccRow {
     /// The key of the cell the row came from (`cell_key`): what tells variants of one
     /// engine apart (parameters, attention, scoring mode).
     pub cell_key: Option<String>,
+    /// The engine's parameters as `k=v,k=v` (its cell's in runs.parquet), empty when
+    /// default or unknown: variants of one engine are series of their own.
+    pub params: String,
 }
 
 /// The tables of one experiment's results directory.
@@ -330,6 +335,7 @@ impl Tables {
                 }
             };
             let predicted = opt_s(schema::PREDICTED);
+            let cell_key = opt_s(schema::CELL_KEY);
             let gpu = opt_s("env_gpu_name");
             let cpu = opt_s("env_cpu_model");
             let cores = opt_f("env_cpu_cores");
@@ -383,6 +389,7 @@ impl Tables {
                 }
                 rows.push(Run {
                     cell_id: cell_id[i].clone().unwrap_or_default(),
+                    cell_key: cell_key[i].clone(),
                     repeat: repeat[i].map(|r| r as i64),
                     engine: engine[i].clone().unwrap_or_else(|| "?".into()),
                     params: params.join(","),
@@ -465,6 +472,11 @@ impl Tables {
         let bucket = strs(df, "bucket").unwrap_or_else(|| vec![None; n]);
         let turn = f64s(df, "turn").unwrap_or_else(|| vec![None; n]);
         let cell_key = strs(df, schema::CELL_KEY).unwrap_or_else(|| vec![None; n]);
+        let params_of: BTreeMap<&str, &str> = self
+            .runs
+            .iter()
+            .filter_map(|r| Some((r.cell_key.as_deref()?, r.params.as_str())))
+            .collect();
         Ok((0..n)
             .filter_map(|i| {
                 Some(AccRow {
@@ -475,6 +487,10 @@ impl Tables {
                     value: value[i]?,
                     bucket: bucket[i].clone(),
                     turn: turn[i],
+                    params: cell_key[i]
+                        .as_deref()
+                        .and_then(|k| params_of.get(k))
+                        .map_or_else(String::new, |p| p.to_string()),
                     cell_key: cell_key[i].clone(),
                 })
             })

@@ -117,6 +117,7 @@ mod tests {
     fn run(repeat: i64, m: &[(&'static str, f64)]) -> Run {
         Run {
             cell_id: format!("c{repeat}"),
+            cell_key: None,
             repeat: Some(repeat),
             engine: "full".into(),
             params: String::new(),

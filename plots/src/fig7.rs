@@ -1,12 +1,13 @@
-//! Fig. 7: accuracy vs KV budget, one panel per task, one line per engine, the
-//! full-cache accuracy dashed as the reference (the study's claim C10: budget 0.5 ≈
+//! Fig. 7: accuracy vs KV budget, one panel per task, one line per engine variant (an
+//! engine with other parameters, e.g. `kv_codec=int4`, is a line of its own), the
+//! default full-cache accuracy dashed as the reference (the study's claim C10: budget 0.5 ≈
 //! the full cache, near-random accuracy at 0.02–0.04). Reads `accuracy.parquet`
 //! (task, engine, budget, correct or accuracy; optional repeat); the retention task
 //! is Fig. 8's.
 
 use crate::data::AccRow;
-use crate::select::{engine_rank, stats};
-use crate::style::{self, engine_color, Axis, Fmt, LegendItem, LineStyle, Marker};
+use crate::select::{engine_rank, stats, variant_label, variant_styles, Variant};
+use crate::style::{self, engine_color, Axis, Fmt, LegendItem, LineStyle};
 use crate::{Draw, Error, Prepared, Tables};
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -24,8 +25,8 @@ struct Acc {
 
 struct Task {
     name: String,
-    /// Per engine (rank, name), its points by budget.
-    lines: BTreeMap<(u8, String), Vec<Acc>>,
+    /// Per engine variant, its points by budget.
+    lines: BTreeMap<Variant, Vec<Acc>>,
     reference: Option<f64>,
 }
 
@@ -63,18 +64,21 @@ pub fn prepare(t: &Tables) -> Prepared<Fig7> {
     let mut tasks = Vec::new();
     let mut multi = 0;
     for (name, rs) in by_task {
-        let full: Vec<&AccRow> = rs.iter().copied().filter(|r| r.engine == "full").collect();
+        // The reference is `full` with its defaults; `full` with other parameters (a KV
+        // codec) is a variant like any other.
+        let is_ref = |r: &AccRow| r.engine == "full" && r.params.is_empty();
+        let full: Vec<&AccRow> = rs.iter().copied().filter(|r| is_ref(r)).collect();
         let reference = aggregate(&full).map(|a| a.0);
         if reference.is_none() {
             notes.push(format!("{name}: no full-cache reference (no `full` rows)."));
         }
-        let mut groups: BTreeMap<(u8, String), BTreeMap<i64, Vec<&AccRow>>> = BTreeMap::new();
-        for r in rs.iter().filter(|r| r.engine != "full") {
+        let mut groups: BTreeMap<Variant, BTreeMap<i64, Vec<&AccRow>>> = BTreeMap::new();
+        for r in rs.iter().filter(|r| !is_ref(r)) {
             let Some(b) = r.budget.filter(|b| *b > 0.0) else {
                 continue;
             };
             groups
-                .entry((engine_rank(&r.engine), r.engine.clone()))
+                .entry((engine_rank(&r.engine), r.engine.clone(), r.params.clone()))
                 .or_default()
                 .entry((b * 1e6).round() as i64)
                 .or_default()
@@ -137,7 +141,15 @@ impl Draw for Fig7 {
         let rows = n.div_ceil(cols);
         let cells = plots.split_evenly((rows, cols));
         let y = Axis::percent();
-        let mut engines: Vec<(u8, String)> = Vec::new();
+        // `full`'s defaults are the dashed reference: its variants are darker.
+        let reference: Variant = (engine_rank("full"), "full".into(), String::new());
+        let mut colors = variant_styles(
+            self.tasks
+                .iter()
+                .flat_map(|t| t.lines.keys())
+                .chain(std::iter::once(&reference)),
+        );
+        colors.remove(&reference);
         for (task, cell) in self.tasks.iter().zip(cells.iter()) {
             let mut c = style::chart(
                 cell,
@@ -157,16 +169,14 @@ impl Draw for Fig7 {
                 .map_err(|e| Error::Draw(e.to_string()))?;
             }
             let m = task.lines.len() as f64;
-            for (k, ((rank, engine), pts)) in task.lines.iter().enumerate() {
+            for (k, (variant, pts)) in task.lines.iter().enumerate() {
                 // Engines with equal accuracy would hide each other: a small sideways shift.
                 let dx = (k as f64 - (m - 1.0) / 2.0) * 0.008 * (self.x.hi - self.x.lo);
-                if !engines.iter().any(|e| e.1 == *engine) {
-                    engines.push((*rank, engine.clone()));
-                }
+                let (color, marker) = colors[variant];
                 let s = LineStyle {
-                    color: engine_color(engine),
+                    color,
                     dash: style::Dash::Solid,
-                    marker: Marker::Circle,
+                    marker,
                 };
                 let xy: Vec<(f64, f64)> = pts
                     .iter()
@@ -188,19 +198,18 @@ impl Draw for Fig7 {
                 }
             }
         }
-        engines.sort();
         let mut items = vec![LegendItem::Heading("engine".into())];
         items.push(LegendItem::Dashed(
             "full cache (reference)".into(),
             engine_color("full"),
         ));
-        for (_, e) in engines {
+        for (v, &(color, marker)) in &colors {
             items.push(LegendItem::Line(
-                e.clone(),
+                variant_label(v),
                 LineStyle {
-                    color: engine_color(&e),
+                    color,
                     dash: style::Dash::Solid,
-                    marker: Marker::Circle,
+                    marker,
                 },
             ));
         }
@@ -222,7 +231,86 @@ mod tests {
             bucket: None,
             turn: None,
             cell_key: None,
+            params: String::new(),
         }
+    }
+
+    /// Variants of one engine (other parameters, here a KV codec) are lines of their
+    /// own, and only `full` with its defaults is the reference: `full` in int4 is a
+    /// variant, not averaged into it.
+    #[test]
+    fn engine_variants_are_lines_of_their_own() {
+        use polars::prelude::{Column, DataFrame, NamedFrom, Series};
+        let keys = ["k-full", "k-full-int4", "k-h2o", "k-h2o-int4"];
+        let runs = DataFrame::new(
+            4,
+            vec![
+                Column::from(Series::new("cell_key".into(), keys.to_vec())),
+                Column::from(Series::new(
+                    "engine".into(),
+                    vec!["full", "full", "h2o", "h2o"],
+                )),
+                Column::from(Series::new(
+                    "cell_params_kv_codec".into(),
+                    vec![None, Some("int4"), None, Some("int4")],
+                )),
+            ],
+        )
+        .unwrap();
+        // (cell, engine, budget, correct of 4 items)
+        let cells = [
+            ("k-full", "full", 1.0, 4),
+            ("k-full-int4", "full", 1.0, 1),
+            ("k-h2o", "h2o", 0.5, 3),
+            ("k-h2o-int4", "h2o", 0.5, 2),
+        ];
+        let (mut key, mut engine, mut budget, mut correct) = (vec![], vec![], vec![], vec![]);
+        for (k, e, b, c) in cells {
+            for item in 0..4 {
+                key.push(k);
+                engine.push(e);
+                budget.push(b);
+                correct.push(item < c);
+            }
+        }
+        let acc = DataFrame::new(
+            16,
+            vec![
+                Column::from(Series::new("task".into(), vec!["piqa"; 16])),
+                Column::from(Series::new("engine".into(), engine)),
+                Column::from(Series::new("budget".into(), budget)),
+                Column::from(Series::new("correct".into(), correct)),
+                Column::from(Series::new("cell_key".into(), key)),
+            ],
+        )
+        .unwrap();
+        let t = Tables::from_frames(std::path::Path::new("x"), Some(&runs), Some(acc), None);
+        let f = prepare(&t).unwrap();
+        let task = &f.tasks[0];
+        assert_eq!(task.reference, Some(1.0));
+        let lines: Vec<(String, f64)> = task
+            .lines
+            .iter()
+            .map(|(v, pts)| (variant_label(v), pts[0].mean))
+            .collect();
+        assert_eq!(
+            lines,
+            vec![
+                ("full (kv_codec=int4)".to_string(), 0.25),
+                ("h2o".to_string(), 0.75),
+                ("h2o (kv_codec=int4)".to_string(), 0.5),
+            ]
+        );
+        let colors = variant_styles(task.lines.keys());
+        let v = |e: &str, p: &str| (engine_rank(e), e.to_string(), p.to_string());
+        assert_ne!(
+            colors[&v("h2o", "")].0,
+            colors[&v("h2o", "kv_codec=int4")].0
+        );
+        assert_ne!(
+            colors[&v("h2o", "")].1,
+            colors[&v("h2o", "kv_codec=int4")].1
+        );
     }
 
     #[test]

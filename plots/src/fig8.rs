@@ -5,9 +5,9 @@
 //! `bucket`, `turn`).
 
 use crate::data::AccRow;
-use crate::select::{engine_rank, stats};
+use crate::select::{engine_rank, stats, variant_label, variant_styles, Variant};
 use crate::style::{
-    self, engine_color, Axis, DrawPanel, DrawResult, Fmt, LegendItem, LineStyle, Marker, TwoPanels,
+    self, Axis, DrawPanel, DrawResult, Fmt, LegendItem, LineStyle, Marker, TwoPanels,
 };
 use crate::{Error, Prepared, Tables};
 use plotters::coord::Shift;
@@ -20,14 +20,16 @@ pub type Fig8 = TwoPanels<ByBucket, ByTurn>;
 /// Retention by context bucket: bars per engine.
 pub struct ByBucket {
     buckets: Vec<String>,
-    /// Engine → retention (%) per bucket.
-    by_bucket: BTreeMap<(u8, String), Vec<Option<f64>>>,
+    /// Engine variant → retention (%) per bucket.
+    by_bucket: BTreeMap<Variant, Vec<Option<f64>>>,
+    colors: BTreeMap<Variant, (RGBColor, Marker)>,
 }
 
 /// Retention by turn: a line per engine.
 pub struct ByTurn {
-    /// Engine → (turn, retention %).
-    by_turn: BTreeMap<(u8, String), Vec<(f64, f64)>>,
+    /// Engine variant → (turn, retention %).
+    by_turn: BTreeMap<Variant, Vec<(f64, f64)>>,
+    colors: BTreeMap<Variant, (RGBColor, Marker)>,
 }
 
 /// `1K-2K` → 1000, `8192-16384` → 8192: the bucket's lower bound, for ordering.
@@ -100,13 +102,15 @@ pub fn prepare(t: &Tables) -> Prepared<Fig8> {
     buckets.dedup();
     let mut by_bucket = BTreeMap::new();
     let mut by_turn = BTreeMap::new();
-    let mut per_engine: BTreeMap<(u8, String), Vec<&AccRow>> = BTreeMap::new();
+    // Variants of an engine (other parameters) are series of their own.
+    let mut per_engine: BTreeMap<Variant, Vec<&AccRow>> = BTreeMap::new();
     for r in &rows {
         per_engine
-            .entry((engine_rank(&r.engine), r.engine.clone()))
+            .entry((engine_rank(&r.engine), r.engine.clone(), r.params.clone()))
             .or_default()
             .push(r);
     }
+    let colors = variant_styles(per_engine.keys());
     for (k, rs) in per_engine {
         let bars: Vec<Option<f64>> = buckets
             .iter()
@@ -140,19 +144,24 @@ pub fn prepare(t: &Tables) -> Prepared<Fig8> {
     }
     notes.push("Retention: share of conversations whose answer contains the fact (%).".into());
     let mut legend = vec![LegendItem::Heading("engine".into())];
-    for (_, e) in by_bucket.keys() {
+    for v in by_bucket.keys() {
+        let (color, marker) = colors[v];
         legend.push(LegendItem::Line(
-            e.clone(),
+            variant_label(v),
             LineStyle {
-                color: engine_color(e),
+                color,
                 dash: style::Dash::Solid,
-                marker: Marker::Circle,
+                marker,
             },
         ));
     }
     Ok(TwoPanels::new(
-        ByBucket { buckets, by_bucket },
-        ByTurn { by_turn },
+        ByBucket {
+            buckets,
+            by_bucket,
+            colors: colors.clone(),
+        },
+        ByTurn { by_turn, colors },
         50,
         legend,
         notes,
@@ -176,7 +185,8 @@ impl DrawPanel for ByBucket {
         )?;
         let n = self.by_bucket.len().max(1) as f64;
         let bw = 0.8 / n;
-        for (slot, ((_, engine), vals)) in self.by_bucket.iter().enumerate() {
+        for (slot, (variant, vals)) in self.by_bucket.iter().enumerate() {
+            let color = self.colors[variant].0;
             for (g, v) in vals.iter().enumerate() {
                 let Some(v) = v else { continue };
                 let x0 = g as f64 - 0.4 + bw * slot as f64 + 0.05 * bw;
@@ -185,7 +195,7 @@ impl DrawPanel for ByBucket {
                 let top = if *v == 0.0 { 0.6 } else { *v };
                 c.draw_series(std::iter::once(Rectangle::new(
                     [(x0, 0.0), (x0 + 0.9 * bw, top)],
-                    engine_color(engine).filled(),
+                    color.filled(),
                 )))
                 .drawn()?;
                 if *v == 0.0 {
@@ -193,7 +203,7 @@ impl DrawPanel for ByBucket {
                         "0".to_string(),
                         (x0 + 0.45 * bw, top),
                         style::font(15)
-                            .color(&engine_color(engine))
+                            .color(&color)
                             .pos(Pos::new(HPos::Center, VPos::Bottom)),
                     )))
                     .drawn()?;
@@ -214,13 +224,14 @@ impl DrawPanel for ByTurn {
         let y = Axis::percent();
         let mut c = style::chart(area, "By turn", &x, &y, "turn", "retention (%)")?;
         let m = self.by_turn.len() as f64;
-        for (k, ((_, engine), pts)) in self.by_turn.iter().enumerate() {
+        for (k, (variant, pts)) in self.by_turn.iter().enumerate() {
             let dx = (k as f64 - (m - 1.0) / 2.0) * 0.008 * (x.hi - x.lo);
             let pts: Vec<(f64, f64)> = pts.iter().map(|p| (p.0 + dx, p.1)).collect();
+            let (color, marker) = self.colors[variant];
             let s = LineStyle {
-                color: engine_color(engine),
+                color,
                 dash: style::Dash::Solid,
-                marker: Marker::Circle,
+                marker,
             };
             style::line(&mut c, &pts, &s)?;
             for &p in &pts {
@@ -246,6 +257,7 @@ mod tests {
             bucket: Some("1K-2K".into()),
             turn: Some(1.0),
             cell_key: None,
+            params: String::new(),
         };
         let rows = [
             row("full", 1.0),

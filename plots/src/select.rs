@@ -4,7 +4,7 @@
 //! min–max) and keep the cells that ran out of memory or failed.
 
 use crate::data::{Outcome, Run};
-use crate::style::{attention_style, engine_color, fmt_count, fmt_num, shade, LineStyle};
+use crate::style::{attention_style, engine_color, fmt_count, fmt_num, shade, LineStyle, Marker};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// The matrix axes a figure may show or pin.
@@ -121,6 +121,49 @@ pub struct SeriesKey {
     pub budget: String,
     pub attention_rank: u8,
     pub attention: String,
+}
+
+/// An engine variant as a series of the accuracy figures: legend order, engine and its
+/// parameters (`k=v,k=v`, empty for the defaults).
+pub type Variant = (u8, String, String);
+
+/// `h2o`, or `h2o (kv_codec=int4)` for a variant with parameters.
+pub fn variant_label(v: &Variant) -> String {
+    if v.2.is_empty() {
+        v.1.clone()
+    } else {
+        format!("{} ({})", v.1, v.2)
+    }
+}
+
+/// Each variant's colour and marker: its engine's colour, darker for each further
+/// variant of that engine among `all`, and a marker of its own (the defaults first,
+/// ●; include them even where they are drawn otherwise, as `full`'s reference, so that
+/// its variants read apart from it).
+pub fn variant_styles<'a>(
+    all: impl IntoIterator<Item = &'a Variant>,
+) -> std::collections::BTreeMap<Variant, (plotters::style::RGBColor, Marker)> {
+    let mut per: std::collections::BTreeMap<&str, std::collections::BTreeSet<&str>> =
+        Default::default();
+    let all: Vec<&Variant> = all.into_iter().collect();
+    for v in &all {
+        per.entry(v.1.as_str()).or_default().insert(v.2.as_str());
+    }
+    all.into_iter()
+        .map(|v| {
+            let k = per[v.1.as_str()]
+                .iter()
+                .position(|p| *p == v.2)
+                .unwrap_or(0);
+            const MARKERS: [Marker; 4] = [
+                Marker::Circle,
+                Marker::Diamond,
+                Marker::Square,
+                Marker::Triangle,
+            ];
+            (v.clone(), (shade(engine_color(&v.1), k), MARKERS[k % 4]))
+        })
+        .collect()
 }
 
 /// Legend order: the fixed colour table's, then the others.

@@ -926,6 +926,7 @@ fn ret(engine: &str, budget: f64, bucket: &str, correct: usize, of: usize) -> Ve
             bucket: Some(bucket.into()),
             turn: Some(2.0),
             cell_key: None,
+            params: String::new(),
         })
         .collect()
 }
@@ -1038,6 +1039,7 @@ fn mc(task: &str, engine: &str, budget: f64, correct: usize, of: usize) -> Vec<A
             bucket: None,
             turn: None,
             cell_key: None,
+            params: String::new(),
         })
         .collect()
 }
