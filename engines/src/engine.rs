@@ -566,13 +566,16 @@ impl Engine {
                 .map(|_| self.ledger.device_free()),
         );
         let t1 = Instant::now();
-        let logits = self.model.forward(
-            &tokens,
-            &positions,
-            &batch,
-            &sample_rows,
-            self.policy.as_mut(),
-        );
+        // On the CPU the forward runs on a worker of the thread pool: its parallel
+        // kernels then share the work with the thread that called them instead of
+        // waking every worker and putting the caller to sleep, once per kernel. (A GPU
+        // forward stays on the thread its device is bound to.)
+        let (model, policy) = (&self.model, self.policy.as_mut());
+        let logits = if model.device().is_cpu() {
+            rayon::scope(|_| model.forward(&tokens, &positions, &batch, &sample_rows, policy))
+        } else {
+            model.forward(&tokens, &positions, &batch, &sample_rows, policy)
+        };
         self.ledger.release(Component::Activations, act);
         let logits = logits.map_err(|e| self.name_oom(e))?;
         self.policy.end_step(&batch)?;

@@ -75,9 +75,11 @@ fn check_shape(
     };
     let mut seed = 42;
     // Ragged: (context before, new rows) per sequence; prefill, decode and a continued chunk.
-    let mut pool = BlockPool::new(64);
+    let blocks: usize = seqs_spec.iter().map(|&(c, n)| (c + n).div_ceil(bs)).sum();
+    let blocks = blocks.max(64);
+    let mut pool = BlockPool::new(blocks);
     pool.shuffle_free(3);
-    let mut store = PagedKv::new(1, 64, bs, hkv, dh, dtype);
+    let mut store = PagedKv::new(1, blocks, bs, hkv, dh, dtype);
     let mut tables = Vec::new();
     let mut keys = Vec::new();
     let mut vals = Vec::new();
@@ -149,6 +151,26 @@ fn paged_attention_matches_reference_f32() {
 fn paged_attention_matches_reference_bf16_and_f16_storage() {
     check(KvCodec::Bf16, 1e-4);
     check(KvCodec::F16, 1e-4);
+}
+
+/// One or two decode rows over long contexts on a pool of four threads: each row's keys
+/// are split into runs whose partial softmaxes are combined (flash-decoding); the
+/// result is the same attention, with f32 and coded rows.
+#[test]
+fn split_decode_rows_match_reference() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        for codec in [KvCodec::F32, KvCodec::Int { bits: 4, group: 8 }] {
+            // Contexts long enough for the parallel path (keys × H × dh ≥ 2^18).
+            check_shape(codec, 1e-4, 6, 2, 32, 16, &[(3000, 1)]);
+            check_shape(codec, 1e-4, 9, 3, 64, 16, &[(300, 1), (999, 1)]);
+            // A context that is not a whole number of blocks or of runs.
+            check_shape(codec, 1e-4, 4, 4, 20, 3, &[(3517, 1)]);
+        }
+    });
 }
 
 /// Integer rows (head sizes 32, 64 and 20: a ragged last group of 8): the kernel

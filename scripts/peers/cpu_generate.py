@@ -37,8 +37,13 @@ def read_prompt(path, chars):
     return text[:chars] if chars else text
 
 
-def bandwidth_gb_s(threads):
-    """Read bandwidth with `threads` threads: sum over a 1 GiB f32 tensor (best of 5)."""
+def bandwidth_gb_s(threads, probe=None):
+    """Read bandwidth with `threads` threads. With `probe` (kvbench's
+    `read_bandwidth` example: a 1 GiB f32 buffer in huge pages as its weights are,
+    best of 7), that; else a sum over a 1 GiB torch tensor (best of 5)."""
+    if probe:
+        out = subprocess.run([probe, str(threads)], capture_output=True, text=True, check=True)
+        return float(out.stdout.strip())
     import torch
 
     torch.set_num_threads(threads)
@@ -152,6 +157,10 @@ def main():
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="results/peers-cpu.json")
+    p.add_argument("--read-bandwidth", default=None,
+                   help="kvbench's read bandwidth probe (cargo build --release -p "
+                        "kvbench-engines --examples: target/release/examples/read_bandwidth); "
+                        "default: a torch sum")
     a = p.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
 
@@ -165,7 +174,7 @@ def main():
     print("loading llama.cpp and transformers ...", file=sys.stderr)
     lcpp = LlamaCpp(a.gguf, a.threads, n_ctx=4096)
     hf = Transformers(a.gguf, a.threads)
-    bw = bandwidth_gb_s(a.threads)
+    bw = bandwidth_gb_s(a.threads, a.read_bandwidth)
     print(f"read bandwidth, {a.threads} threads: {bw:.1f} GB/s", file=sys.stderr)
 
     rows = []
@@ -194,6 +203,7 @@ def main():
         "threads": a.threads,
         "new_tokens": a.new_tokens,
         "read_bandwidth_gb_s": bw,
+        "read_bandwidth_probe": "kvbench read_bandwidth" if a.read_bandwidth else "torch sum",
         "date": time.strftime("%Y-%m-%d"),
     }
     with open(a.out, "w", encoding="utf-8") as f:

@@ -51,35 +51,132 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
         }
     }
     let mut out = vec![0f32; rows * h * dh];
+    let threads = rayon::current_num_threads();
     // One work item = one query row and a range of KV heads: all of them when there are
     // enough rows, one per item when there are few (small-batch decode) so every core
     // has work.
-    let heads_per_item = if rows >= 2 * rayon::current_num_threads() {
-        hkv
-    } else {
-        1
-    };
+    let heads_per_item = if rows >= 2 * threads { hkv } else { 1 };
     let items_per_row = hkv / heads_per_item;
     let chunk = heads_per_item * (h / hkv) * dh;
     let avx = has_avx2_fma();
-    let work = |(item, o): (usize, &mut [f32])| {
-        let (row, part) = (item / items_per_row, item % items_per_row);
-        let Some((si, pos)) = row_info[row] else {
-            return;
-        };
-        let g0 = part * heads_per_item;
-        let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
-        let groups = g0..g0 + heads_per_item;
-        attend_row(avx, qr, o, pos + 1, seqs[si].table, k, v, groups, s);
-    };
     // Handing a few microseconds of work to the pool costs more than it saves.
     let keys: usize = seqs.iter().map(|x| x.q_len * x.kv_len).sum();
-    if rayon::current_num_threads() == 1 || keys * h * dh < 1 << 18 {
-        out.chunks_mut(chunk).enumerate().for_each(work);
+    let serial = threads == 1 || keys * h * dh < 1 << 18;
+    // Still too few items for the threads (a decode batch of one or two): each row's
+    // keys are split too, in runs of whole blocks of at least `MIN_SPLIT` keys, and
+    // the runs' partial softmaxes combined (flash-decoding).
+    const MIN_SPLIT: usize = 128;
+    let longest = seqs.iter().map(|x| x.kv_len).max().unwrap_or(0);
+    let splits = if serial || rows * items_per_row >= 2 * threads {
+        1
     } else {
-        out.par_chunks_mut(chunk).enumerate().for_each(work);
+        (4 * threads)
+            .div_ceil(rows * items_per_row)
+            .min(longest / MIN_SPLIT)
+            .max(1)
+    };
+    let group_rows = heads_per_item * (h / hkv);
+    if splits == 1 {
+        let work = |(item, o): (usize, &mut [f32])| {
+            let (row, part) = (item / items_per_row, item % items_per_row);
+            let Some((si, pos)) = row_info[row] else {
+                return;
+            };
+            let g0 = part * heads_per_item;
+            let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
+            let groups = g0..g0 + heads_per_item;
+            let mut ml = vec![0f32; 2 * group_rows];
+            attend_row(
+                avx,
+                qr,
+                o,
+                0..pos + 1,
+                seqs[si].table,
+                k,
+                v,
+                groups,
+                s,
+                &mut ml,
+            );
+            normalize(o, &ml, dh);
+        };
+        if serial {
+            out.chunks_mut(chunk).enumerate().for_each(work);
+        } else {
+            out.par_chunks_mut(chunk).enumerate().for_each(work);
+        }
+        return out;
+    }
+    // Partial outputs (unnormalized) with their running max and sum, per (row, part,
+    // split), then combined in split order.
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..rows * items_per_row * splits)
+        .into_par_iter()
+        .map(|item| {
+            let (ri, sp) = (item / splits, item % splits);
+            let (row, part) = (ri / items_per_row, ri % items_per_row);
+            let mut o = vec![0f32; chunk];
+            let mut ml = vec![f32::NEG_INFINITY; 2 * group_rows];
+            ml[group_rows..].fill(0.0);
+            let Some((si, pos)) = row_info[row] else {
+                return (o, ml);
+            };
+            let n = pos + 1;
+            let span = n.div_ceil(splits).div_ceil(s.block_size) * s.block_size;
+            let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
+            if !keys.is_empty() {
+                let g0 = part * heads_per_item;
+                let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
+                let groups = g0..g0 + heads_per_item;
+                attend_row(
+                    avx,
+                    qr,
+                    &mut o,
+                    keys,
+                    seqs[si].table,
+                    k,
+                    v,
+                    groups,
+                    s,
+                    &mut ml,
+                );
+            }
+            (o, ml)
+        })
+        .collect();
+    for (ri, o) in out.chunks_mut(chunk).enumerate() {
+        let ps = &parts[ri * splits..(ri + 1) * splits];
+        for hq in 0..group_rows {
+            let m = ps
+                .iter()
+                .map(|(_, ml)| ml[hq])
+                .fold(f32::NEG_INFINITY, f32::max);
+            if m == f32::NEG_INFINITY {
+                continue;
+            }
+            let mut l = 0f32;
+            let oh = &mut o[hq * dh..(hq + 1) * dh];
+            for (po, ml) in ps {
+                let w = exp(ml[hq] - m);
+                l += ml[group_rows + hq] * w;
+                for (a, b) in oh.iter_mut().zip(&po[hq * dh..(hq + 1) * dh]) {
+                    *a += w * b;
+                }
+            }
+            let inv = 1.0 / l;
+            oh.iter_mut().for_each(|x| *x *= inv);
+        }
     }
     out
+}
+
+/// Divide each query head's accumulated output by its softmax sum (`ml`: running
+/// maxima, then sums).
+fn normalize(o: &mut [f32], ml: &[f32], dh: usize) {
+    let nh = ml.len() / 2;
+    for hq in 0..nh {
+        let inv = 1.0 / ml[nh + hq];
+        o[hq * dh..(hq + 1) * dh].iter_mut().for_each(|x| *x *= inv);
+    }
 }
 
 /// Whether the AVX2+FMA build of the kernel can run here (the default x86-64 target
@@ -96,27 +193,30 @@ pub fn has_avx2_fma() -> bool {
 }
 
 /// Attention of the query heads of KV heads `groups` (`qr`: `[groups × G, dh]`) over
-/// keys `0..n`, in the AVX2+FMA build when `avx` (decided once per call by the caller).
+/// `keys` (starting on a block boundary), unnormalized: `out` holds Σ e^{s−m}·v and
+/// `ml` each head's running max `m` then its sum `l`. The AVX2+FMA build when `avx`
+/// (decided once per call by the caller).
 #[allow(clippy::too_many_arguments)]
 fn attend_row(
     avx: bool,
     qr: &[f32],
     out: &mut [f32],
-    n: usize,
+    keys: std::ops::Range<usize>,
     table: &[BlockId],
     k: KvView<'_>,
     v: KvView<'_>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
+    ml: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if avx {
         // SAFETY: `avx` comes from `has_avx2_fma`.
-        unsafe { attend_row_avx2(qr, out, n, table, k, v, groups, s) };
+        unsafe { attend_row_avx2(qr, out, keys, table, k, v, groups, s, ml) };
         return;
     }
     let _ = avx;
-    attend_row_impl::<false>(qr, out, n, table, k, v, groups, s)
+    attend_row_impl::<false>(qr, out, keys, table, k, v, groups, s, ml)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -125,14 +225,15 @@ fn attend_row(
 unsafe fn attend_row_avx2(
     qr: &[f32],
     out: &mut [f32],
-    n: usize,
+    keys: std::ops::Range<usize>,
     table: &[BlockId],
     k: KvView<'_>,
     v: KvView<'_>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
+    ml: &mut [f32],
 ) {
-    attend_row_impl::<true>(qr, out, n, table, k, v, groups, s)
+    attend_row_impl::<true>(qr, out, keys, table, k, v, groups, s, ml)
 }
 
 /// `AVX`: called from the AVX2+FMA build only after the CPU was checked.
@@ -141,36 +242,53 @@ unsafe fn attend_row_avx2(
 fn attend_row_impl<const AVX: bool>(
     qr: &[f32],
     out: &mut [f32],
-    n: usize,
+    keys: std::ops::Range<usize>,
     table: &[BlockId],
     k: KvView<'_>,
     v: KvView<'_>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
+    ml: &mut [f32],
 ) {
     let (hkv, dh, bs) = (s.num_kv_heads, s.head_dim, s.block_size);
     let g_size = s.num_heads / hkv;
     let nh = groups.len() * g_size; // query heads of this item
     let scale = 1.0 / (dh as f32).sqrt();
-    let mut m = vec![f32::NEG_INFINITY; nh];
-    let mut l = vec![0f32; nh];
+    let (m, l) = ml.split_at_mut(nh);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
     out.fill(0.0);
     // Storage other than f32: one head's block, decoded once for its G query heads.
     let (mut kf, mut vf) = (Vec::new(), Vec::new());
     let mut p = vec![0f32; bs];
-    let mut start = 0;
-    while start < n {
+    let mut start = keys.start;
+    while start < keys.end {
         let blk = table[start / bs] as usize;
-        let len = (n - start).min(bs);
+        let len = (keys.end - start).min(bs - start % bs);
         for (gi, g) in groups.clone().enumerate() {
             // This head's keys/values of the block: `len` contiguous rows of dh.
-            let first = (blk * hkv + g) * bs;
+            let first = (blk * hkv + g) * bs + start % bs;
             let kb = k.rows(first, len, dh, &mut kf);
             let vb = v.rows(first, len, dh, &mut vf);
             for j in 0..g_size {
                 let hq = gi * g_size + j;
                 let qh = &qr[hq * dh..(hq + 1) * dh];
-                for (pt, kt) in p[..len].iter_mut().zip(kb.chunks_exact(dh)) {
+                // Four keys per pass: the query's chunks are loaded once for them and
+                // their sums reduced together.
+                let quads = len / 4;
+                for (pq, kq) in p[..4 * quads]
+                    .chunks_exact_mut(4)
+                    .zip(kb.chunks_exact(4 * dh))
+                {
+                    let d = dot4_dispatch::<AVX>(kq, qh);
+                    for (pt, x) in pq.iter_mut().zip(d) {
+                        *pt = scale * x;
+                    }
+                }
+                for (pt, kt) in p[4 * quads..len]
+                    .iter_mut()
+                    .zip(kb[4 * quads * dh..].chunks_exact(dh))
+                {
                     *pt = scale * dot_dispatch::<AVX>(qh, kt);
                 }
                 let bmax = p[..len].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
@@ -191,12 +309,6 @@ fn attend_row_impl<const AVX: bool>(
             }
         }
         start += len;
-    }
-    for hq in 0..nh {
-        let inv = 1.0 / l[hq];
-        out[hq * dh..(hq + 1) * dh]
-            .iter_mut()
-            .for_each(|x| *x *= inv);
     }
 }
 
@@ -288,6 +400,21 @@ pub fn dot_with(avx: bool, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// Dot products of four rows of `w` (`[4, x.len()]`, contiguous) with `x`: one pass
+/// that loads each chunk of `x` once for the four rows and reduces the four sums
+/// together (a matrix-vector product's inner loop), AVX2+FMA when `avx`.
+#[inline]
+pub fn dot4_with(avx: bool, w: &[f32], x: &[f32]) -> [f32; 4] {
+    debug_assert!(w.len() >= 4 * x.len());
+    #[cfg(target_arch = "x86_64")]
+    if avx && has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked just above).
+        return unsafe { simd::dot4(w, x) };
+    }
+    let k = x.len();
+    std::array::from_fn(|i| dot(&w[i * k..(i + 1) * k], x))
+}
+
 /// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.
 #[inline]
 pub fn accumulate_with(avx: bool, p: &[f32], vb: &[f32], out: &mut [f32]) {
@@ -306,6 +433,17 @@ fn dot_dispatch<const AVX: bool>(a: &[f32], b: &[f32]) -> f32 {
         return unsafe { simd::dot(a, b) };
     }
     dot(a, b)
+}
+
+#[inline(always)]
+fn dot4_dispatch<const AVX: bool>(w: &[f32], x: &[f32]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if AVX {
+        // SAFETY: `AVX` is only true on CPUs with AVX2 and FMA (see `attend_row`).
+        return unsafe { simd::dot4(w, x) };
+    }
+    let k = x.len();
+    std::array::from_fn(|i| dot(&w[i * k..(i + 1) * k], x))
 }
 
 #[inline(always)]
@@ -361,6 +499,48 @@ mod simd {
         r
     }
 
+    /// Four rows of `w` (`[4, k]`) dotted with `x` (`k`): two accumulators per row,
+    /// each chunk of `x` loaded once for the four rows.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4(w: &[f32], x: &[f32]) -> [f32; 4] {
+        let k = x.len();
+        assert!(w.len() >= 4 * k);
+        let (pw, px) = (w.as_ptr(), x.as_ptr());
+        let rows = [pw, pw.add(k), pw.add(2 * k), pw.add(3 * k)];
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        let mut i = 0;
+        while i + 16 <= k {
+            let (x0, x1) = (_mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(px.add(i + 8)));
+            for (a, r) in acc.iter_mut().zip(rows) {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(r.add(i)), x0, a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(r.add(i + 8)), x1, a[1]);
+            }
+            i += 16;
+        }
+        if i + 8 <= k {
+            let x0 = _mm256_loadu_ps(px.add(i));
+            for (a, r) in acc.iter_mut().zip(rows) {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(r.add(i)), x0, a[0]);
+            }
+            i += 8;
+        }
+        // Four horizontal sums at once: pairwise adds, then the two 128-bit halves.
+        let s: [__m256; 4] = std::array::from_fn(|r| _mm256_add_ps(acc[r][0], acc[r][1]));
+        let h01 = _mm256_hadd_ps(s[0], s[1]);
+        let h23 = _mm256_hadd_ps(s[2], s[3]);
+        let h = _mm256_hadd_ps(h01, h23);
+        let sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let mut out = [0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), sum);
+        while i < k {
+            for (o, r) in out.iter_mut().zip(rows) {
+                *o += *r.add(i) * x[i];
+            }
+            i += 1;
+        }
+        out
+    }
+
     /// `out += Σ_t p[t] · vb[t]` with `out.len() = 8·N` held in N registers.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn accumulate<const N: usize>(p: &[f32], vb: &[f32], out: &mut [f32]) {
@@ -387,6 +567,29 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Four rows at once equal four plain dot products (f64), with and without the
+    /// AVX2 build, for widths that leave every remainder.
+    #[test]
+    fn four_row_dots_match_plain_dots() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for k in [1, 7, 8, 15, 16, 17, 24, 64, 100, 576] {
+            let w: Vec<f32> = (0..4 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let x: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for avx in [false, has_avx2_fma()] {
+                let got = dot4_with(avx, &w, &x);
+                for (r, g) in got.iter().enumerate() {
+                    let want: f64 = w[r * k..(r + 1) * k]
+                        .iter()
+                        .zip(&x)
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum();
+                    assert!((*g as f64 - want).abs() < 1e-4, "k {k} avx {avx} row {r}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn fast_exp_matches_libm() {

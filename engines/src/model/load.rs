@@ -60,7 +60,7 @@ fn build(cfg: ModelConfig, wd: WeightDtype, src: &mut dyn WeightSource) -> Resul
     } else {
         Linear::Dense(embed.clone())
     };
-    Ok(Llama::new(cfg, wd, embed, layers, norm, lm_head))
+    Llama::new(cfg, wd, embed, layers, norm, lm_head).with_weights_in_huge_pages()
 }
 
 fn check_shape(model: &str, name: &str, got: &[usize], want: &[usize]) -> Result<()> {

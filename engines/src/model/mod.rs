@@ -3,6 +3,7 @@
 //! reference every policy is checked against.
 
 pub mod load;
+pub mod pages;
 
 use crate::attention::dense::causal_attention;
 use crate::config::{rope_inv_freq, ModelConfig};
@@ -159,13 +160,9 @@ fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
                 .zip(wd[..n * k].chunks(BLOCK * k)),
         );
     }
-    items.into_par_iter().for_each(|(ys, ws)| {
-        for (yr, wr) in ys.chunks_exact_mut(rows).zip(ws.chunks_exact(k)) {
-            for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
-                *y = crate::attention::paged::dot_with(avx, wr, xr);
-            }
-        }
-    });
+    items
+        .into_par_iter()
+        .for_each(|(ys, w)| gemv_block(avx, w, &xs, k, rows, ys));
     drop(guards);
     let mut ys = Vec::with_capacity(outs.len());
     for (yt, n) in outs.into_iter().zip(ns) {
@@ -177,6 +174,35 @@ fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         });
     }
     Ok(Some(ys))
+}
+
+/// Rows of `w` (`[m, k]`) dotted with each of the `rows` input rows `xs`, into `ys`
+/// (`[m, rows]`). Four weight rows at a time: each chunk of an input row is loaded once
+/// for the four and their sums reduced together; the block stays in cache for the
+/// other input rows.
+fn gemv_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut [f32]) {
+    let quads = w.len() / (4 * k);
+    for (yq, wq) in ys
+        .chunks_exact_mut(4 * rows)
+        .zip(w.chunks_exact(4 * k))
+        .take(quads)
+    {
+        for (j, xr) in xs.chunks_exact(k).enumerate() {
+            let d = crate::attention::paged::dot4_with(avx, wq, xr);
+            for (r, v) in d.into_iter().enumerate() {
+                yq[r * rows + j] = v;
+            }
+        }
+    }
+    for (yr, wr) in ys
+        .chunks_exact_mut(rows)
+        .zip(w.chunks_exact(k))
+        .skip(4 * quads)
+    {
+        for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
+            *y = crate::attention::paged::dot_with(avx, wr, xr);
+        }
+    }
 }
 
 /// [`Llama::activation_bytes`] from the shape alone (elements of `elem` bytes): the
@@ -287,6 +313,87 @@ impl Llama {
 
     pub fn dtype(&self) -> DType {
         self.weight_dtype.compute()
+    }
+
+    /// The embedding and the dense matrices moved into one buffer of huge pages
+    /// ([`pages::in_one_huge_buffer`]); a head tied to the embedding stays tied. The
+    /// model's own handles are given up first, so each matrix is freed once copied.
+    pub fn with_weights_in_huge_pages(self) -> Result<Self> {
+        let Llama {
+            cfg,
+            weight_dtype,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device,
+        } = self;
+        let tied = matches!(&lm_head, Linear::Dense(w) if w.id() == embed.id());
+        // Dense matrices are handed over; quantized ones wait here, in order.
+        let mut ts = vec![embed];
+        let mut kept: Vec<Linear> = Vec::new();
+        let mut order: Vec<bool> = Vec::new();
+        let mut hand = |l: Linear, ts: &mut Vec<Tensor>| {
+            order.push(matches!(l, Linear::Dense(_)));
+            match l {
+                Linear::Dense(w) => ts.push(w),
+                q => kept.push(q),
+            }
+        };
+        let mut norms = Vec::with_capacity(layers.len());
+        for l in layers {
+            for w in [l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down] {
+                hand(w, &mut ts);
+            }
+            norms.push((l.attn_norm, l.ffn_norm));
+        }
+        if tied {
+            drop(lm_head);
+        } else {
+            hand(lm_head, &mut ts);
+        }
+        let mut moved = pages::in_one_huge_buffer(ts)?.into_iter();
+        let mut kept = kept.into_iter();
+        let missing = || crate::error::Error::Config("a weight went missing".into());
+        let embed = moved.next().ok_or_else(missing)?;
+        let mut order = order.into_iter();
+        let mut next = || -> Result<Linear> {
+            Ok(if order.next().ok_or_else(missing)? {
+                Linear::Dense(moved.next().ok_or_else(missing)?)
+            } else {
+                kept.next().ok_or_else(missing)?
+            })
+        };
+        let mut layers = Vec::with_capacity(norms.len());
+        for (attn_norm, ffn_norm) in norms {
+            layers.push(Layer {
+                wq: next()?,
+                wk: next()?,
+                wv: next()?,
+                wo: next()?,
+                gate: next()?,
+                up: next()?,
+                down: next()?,
+                attn_norm,
+                ffn_norm,
+            });
+        }
+        let lm_head = if tied {
+            Linear::Dense(embed.clone())
+        } else {
+            next()?
+        };
+        Ok(Llama {
+            cfg,
+            weight_dtype,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            device,
+        })
     }
 
     pub fn layers(&self) -> &[Layer] {
@@ -492,9 +599,63 @@ mod tests {
 
     /// The matrix-vector path against candle's matmul, on random inputs whose sizes are
     /// not multiples of the SIMD width or of the thread blocks.
+    /// Moving the weights into one buffer keeps every logit, the head's tie to the
+    /// embedding (or its absence) and the bytes counted; bf16 matrices stay where they
+    /// were.
+    #[test]
+    fn weights_in_one_buffer_keep_the_logits_and_the_tie() {
+        use crate::model::load::load_preset;
+        // (Quantized matrices come from GGUF files only: tests/smollm2.rs loads them.)
+        for (tie, wd) in [
+            (true, WeightDtype::F32),
+            (false, WeightDtype::F32),
+            (true, WeightDtype::Bf16),
+        ] {
+            let mut cfg = crate::config::preset("tiny").unwrap();
+            cfg.tie_word_embeddings = tie;
+            let m = load_preset(cfg, wd, 7, &Device::Cpu).unwrap();
+            let tied = |m: &Llama| matches!(&m.lm_head, Linear::Dense(w) if w.id() == m.embed.id());
+            let before = m.forward_dense(&[1, 2, 3, 4]).unwrap();
+            let moved = m.clone().with_weights_in_huge_pages().unwrap();
+            assert_eq!(tied(&moved), tied(&m), "tie {tie} {wd:?}");
+            assert_eq!(moved.weights_bytes(), m.weights_bytes());
+            let after = moved.forward_dense(&[1, 2, 3, 4]).unwrap();
+            let d = (before - after).unwrap().abs().unwrap().max_all().unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "tie {tie} {wd:?}");
+            if wd == WeightDtype::F32 {
+                // The dense matrices are views of one buffer.
+                assert!(
+                    matches!(&moved.layers[0].wq, Linear::Dense(w) if w.layout().start_offset() > 0)
+                );
+            }
+        }
+    }
+
     #[test]
     fn gemv_matches_matmul() {
         let dev = Device::Cpu;
+        // Heights with whole and partial blocks and groups of four rows; widths with
+        // and without a whole chunk of 16 and of 8; a weight that is a view at an
+        // offset into a larger buffer (the weights in huge pages).
+        for (n, k) in [(70, 96), (4, 8), (133, 37)] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+            let big = Tensor::randn(0f32, 1.0, n * k + 5, &dev).unwrap();
+            let view = big.narrow(0, 5, n * k).unwrap().reshape((n, k)).unwrap();
+            for w in [w, view] {
+                for rows in 1..=GEMV_MAX_ROWS {
+                    let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
+                    let y = gemv(&w, &x).unwrap().expect("gemv applies");
+                    assert_eq!(y.dims(), &[rows, n]);
+                    let want = x.matmul(&w.t().unwrap()).unwrap();
+                    let (y, want) = (
+                        y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    );
+                    let diff = crate::compare::max_abs_diff(y.into_iter().zip(want));
+                    assert!(diff <= 1e-4, "{n}×{k}, rows {rows}: {diff}");
+                }
+            }
+        }
         let (n, k) = (133, 37);
         let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
         for rows in 1..=GEMV_MAX_ROWS {
