@@ -25,14 +25,18 @@ fi
 
 # Steps in the order the plan needs them: correctness first (nothing is measured on a
 # build whose kernels fail their checks), then the cells that decide C6-C9, then TTFT
-# (C1, C3), then the rest of the grids. A step is `name|kvbench arguments`; $RES is the
-# card's results directory.
+# (C1, C3), then the rest of the grids. The paradigms-* steps put full, h2o and
+# infinigen side by side at one batch (one batch of requests per cell), so a card with
+# no earlier cells gets the C6-C9 ratios first. A step is `name|kvbench arguments`;
+# $RES is the card's results directory.
 steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
-  "batch-infinigen|run experiments/gpu/batch-scaling-infinigen.yaml --results \$RES --adopt-legacy"
+  "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"
+  "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
   "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"
+  "batch-infinigen|run experiments/gpu/batch-scaling-infinigen.yaml --results \$RES --adopt-legacy"
   "batch-scaling|run experiments/gpu/batch-scaling.yaml --results \$RES --adopt-legacy"
 )
 
