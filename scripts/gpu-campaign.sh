@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU plan of the study as resumable steps: each call runs the next unfinished
 # steps until its time is up (default 510 s, under a 10-minute command limit), then
-# packs what it recorded into OUTDIR/campaign.tar.gz. Unpack that archive in the
-# repository root before the next call; sweeps resume by cell, finished steps are
-# skipped (results/baselines/<card>/campaign/<step>.done).
+# packs what it recorded under the card's results into OUTDIR/campaign.tar.gz, cut into
+# parts of 15 MiB (campaign.tar.gz.00, .01, ...) when it is larger, since a file that
+# comes back from the GPU machine may have at most 16 MiB. Unpack it in the repository
+# root before the next call (`cat campaign.tar.gz* | tar -xz`); sweeps resume by cell,
+# finished steps are skipped (results/baselines/<card>/campaign/<step>.done).
 #
 #   scripts/gpu-campaign.sh OUTDIR              on the GPU machine
 #   scripts/gpu-campaign.sh --dry-run [OUTDIR]  anywhere: list the steps, check each YAML
 #
-# Needs target/cuda/kvbench-cuda.tar.xz (`just build-cuda`) beside the repository, and
-# models/skewing/ from earlier calls when there were any (InfiniGen's calibration).
+# Needs target/cuda/kvbench-cuda.tar.xz (`just build-cuda`) beside the repository.
+# InfiniGen's skewing calibration (models/skewing/, 18 MB for Llama-3.1-8B, a few
+# seconds of GPU time) is made on the machine and not packed.
 # Environment: KVBENCH_CAMPAIGN_SECONDS (time for this call), KVBENCH_CAMPAIGN_STEPS
 # (space-separated step names to run instead of all).
 set -euo pipefail
@@ -107,11 +110,15 @@ for s in "${steps[@]}"; do
   fi
 done
 
-# What comes back: what this call wrote under the card's results and InfiniGen's
-# calibration cache (earlier calls' files are already in the repository), so the
-# archive stays under the 16 MiB a returned file may have.
-paths=("$res")
-[ -d "$KVBENCH_MODELS_DIR/skewing" ] && paths+=("$KVBENCH_MODELS_DIR/skewing")
-find "${paths[@]}" -type f -newer "$started" -print0 | tar -czf "$out/campaign.tar.gz" --null -T -
-echo "== packed $(du -h "$out/campaign.tar.gz" | cut -f1) into $out/campaign.tar.gz; done: $(ls "$res/campaign" | grep -c '\.done$' || true) of ${#steps[@]} steps"
+# What comes back: what this call wrote under the card's results (earlier calls' files
+# are already in the repository). A returned file has at most 16 MiB, so a larger
+# archive is cut into parts; at most 8 files come back, which holds 7 parts (105 MiB).
+find "$res" -type f -newer "$started" -print0 | tar -czf "$out/campaign.tar.gz" --null -T -
+size=$(stat -c %s "$out/campaign.tar.gz")
+if [ "$size" -gt $(( 15 * 1024 * 1024 )) ]; then
+  split -b 15M -d "$out/campaign.tar.gz" "$out/campaign.tar.gz."
+  rm "$out/campaign.tar.gz"
+fi
+echo "== packed $(( size / 1024 )) KiB into $(cd "$out" && echo campaign.tar.gz*); done: $(ls "$res/campaign" | grep -c '\.done$' || true) of ${#steps[@]} steps"
+echo "   here: cat campaign.tar.gz* | tar -xz (in the repository root)"
 exit "$status"
