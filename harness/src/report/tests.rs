@@ -351,6 +351,78 @@ fn c7_judges_three_times_per_gb_and_infinigen_falling() {
 }
 
 #[test]
+fn one_batch_size_can_refute_a_claim_about_every_batch_but_never_confirm_it() {
+    use Verdict::*;
+    let one = || without(batch_study(), at(16.0));
+    // The study's picture at batch 16: every part that one batch can check holds, and
+    // the verdict stays "cannot tell".
+    for id in ["C6", "C7"] {
+        let (v, ev) = claim(&one(), id);
+        assert_eq!(v, CannotTell, "{id}: {ev}");
+        assert!(ev.starts_with("at one batch size: "), "{id}: {ev}");
+    }
+    let (_, ev) = claim(&one(), "C7");
+    assert!(ev.contains("not checked: the other batch sizes"), "{ev}");
+    let (_, ev) = claim(&one(), "C6");
+    assert!(
+        ev.contains("full/infinigen 16: 3.33×") && ev.contains("not checked: full growing"),
+        "{ev}"
+    );
+    table(
+        "C6",
+        vec![
+            (
+                "infinigen 2.8× below full at the one batch",
+                edit(one(), "infinigen", |r| r.decode_tok_s = Some(1000.0 / 2.8)),
+                Disagrees,
+            ),
+            (
+                "a NaN throughput of infinigen",
+                edit(one(), "infinigen", |r| r.decode_tok_s = Some(f64::NAN)),
+                Disagrees,
+            ),
+            (
+                "no infinigen",
+                without(one(), |r| r.engine != "infinigen"),
+                CannotTell,
+            ),
+        ],
+    );
+    table(
+        "C7",
+        vec![(
+            "h2o ten times full per GB at the one batch",
+            edit(one(), "h2o", |r| {
+                r.decode_tok_s = r.decode_tok_s.map(|t| t * 4.0)
+            }),
+            Disagrees,
+        )],
+    );
+    // The claims about the largest batch or about how a quantity changes with batch
+    // are not judged at one batch, nor any at a batch outside the study's grid.
+    for id in ["C5", "C8"] {
+        let (v, ev) = claim(&one(), id);
+        assert_eq!(v, CannotTell, "{id}: {ev}");
+        assert!(ev.contains("needs a batch grid"), "{id}: {ev}");
+    }
+    let batch_1 = edit(
+        edit(edit(one(), "full", |r| r.batch = Some(1.0)), "h2o", |r| {
+            r.batch = Some(1.0)
+        }),
+        "infinigen",
+        |r| {
+            r.batch = Some(1.0);
+            r.decode_tok_s = Some(1000.0 / 2.8);
+        },
+    );
+    for id in ["C6", "C7"] {
+        let (v, ev) = claim(&batch_1, id);
+        assert_eq!(v, CannotTell, "{id}: {ev}");
+        assert!(ev.contains("needs a batch grid"), "{id}: {ev}");
+    }
+}
+
+#[test]
 fn c8_judges_flat_full_superlinear_infinigen_and_14_times() {
     use Verdict::*;
     let s = batch_study;

@@ -27,6 +27,9 @@ pub(crate) const CLAIMS: [(&str, &str); 11] = [
     ("C11", "Retention: vLLM 94–96%, InfiniGen 92–94%, H2O 70–78%, H2O worse at longer contexts."),
 ];
 
+/// The batch sizes of the study's batch grid (§IV-B), smallest and largest.
+pub(crate) const STUDY_BATCHES: (f64, f64) = (16.0, 96.0);
+
 /// The claims, judged on `runs` (repeats of a cell averaged into one point).
 pub fn judge(runs: &[Run]) -> Vec<Claim> {
     let pts = points(runs);
@@ -37,11 +40,29 @@ pub fn judge(runs: &[Run]) -> Vec<Claim> {
     let outputs = axis(&perf, |r| r.output_len);
     let ttft_grid = prompts.len() >= 2 && outputs.iter().all(|&o| o <= 1.0);
     let batch_grid = batches.len() >= 2;
+    // One batch size inside the study's grid (16–96): the claims made for every batch
+    // of that grid can be refuted there.
+    let one_study_batch =
+        matches!(batches[..], [b] if (STUDY_BATCHES.0..=STUDY_BATCHES.1).contains(&b));
     let output_grid = outputs.len() >= 2;
     let need = |what: &str| (Verdict::CannotTell, what.to_string());
     let along = |axis: Axis, f: fn(&Sel) -> (Verdict, String)| {
-        let (sels, notes) = selections(&perf, axis, &ENGINES);
+        let (sels, notes) = selections(&perf, axis, &ENGINES, 2);
         each(&sels, &notes, "no ok full, h2o or infinigen point", f)
+    };
+    // A claim made for every batch size can be refuted at one batch size, never
+    // confirmed: judged there, "agrees" becomes "cannot tell".
+    let one_batch = |f: fn(&Sel) -> (Verdict, String)| {
+        let (sels, notes) = selections(&perf, Axis::Batch, &ENGINES, 1);
+        let (v, ev) = each(&sels, &notes, "no ok full, h2o or infinigen point", f);
+        let ev = format!("at one batch size: {ev}");
+        match v {
+            Verdict::Agrees => (
+                Verdict::CannotTell,
+                format!("{ev}; not checked: the other batch sizes (one batch size can refute the claim, not confirm it)"),
+            ),
+            v => (v, ev),
+        }
     };
     let mut out = Vec::new();
     for (id, text) in CLAIMS {
@@ -57,6 +78,8 @@ pub fn judge(runs: &[Run]) -> Vec<Claim> {
             "C6" if batch_grid => along(Axis::Batch, c6),
             "C7" if batch_grid => along(Axis::Batch, c7),
             "C8" if batch_grid => along(Axis::Batch, c8),
+            "C6" if one_study_batch => one_batch(c6),
+            "C7" if one_study_batch => one_batch(c7),
             "C5" | "C6" | "C7" | "C8" => need("needs a batch grid (two or more batch sizes)"),
             "C9" if output_grid => along(Axis::Output, c9),
             "C9" => need("needs an output-length grid"),

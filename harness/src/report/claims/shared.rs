@@ -132,7 +132,7 @@ impl Sel<'_> {
     }
 }
 
-/// For each workload that is a grid along `axis` (two values or more), every
+/// For each workload with at least `min_values` values of `axis` (a grid: two), every
 /// combination of one variant of each of `engines` (H2O and InfiniGen at the study's
 /// budget, else the nearest): the claim is judged on each. Also the notes on the
 /// budgets kept.
@@ -140,6 +140,7 @@ pub(crate) fn selections<'a>(
     pts: &[&'a Run],
     axis: Axis,
     engines: &[&'static str],
+    min_values: usize,
 ) -> (Vec<Sel<'a>>, Vec<String>) {
     type Series<'a> = BTreeMap<&'static str, Vec<(f64, &'a Run)>>;
     /// Runs of one variant of an engine: its label and its points on the axis.
@@ -152,7 +153,7 @@ pub(crate) fn selections<'a>(
     let mut out = Vec::new();
     let mut notes = BTreeSet::new();
     for (ctx, rs) in contexts(&mine, axis) {
-        if axis_values(&rs, axis) < 2 {
+        if axis_values(&rs, axis) < min_values {
             continue;
         }
         let mut combos: Vec<(Vec<String>, Series<'a>)> = vec![(Vec::new(), BTreeMap::new())];
