@@ -581,8 +581,45 @@ pub(crate) fn print_tables(exp_dir: &Path, plan: &Plan, yaml: &Path) -> Result<(
             if t.foreign.len() > SHOWN { ", ..." } else { "" },
             yaml.display(),
         );
+        if let Some(hint) = other_threads_hint(plan, &t.foreign) {
+            eprintln!("{hint}");
+        }
     }
     Ok(())
+}
+
+/// Cells recorded on another machine carry its CPU worker threads in their identity
+/// (a CPU cell's result depends on them): when foreign files are the plan's cells
+/// under the thread count of the machine that recorded them, say how to read them.
+fn other_threads_hint(plan: &Plan, foreign: &[PathBuf]) -> Option<String> {
+    let here = candle_core::utils::get_num_threads();
+    let mut found: std::collections::BTreeMap<usize, usize> = Default::default();
+    for f in foreign {
+        let Ok(text) = std::fs::read_to_string(f) else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+            continue;
+        };
+        let (Some(id), Some(cores)) = (v["id"].as_str(), v["env"]["cpu_cores"].as_u64()) else {
+            continue;
+        };
+        let cores = cores as usize;
+        if cores != here
+            && plan
+                .cells
+                .iter()
+                .any(|c| crate::experiment::matrix::identity(&plan.exp, c, cores) == id)
+        {
+            *found.entry(cores).or_default() += 1;
+        }
+    }
+    let (&threads, &n) = found.iter().max_by_key(|(_, n)| **n)?;
+    Some(format!(
+        "note: {n} of them are this plan's cells recorded with {threads} CPU worker threads \
+         (this process has {here}; a cell's identity includes them): \
+         `--threads {threads}` puts them in the tables"
+    ))
 }
 
 /// `--adopt-legacy` and `--prune`: cell files recorded before cell identities existed

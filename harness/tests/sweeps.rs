@@ -124,6 +124,39 @@ fn editing_the_yaml_reruns_exactly_the_cells_it_changes_and_tables_hold_only_the
 }
 
 #[test]
+fn cells_recorded_with_another_thread_count_are_named_with_the_flag_that_reads_them() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let exp_dir = results.join("edits");
+    sweep(dir.path(), &exp, &results, &[]);
+    // As a machine with one core records it by default (threads = cores).
+    let [cell] = &files_in(&exp_dir.join("cells"))[..] else {
+        panic!("one cell file")
+    };
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cell).unwrap()).unwrap();
+    v["env"]["cpu_cores"] = 1.into();
+    std::fs::write(cell, v.to_string()).unwrap();
+
+    let mut args = common::sweep_args(&exp, &results).to_vec();
+    args.extend(["--tables-only", "--threads", "2"]);
+    let o = kvbench(dir.path(), &args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("belong to no cell"), "{err}");
+    assert!(
+        err.contains("1 of them are this plan's cells recorded with 1 CPU worker threads")
+            && err.contains("`--threads 1` puts them in the tables"),
+        "{err}"
+    );
+    assert_eq!(runs_rows(&exp_dir), 0);
+    // The flag named reads them.
+    let (_, err) = sweep(dir.path(), &exp, &results, &["--tables-only"]);
+    assert!(!err.contains("belong to no cell"), "{err}");
+    assert_eq!(runs_rows(&exp_dir), 1);
+}
+
+#[test]
 fn a_second_sweep_on_a_locked_results_directory_is_refused_with_the_holder() {
     let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
     let results = dir.path().join("results");
