@@ -68,6 +68,17 @@ esac
 mkdir -p "$res/campaign" "$out"
 started="$(mktemp)"
 nvidia-smi > "$res/nvidia-smi.txt"
+# The card's ceilings once per card (copy, matmul, host link), about 20 s: what each
+# measured step is compared with.
+if ! grep -q h2d_pinned "$res/ceilings.json" 2>/dev/null; then
+  echo "== ceilings: python3 scripts/gpu-ceilings.py"
+  if timeout 180 python3 scripts/gpu-ceilings.py > "$res/ceilings.json.new" 2> "$res/ceilings.err"; then
+    mv "$res/ceilings.json.new" "$res/ceilings.json"
+  else
+    rm -f "$res/ceilings.json.new"
+    echo "== ceilings failed (see $res/ceilings.err); the steps go on" >&2
+  fi
+fi
 export KVBENCH_MODELS_DIR="${KVBENCH_MODELS_DIR:-models}"
 deadline=$(( $(date +%s) + ${KVBENCH_CAMPAIGN_SECONDS:-510} ))
 only=" ${KVBENCH_CAMPAIGN_STEPS:-} "

@@ -3,6 +3,8 @@
 
 - Copy bandwidth: a large device-to-device copy, bytes read plus bytes written.
 - bf16 matmul rate: an 8192^3 product through cuBLAS (PyTorch), on random data.
+- Host-to-device rate: a 1 GiB copy from pinned host memory (the host link's ceiling
+  for InfiniGen's transfers), bytes copied once.
 Each is the median of 20 timed runs (CUDA events) after 3 warm-ups. Prints one JSON
 object; uses the machine's own PyTorch (nothing is installed).
 """
@@ -40,6 +42,12 @@ def main():
     b = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
     mmed, mlo, mhi = timed(lambda: a @ b)
     flops = 2 * m**3
+    del a, b, src, dst
+    h = 512 * 1024**2  # 1 GiB of bf16
+    host = torch.randn(h, dtype=torch.bfloat16).pin_memory()
+    dev_buf = torch.empty(h, dtype=torch.bfloat16, device=dev)
+    hmed, hlo, hhi = timed(lambda: dev_buf.copy_(host, non_blocking=True))
+    hbytes = host.numel() * host.element_size()
     print(json.dumps({
         "device": props.name,
         "multiprocessors": props.multi_processor_count,
@@ -53,6 +61,10 @@ def main():
         "matmul_s_median": mmed,
         "matmul_bf16_flops_per_s": flops / mmed,
         "matmul_bf16_range": [flops / mhi, flops / mlo],
+        "h2d_pinned_bytes": hbytes,
+        "h2d_pinned_s_median": hmed,
+        "h2d_pinned_bytes_per_s": hbytes / hmed,
+        "h2d_pinned_range": [hbytes / hhi, hbytes / hlo],
     }, indent=1))
 
 
