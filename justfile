@@ -83,7 +83,7 @@ ci-sweep *args: build
 report exp: build
     @"${CARGO_TARGET_DIR:-target}/release/kvbench" report "$1"
 
-# The cost model's calibrations and validation, rebuilt from the committed baselines: results/baselines/{cpu,h100}/calibration-*.yaml and docs/cost-validation.md (each calibration predicts experiments it was not fitted on).
+# The cost model's calibrations and validation, rebuilt from the committed baselines: results/baselines/{cpu,h100,h200}/calibration-*.yaml and docs/cost-validation.md (each calibration predicts experiments it was not fitted on).
 validate-cost: build
     #!/usr/bin/env bash
     set -euo pipefail
@@ -99,6 +99,13 @@ validate-cost: build
     "$kvbench" calibrate results/baselines/h100/gpu-batch-scaling --device h100-sxm --engines h2o \
         -o results/baselines/h100/calibration-h100-sxm.yaml \
         --validate results/baselines/h100/gpu-ttft results/baselines/h100/gpu-smoke --table "$tmp/h100.md" > "$tmp/h100.log"
+    # H200: one experiment, so the committed calibration takes all its cells, and the
+    # validation is fitted on full and h2o alone and predicts infinigen (held out).
+    "$kvbench" calibrate results/baselines/h200/gpu-paradigms-batch16 --device h200 \
+        -o results/baselines/h200/calibration-h200.yaml > "$tmp/h200.log"
+    "$kvbench" calibrate results/baselines/h200/gpu-paradigms-batch16 --device h200 --engines full,h2o \
+        -o "$tmp/h200-full-h2o.yaml" --validate results/baselines/h200/gpu-paradigms-batch16 \
+        --table "$tmp/h200.md" > "$tmp/h200-held-out.log"
     {
         echo "# The cost model against measurements it was not fitted on"
         echo
@@ -119,5 +126,16 @@ validate-cost: build
         echo '```'
         echo
         cat "$tmp/h100.md"
+        echo "## H200 (results/baselines/h200, one H200)"
+        echo
+        echo "The calibration, fitted on the three cells of gpu-paradigms-batch16:"
+        echo
+        echo '```text'
+        grep -E "^(prefill|decode):" "$tmp/h200.log"
+        echo '```'
+        echo
+        echo "Fitted on its full and h2o cells only, so the host link keeps the datasheet's rate: the infinigen row is held out, the full and h2o rows are the fit's own cells."
+        echo
+        cat "$tmp/h200.md"
     } > docs/cost-validation.md
-    echo "docs/cost-validation.md, results/baselines/cpu/calibration-cpu.yaml, results/baselines/h100/calibration-h100-sxm.yaml"
+    echo "docs/cost-validation.md, results/baselines/cpu/calibration-cpu.yaml, results/baselines/h100/calibration-h100-sxm.yaml, results/baselines/h200/calibration-h200.yaml"

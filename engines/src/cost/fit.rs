@@ -147,6 +147,19 @@ impl Term {
     fn clear(&self, e: &mut PhaseEfficiency) {
         self.set(e, 0.0)
     }
+
+    /// The rate this term stands for in `e` (bytes/s or FLOP/s); `None` for the
+    /// overheads, which are seconds and have no ceiling.
+    fn rate(&self, e: &PhaseEfficiency) -> Option<f64> {
+        match self {
+            Term::StepOverhead | Term::PerSequence | Term::AllreduceLatency => None,
+            Term::Bandwidth => e.bandwidth,
+            Term::Flops => e.flops,
+            Term::AttentionFlops => e.attention_flops,
+            Term::Link => e.link,
+            Term::Interconnect => e.interconnect,
+        }
+    }
 }
 
 /// One measured step (or a whole phase: costs and times add up).
@@ -214,7 +227,9 @@ fn least_squares(cols: &[Vec<f64>], y: &[f64]) -> Option<Vec<f64>> {
 /// Fit `terms` to the observations by non-negative least squares (exhaustive over
 /// subsets of the terms, exact for these few unknowns); every other term, and every
 /// term whose feature is zero in every observation, is taken from `fixed` and its
-/// time subtracted first.
+/// time subtracted first. A rate `fixed` knows (the datasheet's) is a ceiling: a
+/// solution that runs a term faster than it is not physical and is not taken (the
+/// term is then either slower or hidden, 0 s, behind the others).
 pub fn fit_phase(
     obs: &[Observation],
     terms: &[Term],
@@ -240,6 +255,7 @@ pub fn fit_phase(
         .copied()
         .filter(|t| obs.iter().any(|o| t.feature(&o.cost) != 0.0))
         .collect();
+    let ceilings: Vec<Option<f64>> = live.iter().map(|t| t.rate(fixed)).collect();
     let mut base = *fixed;
     for t in &live {
         t.clear(&mut base);
@@ -281,6 +297,14 @@ pub fn fit_phase(
             continue;
         };
         if theta.iter().any(|&t| t < 0.0) {
+            continue;
+        }
+        // θ is seconds per unit: above its ceiling's rate when 1/θ exceeds it.
+        if idx
+            .iter()
+            .zip(&theta)
+            .any(|(&j, &t)| t > 0.0 && ceilings[j].is_some_and(|c| 1.0 / t > c))
+        {
             continue;
         }
         let e = sse(&theta, &idx);
@@ -411,5 +435,53 @@ mod tests {
             seconds: f64::NAN,
         }];
         assert!(fit_phase(&bad, &terms, &peak).is_err());
+    }
+
+    #[test]
+    fn no_fitted_rate_runs_faster_than_the_datasheet() {
+        // Steps of two features whose times are mostly a constant: unconstrained least
+        // squares pays for them with a tiny bandwidth coefficient (a rate far above
+        // the device's) plus an overhead. The fit must instead keep every rate at or
+        // below its ceiling.
+        let table = DeviceTable::builtin().unwrap();
+        let h100 = table.get("h100-sxm").unwrap();
+        let peak = PhaseEfficiency::peak(h100).unwrap();
+        let cfg = preset("llama-3.1-8b").unwrap();
+        let s = Setup::new(cfg, PolicySpec::full(), Precision::BF16);
+        let mut rng = 3u64;
+        let obs: Vec<Observation> = [1, 2, 4, 8, 16, 32, 64]
+            .into_iter()
+            .map(|batch| {
+                let info = SeqInfo {
+                    prompt_len: 1000,
+                    max_new_tokens: 64,
+                    prefill_len: 1000,
+                };
+                let c = decode_step(&s, &info, 1100, batch);
+                // 5 ms per step, plus a little that grows with the bytes read at 40x
+                // the device's bandwidth.
+                let t = 5e-3 + c.device_bytes() / (40.0 * 3.35e12);
+                Observation {
+                    cost: c,
+                    seconds: t * (1.0 + 0.002 * noise(&mut rng)),
+                }
+            })
+            .collect();
+        let terms = [Term::StepOverhead, Term::Bandwidth];
+        // Only the bandwidth has a ceiling here (the other rates would add their
+        // peak time to the steps).
+        let ceiling = PhaseEfficiency {
+            bandwidth: peak.bandwidth,
+            ..Default::default()
+        };
+        // Without a ceiling the fit takes the super-peak rate ...
+        let loose = fit_phase(&obs, &terms, &PhaseEfficiency::default())
+            .unwrap()
+            .efficiency;
+        assert!(loose.bandwidth.is_some_and(|b| b > 3.35e12), "{loose:?}");
+        // ... with the datasheet's it does not.
+        let e = fit_phase(&obs, &terms, &ceiling).unwrap().efficiency;
+        assert!(e.bandwidth.is_none_or(|b| b <= 3.35e12), "{e:?}");
+        assert!(e.step_overhead_s > 0.0, "{e:?}");
     }
 }
