@@ -30,13 +30,15 @@ fi
 # build whose kernels fail their checks), then the cells that decide C6-C9, then TTFT
 # (C1, C3), then the rest of the grids. The paradigms-* steps put full, h2o and
 # infinigen side by side at one batch (one batch of requests per cell), so a card with
-# no earlier cells gets the C6-C9 ratios first. A step is `name|kvbench arguments`;
-# $RES is the card's results directory.
+# no earlier cells gets the C6-C9 ratios first. A step is `name|kvbench arguments`, or
+# `name|py:script arguments` for a Python script run with the machine's PyTorch (the
+# anchors beside kvbench's numbers); $RES is the card's results directory.
 steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
   "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"
   "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
+  "torch-anchors|py:scripts/peers/torch_llama.py all --out \$RES/torch-anchors.json"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
   "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"
   "batch-infinigen|run experiments/gpu/batch-scaling-infinigen.yaml --results \$RES --adopt-legacy"
@@ -48,6 +50,12 @@ if [ "$dry" = 1 ]; then
   [ -x "$kvbench" ] || { echo "gpu-campaign: $kvbench not built (just build)" >&2; exit 1; }
   for s in "${steps[@]}"; do
     name="${s%%|*}"; args="${s#*|}"
+    if [[ "$args" == py:* ]]; then
+      echo "== $name: python3 ${args#py:}" | sed 's|\$RES|results/baselines/<card>|g'
+      script="$(awk '{print $1}' <<<"${args#py:}")"
+      python3 -m py_compile "$script"
+      continue
+    fi
     echo "== $name: kvbench ${args//\$RES/results/baselines/<card>}"
     if [[ "$args" == run\ * ]]; then
       yaml="$(awk '{print $2}' <<<"$args")"
@@ -93,7 +101,12 @@ for s in "${steps[@]}"; do
   log="$res/campaign/$name.log"
   # shellcheck disable=SC2086 # the step's arguments are words
   set +e
-  timeout --signal=KILL "$left" scripts/gpu-run.sh "$archive" "$res/campaign" $args >"$log" 2>&1
+  if [[ "$args" == py:* ]]; then
+    # shellcheck disable=SC2086 # the step's arguments are words
+    PYTHONUNBUFFERED=1 timeout --signal=KILL "$left" python3 ${args#py:} >"$log" 2>&1
+  else
+    timeout --signal=KILL "$left" scripts/gpu-run.sh "$archive" "$res/campaign" $args >"$log" 2>&1
+  fi
   rc=$?
   set -e
   tail -5 "$log"
