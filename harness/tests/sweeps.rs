@@ -138,11 +138,12 @@ fn cells_recorded_with_another_thread_count_are_named_with_the_flag_that_reads_t
     v["env"]["cpu_cores"] = 1.into();
     std::fs::write(cell, v.to_string()).unwrap();
 
-    let mut args = common::sweep_args(&exp, &results).to_vec();
-    args.extend(["--tables-only", "--threads", "2"]);
-    let o = kvbench(dir.path(), &args);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let err = stderr(&o);
+    let (_, err) = sweep(
+        dir.path(),
+        &exp,
+        &results,
+        &["--tables-only", "--threads", "2"],
+    );
     assert!(err.contains("belong to no cell"), "{err}");
     assert!(
         err.contains("1 of them are this plan's cells recorded with 1 CPU worker threads")

@@ -6,7 +6,7 @@
 //! is Fig. 8's.
 
 use crate::data::AccRow;
-use crate::select::{engine_rank, stats, variant_label, variant_styles, Variant};
+use crate::select::{engine_rank, stats, variant_label, variant_of, variant_styles, Variant};
 use crate::style::{self, engine_color, Axis, Fmt, LegendItem, LineStyle};
 use crate::{Draw, Error, Prepared, Tables};
 use plotters::coord::Shift;
@@ -78,7 +78,7 @@ pub fn prepare(t: &Tables) -> Prepared<Fig7> {
                 continue;
             };
             groups
-                .entry((engine_rank(&r.engine), r.engine.clone(), r.params.clone()))
+                .entry(variant_of(r))
                 .or_default()
                 .entry((b * 1e6).round() as i64)
                 .or_default()

@@ -5,7 +5,7 @@
 //! `bucket`, `turn`).
 
 use crate::data::AccRow;
-use crate::select::{engine_rank, stats, variant_label, variant_styles, Variant};
+use crate::select::{stats, variant_label, variant_of, variant_styles, Variant};
 use crate::style::{
     self, Axis, DrawPanel, DrawResult, Fmt, LegendItem, LineStyle, Marker, TwoPanels,
 };
@@ -105,10 +105,7 @@ pub fn prepare(t: &Tables) -> Prepared<Fig8> {
     // Variants of an engine (other parameters) are series of their own.
     let mut per_engine: BTreeMap<Variant, Vec<&AccRow>> = BTreeMap::new();
     for r in &rows {
-        per_engine
-            .entry((engine_rank(&r.engine), r.engine.clone(), r.params.clone()))
-            .or_default()
-            .push(r);
+        per_engine.entry(variant_of(r)).or_default().push(r);
     }
     let colors = variant_styles(per_engine.keys());
     for (k, rs) in per_engine {

@@ -127,6 +127,11 @@ pub struct SeriesKey {
 /// parameters (`k=v,k=v`, empty for the defaults).
 pub type Variant = (u8, String, String);
 
+/// The variant an accuracy row belongs to.
+pub fn variant_of(r: &crate::data::AccRow) -> Variant {
+    (engine_rank(&r.engine), r.engine.clone(), r.params.clone())
+}
+
 /// `h2o`, or `h2o (kv_codec=int4)` for a variant with parameters.
 pub fn variant_label(v: &Variant) -> String {
     if v.2.is_empty() {

@@ -38,6 +38,7 @@ LLAMA_8B = dict(
     tie_word_embeddings=False,
 )
 TINY = dict(
+    LLAMA_8B,
     hidden_size=128,
     intermediate_size=256,
     num_hidden_layers=2,
@@ -45,9 +46,6 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=512,
     max_position_embeddings=4096,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
 )
 
 

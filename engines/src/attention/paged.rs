@@ -76,15 +76,19 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
             .max(1)
     };
     let group_rows = heads_per_item * (h / hkv);
+    // The query heads of one work item and their KV heads.
+    let query = |row: usize, part: usize| {
+        let g0 = part * heads_per_item;
+        let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
+        (qr, g0..g0 + heads_per_item)
+    };
     if splits == 1 {
         let work = |(item, o): (usize, &mut [f32])| {
             let (row, part) = (item / items_per_row, item % items_per_row);
             let Some((si, pos)) = row_info[row] else {
                 return;
             };
-            let g0 = part * heads_per_item;
-            let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
-            let groups = g0..g0 + heads_per_item;
+            let (qr, groups) = query(row, part);
             let mut ml = vec![0f32; 2 * group_rows];
             attend_row(
                 avx,
@@ -124,9 +128,7 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
             let span = n.div_ceil(splits).div_ceil(s.block_size) * s.block_size;
             let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
             if !keys.is_empty() {
-                let g0 = part * heads_per_item;
-                let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
-                let groups = g0..g0 + heads_per_item;
+                let (qr, groups) = query(row, part);
                 attend_row(
                     avx,
                     qr,
@@ -406,13 +408,12 @@ pub fn dot_with(avx: bool, a: &[f32], b: &[f32]) -> f32 {
 #[inline]
 pub fn dot4_with(avx: bool, w: &[f32], x: &[f32]) -> [f32; 4] {
     debug_assert!(w.len() >= 4 * x.len());
-    #[cfg(target_arch = "x86_64")]
+    // Re-checked (a cached load) so a wrong `avx` cannot reach the AVX2 code.
     if avx && has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA (checked just above).
-        return unsafe { simd::dot4(w, x) };
+        dot4_dispatch::<true>(w, x)
+    } else {
+        dot4_dispatch::<false>(w, x)
     }
-    let k = x.len();
-    std::array::from_fn(|i| dot(&w[i * k..(i + 1) * k], x))
 }
 
 /// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.
