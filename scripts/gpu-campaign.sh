@@ -27,8 +27,9 @@ if [ "$dry" = 0 ] && [ -z "$out" ]; then
 fi
 
 # Steps in the order the plan needs them: correctness first (nothing is measured on a
-# build whose kernels fail their checks), then the cells that decide C6-C9, then TTFT
-# (C1, C3), then the rest of the grids. The paradigms-* steps put full, h2o and
+# build whose kernels fail their checks), then the short steps that are sure to finish
+# inside one call (kvbench's side of the PyTorch anchors; TTFT with flash for C1 and C3),
+# then the cells that decide C6-C9, then the rest of the grids. The paradigms-* steps put full, h2o and
 # infinigen side by side at one batch (one batch of requests per cell), so a card with
 # no earlier cells gets the C6-C9 ratios first. A step is `name|kvbench arguments`, or
 # `name|py:script arguments` for a Python script run with the machine's PyTorch (the
@@ -36,9 +37,11 @@ fi
 steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
+  "anchors-kvbench|run experiments/gpu/anchors.yaml --results \$RES"
+  "ttft-flash|run experiments/gpu/ttft-flash.yaml --results \$RES"
   "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"
-  "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
   "torch-anchors|py:scripts/peers/torch_llama.py all --out \$RES/torch-anchors.json"
+  "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
   "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"
   "batch-infinigen|run experiments/gpu/batch-scaling-infinigen.yaml --results \$RES --adopt-legacy"

@@ -119,7 +119,7 @@ def sdpa(dev, shapes, lengths):
     return rows
 
 
-def decode(dev, shapes, batches, prompt, new, reps):
+def decode(dev, shapes, batches, prompt, new, reps, done=lambda rows: None):
     from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -171,6 +171,7 @@ def decode(dev, shapes, batches, prompt, new, reps):
         })
         print(f"decode batch {b:>3} after {prompt} tokens: {tok_s:9.1f} tok/s, "
               f"{(whole - first) / new * 1e3:7.2f} ms per step (first token {first:.3f} s)")
+        done(rows)
     return rows
 
 
@@ -199,14 +200,24 @@ def main():
         "transformers": transformers.__version__,
         "shapes": "tiny" if a.tiny else "llama-3.1-8b",
     }
+
+    # Written after each part and each batch: a run stopped at a time limit keeps what
+    # it measured.
+    def save():
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
     if a.what in ("sdpa", "all"):
         res["sdpa"] = sdpa(dev, shapes, [int(x) for x in a.lengths.split(",")])
+        save()
     if a.what in ("decode", "all"):
-        res["decode"] = decode(dev, shapes, [int(x) for x in a.batches.split(",")],
-                               a.prompt, a.new, a.reps)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+        def done(rows):
+            res["decode"] = rows
+            save()
+
+        decode(dev, shapes, [int(x) for x in a.batches.split(",")], a.prompt, a.new,
+               a.reps, done)
 
 
 if __name__ == "__main__":
