@@ -124,7 +124,8 @@ for s in "${steps[@]}"; do
   # (the next call retries those cells).
   if [ "$rc" = 0 ] && [[ "$args" == run\ * ]]; then
     exp_name="$(awk '/^name:/ {print $2; exit}' "$(awk '{print $2}' <<<"$args")")"
-    crashed="$(grep -l '"outcome":"error"' "$res/$exp_name"/cells/*.json 2>/dev/null | wc -l)"
+    # (grep finds nothing in a clean sweep: under pipefail that must not end the script.)
+    crashed="$( (grep -l '"outcome":"error"' "$res/$exp_name"/cells/*.json 2>/dev/null || true) | wc -l)"
     if [ "$crashed" -gt 0 ]; then
       echo "== $name: $crashed cell(s) ended in an error (see $log); not marked done" >&2
       status=1
