@@ -258,7 +258,7 @@ impl Tables {
         }
         if t.accuracy.is_none() {
             t.accuracy_missing = Some(format!(
-                "{} not found (the experiment measured no accuracy; accuracy runs are not built yet)",
+                "{} not found (the experiment has no accuracy or retention cells: `kind: accuracy` or `kind: retention` experiments record them)",
                 acc_path.display()
             ));
         }
@@ -422,7 +422,7 @@ impl Tables {
         };
         let accuracy_missing = accuracy
             .is_none()
-            .then(|| "no accuracy table (accuracy runs are not built yet)".to_string());
+            .then(|| "no accuracy table (no accuracy or retention cells)".to_string());
         Tables {
             dir: dir.to_path_buf(),
             meta,

@@ -614,12 +614,15 @@ fn c1_judges_lowest_ttft_reach_and_the_baselines_oom_boundary() {
         "{ev}"
     );
     assert!(ev.contains("full runs a 131000-token prompt"), "{ev}");
-    // A grid that stops at 8192: the lowest TTFT is judged, the rest named.
-    let (v, ev) = claim(
-        &without(ttft_study(0), |r| r.prompt() <= Some(8192.0)),
-        "C1",
-    );
-    assert_eq!(v, Agrees, "{ev}");
+    // A grid that stops at 8192: the lowest TTFT is judged and the rest named; it can
+    // refute the claim about every length up to 128K but never confirm it.
+    let short = || without(ttft_study(0), |r| r.prompt() <= Some(8192.0));
+    let (v, ev) = claim(&short(), "C1");
+    assert_eq!(v, CannotTell, "{ev}");
+    assert!(ev.contains("by prompt length — 1024: full"), "{ev}");
+    let h2o_faster = edit(short(), "h2o", |r| r.ttft_mean_s = Some(1e-3));
+    let (v, ev) = claim(&h2o_faster, "C1");
+    assert_eq!(v, Disagrees, "{ev}");
     assert!(
         ev.contains("not checked: full reaching 128K: the grid's longest prompt is 8192"),
         "{ev}"
