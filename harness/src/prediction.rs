@@ -182,6 +182,7 @@ pub fn predict_cell(
         None => None,
     };
     let mem = cost::memory(&device, &sc)?;
+    let not_modelled = setup.not_modelled();
     let mut result = CellResult {
         env: Environment::predicted(&device.name, &target.efficiency.source),
         id: cell.id.clone(),
@@ -202,6 +203,11 @@ pub fn predict_cell(
         steps: Vec::new(),
         predicted: true,
     };
+    if let Some(why) = not_modelled {
+        result.outcome = Outcome::Error;
+        result.error = Some(format!("{NOT_MODELLED}: {why}"));
+        return Ok(result);
+    }
     if let Some(o) = mem.oom {
         result.outcome = Outcome::Oom;
         result.error = Some(format!(
@@ -271,6 +277,8 @@ pub struct CellObservations {
     pub aligned: usize,
     /// Measured steps past the first one the simulation scheduled differently.
     pub dropped: usize,
+    /// Cells left out of the fit because the model does not describe them: (key, why).
+    pub left_out: Vec<(String, &'static str)>,
 }
 
 /// Steps of a measured cell, in order: (prefill rows, decode rows, seconds).
@@ -521,6 +529,17 @@ impl Measured {
             if !engines.is_empty() && !engines.contains(&cell.engine) {
                 continue;
             }
+            let setup = cell_setup(
+                &self.plan,
+                &cell,
+                &self.cfg,
+                precision(&self.plan, device.kind)?,
+                device.kind,
+            )?;
+            if let Some(why) = setup.not_modelled() {
+                all.left_out.push((cell.key(), why));
+                continue;
+            }
             let Some((reqs, steps)) = data.get(&cell.key()) else {
                 continue;
             };
@@ -559,12 +578,16 @@ pub fn calibrate(
         let (o, cells) = m.observations(device, engines)?;
         if cells == 0 {
             bail!(
-                "{}: no cell with outcome ok and recorded steps to fit{}",
+                "{}: no cell with outcome ok and recorded steps to fit{}{}",
                 m.dir.display(),
                 if engines.is_empty() {
                     String::new()
                 } else {
                     format!(" among the engines {}", engines.join(", "))
+                },
+                match o.left_out.first() {
+                    Some((_, why)) => format!(" ({} left out: {why})", o.left_out.len()),
+                    None => String::new(),
                 }
             );
         }
@@ -573,10 +596,15 @@ pub fn calibrate(
         all.decode.extend(o.decode);
         all.aligned += o.aligned;
         all.dropped += o.dropped;
+        all.left_out.extend(o.left_out);
     }
     let c = Calibration::fit(device, sources, &all.prefill, &all.decode)?;
     Ok((c, all))
 }
+
+/// A validation's predicted outcome, and the start of a prediction's error, for a cell
+/// the model does not describe ([`cost::Setup::not_modelled`]).
+pub const NOT_MODELLED: &str = "not modelled";
 
 /// The metrics a validation compares, as runs.parquet names them.
 pub const VALIDATED: [&str; 4] = ["ttft_mean_s", "tpot_mean_s", "decode_tok_s", "e2e_mean_s"];
@@ -628,10 +656,18 @@ pub fn validate(m: &Measured, target: &Target) -> Result<Vec<CellCheck>> {
             key: r.cell.key(),
             attention: r.cell.attention.clone(),
             measured_outcome: r.outcome.clone(),
-            predicted_outcome: serde_json::to_value(p.outcome)?
-                .as_str()
-                .unwrap_or_default()
-                .to_string(),
+            predicted_outcome: if p
+                .error
+                .as_deref()
+                .is_some_and(|e| e.starts_with(NOT_MODELLED))
+            {
+                NOT_MODELLED.to_string()
+            } else {
+                serde_json::to_value(p.outcome)?
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            },
             values: VALIDATED
                 .iter()
                 .enumerate()
@@ -675,11 +711,20 @@ pub fn metric_errors(checks: &[CellCheck]) -> Result<Vec<MetricError>> {
 
 /// Cells whose predicted outcome (ok / oom) differs from the measured one.
 pub fn outcome_mismatches(checks: &[CellCheck]) -> Vec<&CellCheck> {
+    outcome_compared(checks)
+        .into_iter()
+        .filter(|c| c.measured_outcome != c.predicted_outcome)
+        .collect()
+}
+
+/// The cells whose outcome a validation compares: measured ok or out of memory (a
+/// measured error says nothing of the model) and described by the model.
+pub fn outcome_compared(checks: &[CellCheck]) -> Vec<&CellCheck> {
     checks
         .iter()
         .filter(|c| {
             ["ok", "oom"].contains(&c.measured_outcome.as_str())
-                && c.measured_outcome != c.predicted_outcome
+                && c.predicted_outcome != NOT_MODELLED
         })
         .collect()
 }

@@ -46,6 +46,7 @@ pub use traffic::{decode_row, decode_step, forward_weights, prefill, prefill_row
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
 use crate::kv::KvCodec;
+use crate::policy::infinigen::Transfer;
 use crate::policy::spec::PolicySpec;
 use std::path::PathBuf;
 
@@ -161,6 +162,25 @@ impl Setup {
         match self.backend {
             DeviceKind::Cpu => self.policy.params().cpu_kv_codec(own, self.kv_codec),
             _ => self.kv_codec.unwrap_or(own),
+        }
+    }
+
+    /// What of this setup the model does not describe, if anything: a prediction of it
+    /// would be a number for another system, so calibrations leave such cells out and
+    /// predictions refuse them.
+    pub fn not_modelled(&self) -> Option<&'static str> {
+        match &self.policy {
+            // The CPU policy copies the selected rows in process either way.
+            PolicySpec::Infinigen(p)
+                if p.transfer == Transfer::Memcpy && self.backend == DeviceKind::Gpu =>
+            {
+                Some(
+                    "InfiniGen's `transfer: memcpy` on a GPU (a host gather, a copy, then the \
+                     layers, one after another) is not modelled: the model's host-link term \
+                     is the zero-copy gather that runs beside the layers",
+                )
+            }
+            _ => None,
         }
     }
 

@@ -452,6 +452,28 @@ mod tests {
         Setup::new(tiny(), policy, Precision::F32)
     }
 
+    #[test]
+    fn only_infinigens_memcpy_transfer_on_a_gpu_is_not_modelled() {
+        let memcpy = || {
+            PolicySpec::parse("infinigen", 0.3, &[("transfer".into(), "memcpy".into())]).unwrap()
+        };
+        let mut gpu = setup(memcpy());
+        gpu.backend = crate::cost::DeviceKind::Gpu;
+        assert!(gpu.not_modelled().is_some_and(|w| w.contains("memcpy")));
+        // The CPU policy copies rows in process whatever the transfer.
+        assert_eq!(setup(memcpy()).not_modelled(), None);
+        for (name, budget) in [
+            ("full", 1.0),
+            ("h2o", 0.3),
+            ("infinigen", 0.3),
+            ("streaming", 0.3),
+        ] {
+            let mut s = setup(PolicySpec::parse(name, budget, &[]).unwrap());
+            s.backend = crate::cost::DeviceKind::Gpu;
+            assert_eq!(s.not_modelled(), None, "{name}");
+        }
+    }
+
     fn info(l0: usize, t: usize) -> SeqInfo {
         SeqInfo {
             prompt_len: l0,

@@ -4,8 +4,8 @@
 //! and reports the error per metric against their measurements.
 
 use crate::prediction::{
-    calibrate, metric_errors, outcome_mismatches, validate, CellCheck, Measured, MetricError,
-    Target, VALIDATED,
+    calibrate, metric_errors, outcome_compared, outcome_mismatches, validate, CellCheck, Measured,
+    MetricError, Target, NOT_MODELLED, VALIDATED,
 };
 use crate::run::write_atomic;
 use anyhow::{bail, Context, Result};
@@ -184,12 +184,31 @@ pub fn validation_markdown(
         }
     }
     let wrong = outcome_mismatches(checks);
-    let _ = writeln!(
+    let compared = outcome_compared(checks).len();
+    let _ = write!(
         s,
-        "\nOutcomes (ok / oom): {} of {} cells predicted right.\n",
-        checks.len() - wrong.len(),
-        checks.len()
+        "\nOutcomes (ok / oom): {} of {} cells predicted right",
+        compared - wrong.len(),
+        compared
     );
+    let not_modelled = checks
+        .iter()
+        .filter(|c| c.predicted_outcome == NOT_MODELLED)
+        .count();
+    if not_modelled > 0 {
+        let _ = write!(s, "; {not_modelled} not modelled, so not predicted");
+    }
+    let failed = checks
+        .iter()
+        .filter(|c| !["ok", "oom"].contains(&c.measured_outcome.as_str()))
+        .count();
+    if failed > 0 {
+        let _ = write!(
+            s,
+            "; {failed} ended in an error when measured, not compared"
+        );
+    }
+    let _ = writeln!(s, ".\n");
     let _ = write!(s, "| cell | outcome (measured / predicted) |");
     for m in VALIDATED {
         let _ = write!(s, " {m} (measured / predicted) |");
@@ -222,6 +241,9 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         .map(|d| Measured::load(d, &a.models_dir))
         .collect::<Result<_>>()?;
     let (cal, obs) = calibrate(&measured, &device, &a.engines)?;
+    for (key, why) in &obs.left_out {
+        eprintln!("left out of the fit: {key}: {why}");
+    }
     eprintln!(
         "{} steps of {} paired with the model's schedule ({} after a divergence left out)",
         obs.aligned,
