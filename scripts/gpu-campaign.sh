@@ -33,10 +33,13 @@ fi
 # infinigen side by side at one batch (one batch of requests per cell), so a card with
 # no earlier cells gets the C6-C9 ratios first. A step is `name|kvbench arguments`, or
 # `name|py:script arguments` for a Python script run with the machine's PyTorch (the
-# anchors beside kvbench's numbers); $RES is the card's results directory.
+# anchors beside kvbench's numbers), with an optional third field of VAR=value words
+# set for that step alone; $RES is the card's results directory.
 steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
+  "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
+  "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
   "anchors-kvbench|run experiments/gpu/anchors.yaml --results \$RES"
   "ttft-flash|run experiments/gpu/ttft-flash.yaml --results \$RES"
   "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"
@@ -53,7 +56,9 @@ if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"
   [ -x "$kvbench" ] || { echo "gpu-campaign: $kvbench not built (just build)" >&2; exit 1; }
   for s in "${steps[@]}"; do
-    name="${s%%|*}"; args="${s#*|}"
+    name="${s%%|*}"; args="${s#*|}"; envs=""
+    if [[ "$args" == *"|"* ]]; then envs="${args#*|}"; args="${args%%|*}"; fi
+    [ -n "$envs" ] && echo "== $name: with $envs"
     if [[ "$args" == py:* ]]; then
       echo "== $name: python3 ${args#py:}" | sed 's|\$RES|results/baselines/<card>|g'
       script="$(awk '{print $1}' <<<"${args#py:}")"
@@ -99,7 +104,9 @@ deadline=$(( $(date +%s) + ${KVBENCH_CAMPAIGN_SECONDS:-510} ))
 only=" ${KVBENCH_CAMPAIGN_STEPS:-} "
 status=0
 for s in "${steps[@]}"; do
-  name="${s%%|*}"; args="${s#*|}"; args="${args//\$RES/$res}"
+  name="${s%%|*}"; args="${s#*|}"; envs=""
+  if [[ "$args" == *"|"* ]]; then envs="${args#*|}"; args="${args%%|*}"; fi
+  args="${args//\$RES/$res}"
   [ -f "$res/campaign/$name.done" ] && continue
   if [ -n "${KVBENCH_CAMPAIGN_STEPS:-}" ] && [[ "$only" != *" $name "* ]]; then continue; fi
   left=$(( deadline - $(date +%s) ))
@@ -107,16 +114,17 @@ for s in "${steps[@]}"; do
   if [[ "$args" == py:* ]]; then
     echo "== $name ($left s left): python3 ${args#py:}"
   else
-    echo "== $name ($left s left): kvbench $args"
+    echo "== $name ($left s left): ${envs:+$envs }kvbench $args"
   fi
   log="$res/campaign/$name.log"
   # shellcheck disable=SC2086 # the step's arguments are words
   set +e
   if [[ "$args" == py:* ]]; then
     # shellcheck disable=SC2086 # the step's arguments are words
-    PYTHONUNBUFFERED=1 timeout --signal=KILL "$left" python3 ${args#py:} >"$log" 2>&1
+    env $envs PYTHONUNBUFFERED=1 timeout --signal=KILL "$left" python3 ${args#py:} >"$log" 2>&1
   else
-    timeout --signal=KILL "$left" scripts/gpu-run.sh "$archive" "$res/campaign" $args >"$log" 2>&1
+    # shellcheck disable=SC2086 # VAR=value words
+    env $envs timeout --signal=KILL "$left" scripts/gpu-run.sh "$archive" "$res/campaign" $args >"$log" 2>&1
   fi
   rc=$?
   set -e
@@ -125,8 +133,10 @@ for s in "${steps[@]}"; do
   # (the next call retries those cells).
   if [ "$rc" = 0 ] && [[ "$args" == run\ * ]]; then
     exp_name="$(awk '/^name:/ {print $2; exit}' "$(awk '{print $2}' <<<"$args")")"
+    # The step's --results directory (the card's, or one under it).
+    exp_res="$(awk '{for (i = 1; i < NF; i++) if ($i == "--results") print $(i + 1)}' <<<"$args")"
     # (grep finds nothing in a clean sweep: under pipefail that must not end the script.)
-    crashed="$( (grep -l '"outcome":"error"' "$res/$exp_name"/cells/*.json 2>/dev/null || true) | wc -l)"
+    crashed="$( (grep -l '"outcome":"error"' "${exp_res:-$res}/$exp_name"/cells/*.json 2>/dev/null || true) | wc -l)"
     if [ "$crashed" -gt 0 ]; then
       echo "== $name: $crashed cell(s) ended in an error (see $log); not marked done" >&2
       status=1

@@ -286,7 +286,7 @@ fn the_h200_calibration_leaves_out_the_transfer_it_does_not_model() {
     let (cal, obs) = calibrate(&[dir("gpu-paradigms-batch16")], &h200, &[]).unwrap();
     assert_eq!(obs.left_out.len(), 1, "{:?}", obs.left_out);
     assert!(obs.left_out[0].0.contains("transfer=memcpy"));
-    assert!(obs.left_out[0].1.contains("not modelled"));
+    assert!(obs.left_out[0].1.contains("zero-copy"), "{}", obs.left_out[0].1);
     let committed = repo().join("results/baselines/h200/calibration-h200.yaml");
     assert_eq!(Calibration::load(&committed).unwrap(), cal);
     let target = Target {

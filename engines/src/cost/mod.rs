@@ -176,8 +176,8 @@ impl Setup {
             {
                 Some(
                     "InfiniGen's `transfer: memcpy` on a GPU (a host gather, a copy, then the \
-                     layers, one after another) is not modelled: the model's host-link term \
-                     is the zero-copy gather that runs beside the layers",
+                     layers, one after another): the model's host-link term is the zero-copy \
+                     gather that runs beside the layers",
                 )
             }
             _ => None,

@@ -3,8 +3,8 @@
 //! --device cuda` runs these before the model checks.
 
 use super::{
-    device_of, flash_prefill, kv_gather, kv_write, paged_decode, prefill_attention, synchronize,
-    DecodeShape, DecodeTables, LayerCache,
+    device_of, flash_prefill, kv_gather, kv_write, paged_decode, paged_decode_impl, partition_size,
+    prefill_attention, synchronize, DecodeKernel, DecodeShape, DecodeTables, LayerCache,
 };
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
@@ -163,22 +163,10 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             pass: worst == 0.0,
         });
 
-        // Decode: one query row per sequence at its last position.
+        // Decode: one query row per sequence at its last position, with each partition
+        // kernel that takes the shape; then the longest sequence alone (one row: the
+        // partitions shrink to fill the card).
         let q = rand_bf16(&mut rng, lens.len() * h * d, 2.0);
-        let got = paged_decode(
-            &cache,
-            &upload(&q, &[lens.len(), h, d], dev)?,
-            &DecodeTables::new(&cuda, &tables, &lens)?,
-            DecodeShape {
-                num_heads: h,
-                num_kv_heads: kvh,
-                head_dim: d,
-                block_size: bs,
-                part_size: part,
-            },
-        )?;
-        synchronize(&cuda)?;
-        let got = download(&got)?;
         let mut reference = Vec::new();
         for (si, &l) in lens.iter().enumerate() {
             let (k, v) = &keys[si];
@@ -191,12 +179,55 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 d,
             ));
         }
-        let e = rel_err(&got, &reference);
-        out.push(bf16_check(
-            "paged_decode",
-            format!("H={h} KVH={kvh} D={d} block={bs} partition={part}, contexts {lens:?}"),
-            e,
-        ));
+        let shape = DecodeShape {
+            num_heads: h,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: bs,
+            part_size: part,
+        };
+        let last = lens.len() - 1;
+        for (kernel, name) in [
+            (DecodeKernel::Vector, "paged_decode (vector)"),
+            (DecodeKernel::Scalar, "paged_decode (scalar)"),
+        ] {
+            if !kernel.applies(d, h / kvh, false) {
+                continue;
+            }
+            for (rows, sub) in [
+                (0..lens.len(), "every sequence"),
+                (last..lens.len(), "the longest alone"),
+            ] {
+                let n = rows.len();
+                let got = paged_decode_impl(
+                    &cache,
+                    &upload(&q[rows.start * h * d..rows.end * h * d], &[n, h, d], dev)?,
+                    &DecodeTables::new(&cuda, &tables[rows.clone()], &lens[rows.clone()])?,
+                    shape,
+                    None,
+                    None,
+                    Some(kernel),
+                )?;
+                synchronize(&cuda)?;
+                let e = rel_err(
+                    &download(&got)?,
+                    &reference[rows.start * h * d..rows.end * h * d],
+                );
+                let p = partition_size(
+                    part,
+                    n * kvh,
+                    lens[rows.clone()].iter().copied().max().unwrap_or(0),
+                );
+                out.push(bf16_check(
+                    name,
+                    format!(
+                        "H={h} KVH={kvh} D={d} block={bs} partition {p} (at most {part}), {sub}: contexts {:?}",
+                        &lens[rows]
+                    ),
+                    e,
+                ));
+            }
+        }
 
         // Flash prefill through the block tables: a whole prompt (sequence 4) and the
         // last 200 rows of sequence 6 after its cached prefix.

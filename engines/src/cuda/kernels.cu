@@ -222,6 +222,200 @@ extern "C" __global__ void paged_decode_part_rolling_bf16(
                             Rolling{pos, params, rope_cos, rope_sin});
 }
 
+// The partition pass with 16-byte loads, for D = 64 or 128 and groups of up to MAXG
+// query heads: same grid, outputs and scratch layout as paged_decode_part_bf16. A key's
+// row for one KV head (D bf16 = D * 2 bytes) is read by D / 8 lanes, 8 elements each,
+// so a warp takes 32 / (D / 8) keys at a time, and each row is read once for the whole
+// group (every lane keeps its 8 elements of the group's queries in registers). The V
+// pass splits keys across lanes and warps the same way: each lane accumulates its 8
+// output elements of every head, then the lanes and warps that hold the same elements
+// are summed. Shared memory: G * P floats of scores, then warps * G * D floats.
+// (Four blocks per SM in the launch bounds: without them ptxas spills the G = 4 build.)
+template <int D, int MAXG>
+__device__ __forceinline__ void paged_decode_part_vec(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
+    const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
+    float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
+    int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
+    int part_size, float scale) {
+    constexpr int LPR = D / 8;          // lanes per key row
+    constexpr int RPW = WARP / LPR;     // keys per warp step
+    extern __shared__ float smem[];
+    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int parts = gridDim.z;
+    const int H = num_kv_heads * group;
+    const int ctx = ctx_lens[row];
+    const int start = part * part_size;
+    const int end = min(ctx, start + part_size);
+    const int n = end - start;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    const int sub = lane / LPR, sl = lane % LPR;
+    const int64_t head0 = (int64_t)row * H + kvh * group;
+
+    if (n <= 0) {
+        for (int i = threadIdx.x; i < group; i += blockDim.x) {
+            const int64_t o = (head0 + i) * parts + part;
+            part_m[o] = -INFINITY;
+            part_l[o] = 0.f;
+        }
+        for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+            const int64_t o = (head0 + i / D) * parts + part;
+            part_acc[o * D + i % D] = 0.f;
+        }
+        return;
+    }
+    float* ss = smem;                          // [G, P]
+    float* sacc = smem + group * part_size;    // [warps, G, D]
+
+    // This lane's 8 elements of each query head of the group.
+    float qr[MAXG][8];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+            const uint4 raw_q = *reinterpret_cast<const uint4*>(q + (head0 + g) * D + sl * 8);
+            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_q);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __bfloat1622float2(h2[i]);
+                qr[g][2 * i] = f.x;
+                qr[g][2 * i + 1] = f.y;
+            }
+        }
+    }
+
+    const int32_t* table = tables + (int64_t)row * max_blocks;
+    const int64_t row_elems = (int64_t)num_kv_heads * D;
+    // Every lane of a warp runs the same number of steps (the shuffles need them all);
+    // lanes past the partition's last key load nothing and write nothing.
+    for (int base = warp * RPW; base < n; base += warps * RPW) {
+        const int j = base + sub;
+        const bool valid = j < n;
+        float k8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (valid) {
+            const int t = start + j;
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            const uint4 raw_k = *reinterpret_cast<const uint4*>(
+                k_cache + slot * row_elems + (int64_t)kvh * D + sl * 8);
+            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_k);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __bfloat1622float2(h2[i]);
+                k8[2 * i] = f.x;
+                k8[2 * i + 1] = f.y;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < MAXG; ++g) {
+            if (g < group) {
+                float acc = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
+#pragma unroll
+                for (int o = LPR / 2; o > 0; o >>= 1)
+                    acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                if (valid && sl == 0) {
+                    ss[g * part_size + j] = acc * scale;
+                    if (raw != nullptr)
+                        raw[(head0 + g) * raw_stride + start + j] = acc * scale;
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    // Per head: max and sum of exp over the partition (one warp per head at a time).
+    for (int g = warp; g < group; g += warps) {
+        float m = -INFINITY;
+        for (int j = lane; j < n; j += WARP) m = fmaxf(m, ss[g * part_size + j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < n; j += WARP) {
+            const float p = __expf(ss[g * part_size + j] - m);
+            ss[g * part_size + j] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            const int64_t o = (head0 + g) * parts + part;
+            part_m[o] = m;
+            part_l[o] = l;
+        }
+    }
+    __syncthreads();
+
+    float acc[MAXG][8];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    for (int base = warp * RPW; base < n; base += warps * RPW) {
+        const int j = base + sub;
+        if (j < n) {
+            const int t = start + j;
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            const uint4 raw_v = *reinterpret_cast<const uint4*>(
+                v_cache + slot * row_elems + (int64_t)kvh * D + sl * 8);
+            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_v);
+            float v8[8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __bfloat1622float2(h2[i]);
+                v8[2 * i] = f.x;
+                v8[2 * i + 1] = f.y;
+            }
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g < group) {
+                    const float p = ss[g * part_size + j];
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
+                }
+            }
+        }
+    }
+    // Sum the lanes of a warp that hold the same elements (same sl, other keys), then
+    // the warps through shared memory.
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float x = acc[g][i];
+#pragma unroll
+                for (int o = LPR; o < WARP; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (sub == 0) sacc[(warp * group + g) * D + sl * 8 + i] = x;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        float x = 0.f;
+        for (int w = 0; w < warps; ++w) x += sacc[w * group * D + i];
+        const int64_t o = (head0 + i / D) * parts + part;
+        part_acc[o * D + i % D] = x;
+    }
+}
+
+#define PAGED_DECODE_VEC(D, MAXG)                                                            \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
+        paged_decode_part_vec_d##D##_g##MAXG##_bf16(                                         \
+            const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,  \
+            const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,   \
+            const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
+            float* __restrict__ part_l, float* __restrict__ part_acc,                        \
+            float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
+        paged_decode_part_vec<D, MAXG>(q, k_cache, v_cache, tables, ctx_lens, part_m,        \
+                                       part_l, part_acc, raw, raw_stride, num_kv_heads,      \
+                                       group, block_size, max_blocks, part_size, scale);     \
+    }
+PAGED_DECODE_VEC(64, 4)
+PAGED_DECODE_VEC(64, 8)
+PAGED_DECODE_VEC(128, 4)
+PAGED_DECODE_VEC(128, 8)
+
 // Reduction pass: grid (rows, H), block >= D threads. out = sum_p acc_p e^{m_p - M} /
 // sum_p l_p e^{m_p - M}; lse (optional, may be null) = M + log(L) in natural log of
 // the scaled scores.

@@ -292,6 +292,58 @@ pub struct DecodeShape {
     pub part_size: usize,
 }
 
+/// Which partition kernel a paged decode launches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// 16-byte loads, each K/V row read once for the whole query group, keys split
+    /// across lanes and warps in both passes: head dims 64 and 128, groups of up to 8,
+    /// keys cached with RoPE applied.
+    Vector,
+    /// One warp per key with 2-byte loads, and one thread per output element walking
+    /// the partition's keys: any shape, and keys rotated as they are read.
+    Scalar,
+}
+
+impl DecodeKernel {
+    /// The vector kernel where it applies, unless [`scalar_forced`].
+    fn choose(head_dim: usize, group: usize, rolling: bool) -> Self {
+        if !scalar_forced() && Self::Vector.applies(head_dim, group, rolling) {
+            Self::Vector
+        } else {
+            Self::Scalar
+        }
+    }
+
+    fn applies(self, head_dim: usize, group: usize, rolling: bool) -> bool {
+        match self {
+            Self::Vector => !rolling && matches!(head_dim, 64 | 128) && (1..=8).contains(&group),
+            Self::Scalar => true,
+        }
+    }
+}
+
+/// `KVBENCH_PAGED_DECODE=scalar`: the decode of earlier builds, the scalar kernel with
+/// the callers' fixed partitions (a fallback should the vector kernel fail on a card,
+/// and the "before" of a comparison in one sitting).
+pub fn scalar_forced() -> bool {
+    std::env::var("KVBENCH_PAGED_DECODE").is_ok_and(|v| v == "scalar")
+}
+
+/// Blocks a decode launch aims for: two per SM of a 132-SM H100 or H200. With few rows
+/// (batch 1) partitions shrink until rows × KV heads × partitions reaches it.
+const DECODE_MIN_BLOCKS: usize = 264;
+
+/// Keys per partition: at most `max`, fewer (a multiple of 64, at least 64) when
+/// `row_heads` (rows × KV heads) blocks per partition would leave SMs idle.
+pub(crate) fn partition_size(max: usize, row_heads: usize, max_ctx: usize) -> usize {
+    let parts = DECODE_MIN_BLOCKS.div_ceil(row_heads.max(1));
+    max_ctx
+        .div_ceil(parts)
+        .next_multiple_of(64)
+        .clamp(64, max.max(64))
+        .min(max)
+}
+
 /// Block tables and context lengths of a step's decode rows, on the device: built once
 /// per step and used by every layer.
 pub struct DecodeTables {
@@ -366,7 +418,7 @@ pub fn paged_decode_with(
     s: DecodeShape,
     scores: Option<DecodeScores<'_>>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, scores, None)
+    paged_decode_impl(cache, q, t, s, scores, None, None)
 }
 
 /// Keys cached without RoPE and rotated as they are read, to their index in the cache
@@ -390,7 +442,7 @@ pub fn paged_decode_rolling(
     s: DecodeShape,
     roll: RollingKeys<'_>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, None, Some(roll))
+    paged_decode_impl(cache, q, t, s, None, Some(roll), None)
 }
 
 pub(crate) fn paged_decode_impl(
@@ -400,6 +452,7 @@ pub(crate) fn paged_decode_impl(
     s: DecodeShape,
     scores: Option<DecodeScores<'_>>,
     roll: Option<RollingKeys<'_>>,
+    kernel: Option<DecodeKernel>,
 ) -> Result<Tensor> {
     check_bf16(q, "paged_decode q")?;
     let dev = device_of(q.device())?;
@@ -419,8 +472,20 @@ pub(crate) fn paged_decode_impl(
         )?);
     }
     let max_blocks = t.max_blocks;
-    let parts = t.max_ctx.div_ceil(s.part_size).max(1);
     let group = h / kvh;
+    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group, roll.is_some()));
+    if !kernel.applies(d, group, roll.is_some()) {
+        return Err(Error::Config(format!(
+            "paged_decode: the {kernel:?} kernel does not take head dim {d}, group {group}{}",
+            if roll.is_some() { ", rolling keys" } else { "" }
+        )));
+    }
+    let part_size = if scalar_forced() {
+        s.part_size
+    } else {
+        partition_size(s.part_size, rows * kvh, t.max_ctx)
+    };
+    let parts = t.max_ctx.div_ceil(part_size).max(1);
 
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
@@ -446,7 +511,7 @@ pub(crate) fn paged_decode_impl(
     let (bs_i, mb_i, ps_i) = (
         as_i32(s.block_size, "block size")?,
         as_i32(max_blocks, "blocks")?,
-        as_i32(s.part_size, "partition")?,
+        as_i32(part_size, "partition")?,
     );
     if let Some(sc) = &scores {
         if sc.stride < t.max_ctx || sc.raw.len() < rows * h * sc.stride || sc.lse.len() < rows * h {
@@ -465,10 +530,13 @@ pub(crate) fn paged_decode_impl(
         ),
         None => (None, None, 0),
     };
-    let name = if roll.is_some() {
-        "paged_decode_part_rolling_bf16"
-    } else {
-        "paged_decode_part_bf16"
+    let name = match (kernel, roll.is_some(), d, group) {
+        (DecodeKernel::Scalar, true, ..) => "paged_decode_part_rolling_bf16",
+        (DecodeKernel::Scalar, false, ..) => "paged_decode_part_bf16",
+        (DecodeKernel::Vector, _, 64, ..=4) => "paged_decode_part_vec_d64_g4_bf16",
+        (DecodeKernel::Vector, _, 64, _) => "paged_decode_part_vec_d64_g8_bf16",
+        (DecodeKernel::Vector, _, _, ..=4) => "paged_decode_part_vec_d128_g4_bf16",
+        (DecodeKernel::Vector, ..) => "paged_decode_part_vec_d128_g8_bf16",
     };
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     let mut b = f.builder();
@@ -495,7 +563,12 @@ pub(crate) fn paged_decode_impl(
     if let Some(r) = &roll {
         b.arg(r.pos).arg(r.params).arg(r.cos).arg(r.sin);
     }
-    let shared = (group * d + group * s.part_size) * 4;
+    let shared = match kernel {
+        DecodeKernel::Scalar => (group * d + group * part_size) * 4,
+        DecodeKernel::Vector => {
+            (group * part_size + (DECODE_THREADS as usize / 32) * group * d) * 4
+        }
+    };
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, kvh as u32, parts as u32),
         block_dim: (DECODE_THREADS, 1, 1),
@@ -504,8 +577,7 @@ pub(crate) fn paged_decode_impl(
     if shared > 48 * 1024 {
         return Err(Error::Config(format!(
             "paged decode needs {shared} B of shared memory per block (group {group}, \
-             partition {}): lower the partition size",
-            s.part_size
+             partition {part_size}): lower the partition size"
         )));
     }
     unsafe { b.launch(cfg) }.w()?;

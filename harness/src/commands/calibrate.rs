@@ -242,7 +242,7 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         .collect::<Result<_>>()?;
     let (cal, obs) = calibrate(&measured, &device, &a.engines)?;
     for (key, why) in &obs.left_out {
-        eprintln!("left out of the fit: {key}: {why}");
+        eprintln!("left out of the fit: {key}: {NOT_MODELLED}: {why}");
     }
     eprintln!(
         "{} steps of {} paired with the model's schedule ({} after a divergence left out)",

@@ -4,6 +4,7 @@
 //! `kvbench plot`, `report` and `compare` read predictions unchanged.
 
 use super::calibrate::{efficiency_for, load_device, DeviceArgs};
+use crate::cell::performance::Outcome;
 use crate::experiment::{Kind, Plan};
 use crate::prediction::{model_config, predict_cell, Target};
 use crate::recorder::write_tables;
@@ -76,13 +77,19 @@ pub fn run(a: PredictArgs) -> Result<()> {
     let file = Plan::resolve(&a.experiment);
     let spec = std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
     write_atomic(&exp_dir.join("experiment.yaml"), &spec)?;
-    let (mut ok, mut oom) = (0, 0);
+    let (mut ok, mut oom, mut not_modelled) = (0, 0, Vec::new());
     for cell in &plan.cells {
         let r = predict_cell(&plan, cell, &cfg, &target)
             .with_context(|| format!("predicting cell {} ({})", cell.index, cell.key()))?;
         match r.outcome {
-            crate::cell::performance::Outcome::Oom => oom += 1,
-            _ => ok += 1,
+            Outcome::Oom => oom += 1,
+            Outcome::Ok => ok += 1,
+            Outcome::Error => not_modelled.push(format!(
+                "cell {} ({}): {}",
+                cell.index,
+                cell.key(),
+                r.error.as_deref().unwrap_or("no prediction")
+            )),
         }
         let json = serde_json::to_string(&r)?;
         write_atomic(
@@ -91,12 +98,23 @@ pub fn run(a: PredictArgs) -> Result<()> {
         )?;
     }
     write_tables(&exp_dir, &plan.cells)?;
+    for line in &not_modelled {
+        eprintln!("{line}");
+    }
     println!(
-        "{} cells predicted for {} ({} ok, {} out of memory) with {} → {}",
-        plan.cells.len(),
+        "{} cells predicted for {} ({} ok, {} out of memory{}) with {} → {}",
+        plan.cells.len() - not_modelled.len(),
         target.device.name,
         ok,
         oom,
+        if not_modelled.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; {} not modelled, recorded as errors (above)",
+                not_modelled.len()
+            )
+        },
         target.efficiency.source,
         exp_dir.join("runs.parquet").display()
     );
