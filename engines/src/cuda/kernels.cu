@@ -269,19 +269,15 @@ __device__ __forceinline__ void paged_decode_part_vec(
     float* ss = smem;                          // [G, P]
     float* sacc = smem + group * part_size;    // [warps, G, D]
 
-    // This lane's 8 elements of each query head of the group.
+    // This lane's 8 elements of each query head of the group. Scalar loads: q may be a
+    // view at any element offset (the cache rows are 16-byte aligned, q need not be).
     float qr[MAXG][8];
 #pragma unroll
     for (int g = 0; g < MAXG; ++g) {
         if (g < group) {
-            const uint4 raw_q = *reinterpret_cast<const uint4*>(q + (head0 + g) * D + sl * 8);
-            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_q);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __bfloat1622float2(h2[i]);
-                qr[g][2 * i] = f.x;
-                qr[g][2 * i + 1] = f.y;
-            }
+            for (int i = 0; i < 8; ++i)
+                qr[g][i] = __bfloat162float(q[(head0 + g) * D + sl * 8 + i]);
         }
     }
 
