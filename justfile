@@ -97,16 +97,18 @@ validate-cost: build
     # The full cells of gpu-batch-scaling were recorded before the engine synchronized
     # the GPU after each forward: their per-step times are not their own (NOTES.md).
     "$kvbench" calibrate results/baselines/h100/gpu-batch-scaling --device h100-sxm --engines h2o \
+        --ceilings results/baselines/h100/ceilings.json \
         -o results/baselines/h100/calibration-h100-sxm.yaml \
         --validate results/baselines/h100/gpu-ttft results/baselines/h100/gpu-smoke --table "$tmp/h100.md" > "$tmp/h100.log"
     # H200: the committed calibration takes every modelled cell of the paradigms at batch
     # 16 and predicts the TTFT grid and the anchors' decode (other experiments); a second
     # fit on full and h2o alone predicts infinigen at batch 16 (held out).
     "$kvbench" calibrate results/baselines/h200/gpu-paradigms-batch16 --device h200 \
-        -o results/baselines/h200/calibration-h200.yaml \
+        --ceilings results/baselines/h200/ceilings.json -o results/baselines/h200/calibration-h200.yaml \
         --validate results/baselines/h200/gpu-ttft-flash results/baselines/h200/gpu-anchors \
         --table "$tmp/h200-other.md" > "$tmp/h200.log" 2> "$tmp/h200.err"
     "$kvbench" calibrate results/baselines/h200/gpu-paradigms-batch16 --device h200 --engines full,h2o \
+        --ceilings results/baselines/h200/ceilings.json \
         -o "$tmp/h200-full-h2o.yaml" --validate results/baselines/h200/gpu-paradigms-batch16 \
         --table "$tmp/h200.md" > "$tmp/h200-held-out.log"
     {
@@ -139,7 +141,7 @@ validate-cost: build
         echo '```'
         echo
         cat "$tmp/h200-other.md"
-        echo "Fitted on gpu-paradigms-batch16's full and h2o cells only, so the host link keeps the datasheet's rate: the infinigen row is held out, the full and h2o rows are the fit's own cells."
+        echo "Fitted on gpu-paradigms-batch16's full and h2o cells only, so the host link keeps the rate measured on the card (pinned copies, ceilings.json): the infinigen row is held out, the full and h2o rows are the fit's own cells."
         echo
         cat "$tmp/h200.md"
     } > docs/cost-validation.md

@@ -3,10 +3,11 @@
 //! output-scaling baseline (other prompts, outputs and batch), cell by cell, within
 //! the bounds docs/cost-model.md states. Calls the library directly.
 
+use kvbench::commands::calibrate::load_ceilings;
 use kvbench::prediction::{
     calibrate, metric_errors, outcome_mismatches, predict_cell, validate, Measured, Target,
 };
-use kvbench_engines::cost::{Calibration, DeviceTable, Efficiency};
+use kvbench_engines::cost::{Calibration, Device, DeviceTable, Efficiency};
 use std::path::{Path, PathBuf};
 
 fn repo() -> PathBuf {
@@ -14,6 +15,12 @@ fn repo() -> PathBuf {
         .parent()
         .expect("the harness lives in the workspace")
         .to_path_buf()
+}
+
+/// `device` with the rates measured on its card (a ceilings file under the repository).
+fn with_ceilings(device: &Device, file: &str) -> Device {
+    let c = load_ceilings(&repo().join(file)).unwrap_or_else(|e| panic!("{file}: {e:#}"));
+    device.with_ceilings(&c, file)
 }
 
 fn baseline(name: &str) -> Measured {
@@ -183,8 +190,11 @@ fn the_h100_calibration_predicts_the_ttft_grid_it_was_not_fitted_on() {
     };
     // Only h2o's cells: `full`'s were recorded before the engine synchronized the GPU
     // after each forward (results/baselines/h100/NOTES.md).
-    let (cal, obs) = calibrate(&[dir("gpu-batch-scaling")], &h100, &["h2o".into()]).unwrap();
+    // With the card's measured rates as its peaks, as `just validate-cost` fits it.
+    let h100 = with_ceilings(&h100, "results/baselines/h100/ceilings.json");
+    let (mut cal, obs) = calibrate(&[dir("gpu-batch-scaling")], &h100, &["h2o".into()]).unwrap();
     assert_eq!(obs.dropped, 0);
+    cal.ceilings = Some("results/baselines/h100/ceilings.json".into());
     let committed = repo().join("results/baselines/h100/calibration-h100-sxm.yaml");
     assert_eq!(Calibration::load(&committed).unwrap(), cal);
     let target = Target {
@@ -279,14 +289,22 @@ fn predict_records_a_results_directory_that_plot_overlays_on_the_measured_one() 
 fn the_h200_calibration_leaves_out_the_transfer_it_does_not_model() {
     use kvbench::prediction::NOT_MODELLED;
     let h200 = DeviceTable::builtin().unwrap().get("h200").unwrap().clone();
+    let h200 = with_ceilings(&h200, "results/baselines/h200/ceilings.json");
+    // The pinned host-to-device rate measured on the card, not PCIe 5's 64 GB/s.
+    assert!((h200.host_link_bandwidth().unwrap() / 1e9 - 55.5).abs() < 0.1);
     let dir = |name: &str| {
         let d = repo().join("results/baselines/h200").join(name);
         Measured::load(&d, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
     };
-    let (cal, obs) = calibrate(&[dir("gpu-paradigms-batch16")], &h200, &[]).unwrap();
+    let (mut cal, obs) = calibrate(&[dir("gpu-paradigms-batch16")], &h200, &[]).unwrap();
+    cal.ceilings = Some("results/baselines/h200/ceilings.json".into());
     assert_eq!(obs.left_out.len(), 1, "{:?}", obs.left_out);
     assert!(obs.left_out[0].0.contains("transfer=memcpy"));
-    assert!(obs.left_out[0].1.contains("zero-copy"), "{}", obs.left_out[0].1);
+    assert!(
+        obs.left_out[0].1.contains("zero-copy"),
+        "{}",
+        obs.left_out[0].1
+    );
     let committed = repo().join("results/baselines/h200/calibration-h200.yaml");
     assert_eq!(Calibration::load(&committed).unwrap(), cal);
     let target = Target {
@@ -315,4 +333,47 @@ fn the_h200_calibration_leaves_out_the_transfer_it_does_not_model() {
         .unwrap();
     assert_eq!(decode.cells, 2);
     assert!(decode.median_abs_rel <= 0.15, "{decode:?}");
+}
+
+/// A ceilings file that is not scripts/gpu-ceilings.py's JSON, names no rate, or gives
+/// a rate that is not positive is refused with the file and the key named.
+#[test]
+fn a_ceilings_file_without_usable_rates_is_refused_by_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let p = tmp.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    };
+    let err = |p: &Path| format!("{:#}", load_ceilings(p).unwrap_err());
+    let bad = file("bad.json", "copy 4 TB/s");
+    assert!(err(&bad).contains("bad.json") && err(&bad).contains("gpu-ceilings.py"));
+    let none = file("none.json", r#"{"device": "NVIDIA H200"}"#);
+    assert!(
+        err(&none).contains("h2d_pinned_bytes_per_s"),
+        "{}",
+        err(&none)
+    );
+    let neg = file("neg.json", r#"{"h2d_pinned_bytes_per_s": -1}"#);
+    assert!(
+        err(&neg).contains("`h2d_pinned_bytes_per_s` is -1"),
+        "{}",
+        err(&neg)
+    );
+    let nan = file("str.json", r#"{"copy_bandwidth_bytes_per_s": "fast"}"#);
+    assert!(
+        err(&nan).contains("copy_bandwidth_bytes_per_s"),
+        "{}",
+        err(&nan)
+    );
+    assert!(err(&tmp.path().join("missing.json")).contains("missing.json"));
+    // Only the rates given replace the datasheet's.
+    let link = file("link.json", r#"{"h2d_pinned_bytes_per_s": 5e10}"#);
+    let c = load_ceilings(&link).unwrap();
+    let h200 = DeviceTable::builtin().unwrap().get("h200").unwrap().clone();
+    let d = h200.with_ceilings(&c, "link.json");
+    assert_eq!(d.host_link_bandwidth().unwrap(), 5e10);
+    assert_eq!(d.memory_bandwidth, h200.memory_bandwidth);
+    assert_eq!(d.bf16_flops, h200.bf16_flops);
+    assert!(d.sources.iter().any(|s| s.contains("link.json")));
 }

@@ -79,6 +79,10 @@ pub struct Calibration {
     pub device: String,
     /// The experiments whose steps were fitted.
     pub sources: Vec<String>,
+    /// The file of the card's measured rates the fit used in place of the datasheet's
+    /// (peaks and the rates of unexercised terms), when one was given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceilings: Option<String>,
     pub prefill: PhaseFit,
     pub decode: PhaseFit,
 }
@@ -94,6 +98,7 @@ impl Calibration {
         Ok(Self {
             device: device.name.clone(),
             sources,
+            ceilings: None,
             prefill: PhaseFit::new(device, Phase::Prefill, prefill)?,
             decode: PhaseFit::new(device, Phase::Decode, decode)?,
         })

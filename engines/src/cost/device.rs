@@ -79,7 +79,38 @@ pub struct Device {
     pub notes: Option<String>,
 }
 
+/// A card's rates measured on it (scripts/gpu-ceilings.py): what a fit compares its
+/// rates with and keeps for terms its runs never exercise, in place of the datasheet's.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Ceilings {
+    /// Bytes per second of a device-to-device copy, read and written counted.
+    pub memory_bandwidth: Option<f64>,
+    /// bf16 FLOP/s of a large matrix product.
+    pub bf16_flops: Option<f64>,
+    /// Bytes per second from pinned host memory to the device.
+    pub host_link: Option<f64>,
+}
+
 impl Device {
+    /// This device with `c`'s measured rates in place of the datasheet's, named in
+    /// `sources` as `from`.
+    pub fn with_ceilings(&self, c: &Ceilings, from: &str) -> Device {
+        let mut d = self.clone();
+        d.memory_bandwidth = c.memory_bandwidth.or(d.memory_bandwidth);
+        d.bf16_flops = c.bf16_flops.or(d.bf16_flops);
+        if let Some(rate) = c.host_link {
+            d.host_link = Some(Link {
+                kind: d
+                    .host_link
+                    .as_ref()
+                    .map_or("measured".into(), |l| format!("{} (measured)", l.kind)),
+                bytes_per_s: rate,
+            });
+        }
+        d.sources.push(format!("measured ceilings: {from}"));
+        d
+    }
+
     fn unknown(&self, field: &str) -> CostError {
         CostError::UnknownFigure {
             device: self.name.clone(),

@@ -33,7 +33,7 @@ pub mod traffic;
 
 pub use crate::ledger::MemoryReport;
 pub use calibrate::Calibration;
-pub use device::{Device, DeviceKind, DeviceTable, Link};
+pub use device::{Ceilings, Device, DeviceKind, DeviceTable, Link};
 pub use fit::{fit_phase, FitReport, Observation, PhaseEfficiency, Term};
 pub use memory::{memory_held, MemoryHeld, MemoryInputs, Oom};
 pub use parallel::TensorParallel;

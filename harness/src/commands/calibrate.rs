@@ -11,7 +11,7 @@ use crate::run::write_atomic;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_engines::cost::calibrate::PhaseFit;
-use kvbench_engines::cost::{Calibration, Device, DeviceTable, Efficiency};
+use kvbench_engines::cost::{Calibration, Ceilings, Device, DeviceTable, Efficiency};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -94,6 +94,49 @@ pub struct CalibrateArgs {
     /// Directory of fetched weights (a GGUF model's config is read from it).
     #[arg(long, env = "KVBENCH_MODELS_DIR", default_value = "models")]
     pub models_dir: PathBuf,
+    /// The card's rates measured on it, as scripts/gpu-ceilings.py writes them
+    /// (results/baselines/<card>/ceilings.json): its copy bandwidth, bf16 matmul rate
+    /// and pinned host-to-device rate replace the datasheet's as the peaks the fitted
+    /// rates are compared with and as the rates of terms the runs never exercise.
+    #[arg(long)]
+    pub ceilings: Option<PathBuf>,
+}
+
+/// Rates of a ceilings file (scripts/gpu-ceilings.py's JSON); each may be absent.
+pub fn load_ceilings(path: &Path) -> Result<Ceilings> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{}: expected the JSON of scripts/gpu-ceilings.py",
+            path.display()
+        )
+    })?;
+    let rate = |key: &str| -> Result<Option<f64>> {
+        match v.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(x) => match x.as_f64() {
+                Some(r) if r.is_finite() && r > 0.0 => Ok(Some(r)),
+                _ => bail!(
+                    "{}: `{key}` is {x}, expected a positive rate",
+                    path.display()
+                ),
+            },
+        }
+    };
+    let c = Ceilings {
+        memory_bandwidth: rate("copy_bandwidth_bytes_per_s")?,
+        bf16_flops: rate("matmul_bf16_flops_per_s")?,
+        host_link: rate("h2d_pinned_bytes_per_s")?,
+    };
+    if c == Ceilings::default() {
+        bail!(
+            "{}: none of copy_bandwidth_bytes_per_s, matmul_bf16_flops_per_s, \
+             h2d_pinned_bytes_per_s (scripts/gpu-ceilings.py writes them)",
+            path.display()
+        );
+    }
+    Ok(c)
 }
 
 fn rate(x: Option<f64>, unit: &str, scale: f64) -> String {
@@ -128,7 +171,7 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
             String::new()
         } else {
             format!(
-                "; not in the fitted runs, kept at the datasheet's: {:?}",
+                "; not in the fitted runs, kept at the device's rate: {:?}",
                 p.unobserved
             )
         }
@@ -234,13 +277,17 @@ pub fn validation_markdown(
 }
 
 pub fn run(a: CalibrateArgs) -> Result<()> {
-    let device = load_device(&a.device)?;
+    let mut device = load_device(&a.device)?;
+    if let Some(p) = &a.ceilings {
+        device = device.with_ceilings(&load_ceilings(p)?, &p.display().to_string());
+    }
     let measured: Vec<Measured> = a
         .results
         .iter()
         .map(|d| Measured::load(d, &a.models_dir))
         .collect::<Result<_>>()?;
-    let (cal, obs) = calibrate(&measured, &device, &a.engines)?;
+    let (mut cal, obs) = calibrate(&measured, &device, &a.engines)?;
+    cal.ceilings = a.ceilings.as_ref().map(|p| p.display().to_string());
     for (key, why) in &obs.left_out {
         eprintln!("left out of the fit: {key}: {NOT_MODELLED}: {why}");
     }
