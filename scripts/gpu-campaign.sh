@@ -40,6 +40,8 @@ steps=(
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
+  "prefill-mma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/mma"
+  "prefill-wmma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/wmma|KVBENCH_FLASH_PREFILL=wmma"
   "anchors-kvbench|run experiments/gpu/anchors.yaml --results \$RES"
   "ttft-flash|run experiments/gpu/ttft-flash.yaml --results \$RES"
   "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"

@@ -3,8 +3,9 @@
 //! --device cuda` runs these before the model checks.
 
 use super::{
-    device_of, flash_prefill, kv_gather, kv_write, paged_decode, paged_decode_impl, partition_size,
-    prefill_attention, synchronize, DecodeKernel, DecodeShape, DecodeTables, LayerCache,
+    device_of, flash_prefill_impl, kv_gather, kv_write, paged_decode, paged_decode_impl,
+    partition_size, prefill_attention, synchronize, DecodeKernel, DecodeShape, DecodeTables,
+    FlashKernel, LayerCache,
 };
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
@@ -241,20 +242,27 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 let row = &qp[i * h * d..(i + 1) * h * d];
                 reference.extend(reference_row(row, k, v, before + i + 1, kvh, d));
             }
-            let o = flash_prefill(
-                &cache,
-                &upload(&qp, &[t, h, d], dev)?,
-                &tables[si],
-                before,
-                kvh,
-                bs,
-            )?;
-            let e = rel_err(&download(&o)?, &reference);
-            out.push(bf16_check(
-                "flash_prefill",
-                format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
-                e,
-            ));
+            for (kernel, name) in [
+                (FlashKernel::Mma, "flash_prefill (mma)"),
+                (FlashKernel::Wmma, "flash_prefill (wmma)"),
+            ] {
+                let o = flash_prefill_impl(
+                    &cache,
+                    &upload(&qp, &[t, h, d], dev)?,
+                    &tables[si],
+                    before,
+                    kvh,
+                    bs,
+                    None,
+                    kernel,
+                )?;
+                let e = rel_err(&download(&o)?, &reference);
+                out.push(bf16_check(
+                    name,
+                    format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
+                    e,
+                ));
+            }
         }
 
         // Prefill: the last sequence's final rows after a cached prefix, in one chunk

@@ -437,6 +437,267 @@ extern "C" __global__ void paged_decode_reduce_bf16(
 }
 
 // ---------------------------------------------------------------------------------
+// Flash prefill on mma.sync (FlashAttention-2's structure): the same inputs, outputs and
+// grid as flash_prefill_d*_bf16 below, but the scores, probabilities and output stay in
+// registers. grid (ceil(T / 64), H), block 128: each warp owns 16 query rows, whose Q
+// fragments it loads once (ldmatrix). Key tiles of 64 rows of K and V are copied
+// through the block table with cp.async into one of two shared buffers while the warps
+// work on the other. Per tile and warp: S = Q K^T (m16n8k16, bf16 in, f32 out), causal
+// mask, online softmax on the accumulators (a row's four lanes reduce with shuffles),
+// then the accumulators become P's A fragments as they are (FA2's register reuse) and
+// O += P V reads V with ldmatrix.trans. Rows of 2 * (D + 8) bytes keep ldmatrix free of
+// bank conflicts.
+#define FM_BM 64
+#define FM_BN 64
+#define FM_THREADS 128
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1,
+                                          uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
+// c += a (16x16, row) * b (16x8, col); bf16 in, f32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> shared, zero-filled when `valid` is false (src is then not read).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(bytes));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <int D>
+struct FlashMmaSmem {
+    static constexpr int LD = D + 8;                  // bf16 per shared row
+    static constexpr int TILE = FM_BN * LD;           // bf16 per K or V tile
+    static constexpr int Q = 0;                       // [BM, LD]
+    static constexpr int K = Q + FM_BM * LD;          // [2][BN, LD]
+    static constexpr int V = K + 2 * TILE;            // [2][BN, LD]
+    static constexpr int BYTES = (V + 2 * TILE) * 2;
+};
+
+template <int D>
+__device__ void flash_prefill_mma(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ table,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ lse, int T, int ctx_before,
+    int num_heads, int num_kv_heads, int block_size, float scale) {
+    using L = FlashMmaSmem<D>;
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    extern __shared__ __align__(128) unsigned char fmsmem[];
+    __nv_bfloat16* sm = (__nv_bfloat16*)fmsmem;
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int g = lane >> 2, tig = lane & 3;  // mma fragment row group, thread in group
+    const int h = blockIdx.y;
+    const int kvh = h / (num_heads / num_kv_heads);
+    const int row0 = blockIdx.x * FM_BM;
+    const int rows = min(FM_BM, T - row0);
+    const int n_keys = ctx_before + row0 + rows;  // keys the block's last row sees
+    const int wrow0 = warp * 16;
+    const int wlast = ctx_before + row0 + min(wrow0 + 15, rows - 1);
+
+    // Q tile (rows past T are zeros), then one tile of K/V per cp.async group.
+    for (int i = threadIdx.x; i < FM_BM * CH; i += FM_THREADS) {
+        const int r = i / CH, c = (i % CH) * 8;
+        const bool ok = r < rows;
+        const __nv_bfloat16* src = ok ? q + ((int64_t)(row0 + r) * num_heads + h) * D + c : q;
+        cp_async16(smem_u32(sm + L::Q + r * L::LD + c), src, ok);
+    }
+    auto load_tile = [&](int kt, int buf) {
+        for (int i = threadIdx.x; i < FM_BN * CH; i += FM_THREADS) {
+            const int j = i / CH, c = (i % CH) * 8;
+            const int t = kt + j;
+            const bool ok = t < n_keys;
+            int64_t off = 0;
+            if (ok) {
+                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                off = (slot * num_kv_heads + kvh) * D + c;
+            }
+            cp_async16(smem_u32(sm + L::K + buf * L::TILE + j * L::LD + c), k_cache + off, ok);
+            cp_async16(smem_u32(sm + L::V + buf * L::TILE + j * L::LD + c), v_cache + off, ok);
+        }
+    };
+    load_tile(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    uint32_t qf[D / 16][4];
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};  // rows g and g + 8
+    float l_run[2] = {0.f, 0.f};
+    const int pos0 = ctx_before + row0 + wrow0 + g;  // position of row g (g + 8: + 8)
+
+    const int tiles = (n_keys + FM_BN - 1) / FM_BN;
+    for (int it = 0; it < tiles; ++it) {
+        const int kt = it * FM_BN, buf = it & 1;
+        if (it + 1 < tiles) {
+            load_tile(kt + FM_BN, buf ^ 1);
+            asm volatile("cp.async.commit_group;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        if (it == 0) {
+            // This warp's Q fragments, once (rows wrow0.., all of D).
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int r = wrow0 + (lane % 8) + ((lane / 8) % 2) * 8;
+                const int c = kk * 16 + (lane / 16) * 8;
+                ldsm_x4(smem_u32(sm + L::Q + r * L::LD + c), qf[kk][0], qf[kk][1], qf[kk][2],
+                        qf[kk][3]);
+            }
+        }
+        // Tiles wholly above the diagonal for this warp's rows, and warps past T, skip.
+        if (wrow0 < rows && kt <= wlast) {
+            const __nv_bfloat16* Kt = sm + L::K + buf * L::TILE;
+            const __nv_bfloat16* Vt = sm + L::V + buf * L::TILE;
+            // S = Q K^T: 16 x 64, eight n-tiles of 8 keys.
+            float s[FM_BN / 8][4];
+#pragma unroll
+            for (int i = 0; i < FM_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+                for (int np = 0; np < FM_BN / 16; ++np) {
+                    const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
+                    const int c = kk * 16 + ((lane / 8) % 2) * 8;
+                    uint32_t b0, b1, b2, b3;
+                    ldsm_x4(smem_u32(Kt + key * L::LD + c), b0, b1, b2, b3);
+                    mma_bf16(s[2 * np], qf[kk], b0, b1);
+                    mma_bf16(s[2 * np + 1], qf[kk], b2, b3);
+                }
+            }
+            // Scale, causal mask, and each row's max over the tile.
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int nt = 0; nt < FM_BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = kt + nt * 8 + tig * 2 + (e & 1);
+                    const int pos = pos0 + (e >> 1) * 8;
+                    float x = s[nt][e] * scale;
+                    if (key > pos || key >= n_keys) x = -INFINITY;
+                    s[nt][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            }
+            float alpha[2], m_use[2];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+                const float m_new = fmaxf(m_run[hr], mx[hr]);
+                m_use[hr] = m_new == -INFINITY ? 0.f : m_new;
+                alpha[hr] = __expf(m_run[hr] - m_use[hr]);
+                m_run[hr] = m_new;
+            }
+            // P = exp(S - m), its row sums, and P as the A fragments of P V.
+            float sum[2] = {0.f, 0.f};
+            uint32_t pa[FM_BN / 16][4];
+#pragma unroll
+            for (int nt = 0; nt < FM_BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = __expf(s[nt][e] - m_use[e >> 1]);
+                    s[nt][e] = p;
+                    sum[e >> 1] += p;
+                }
+                // n-tile nt covers keys 8 * nt..: the lower (even) or upper half of a
+                // 16-key chunk of P's A fragment.
+                pa[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(s[nt][0], s[nt][1]);
+                pa[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(s[nt][2], s[nt][3]);
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 1);
+                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 2);
+                l_run[hr] = l_run[hr] * alpha[hr] + sum[hr];
+            }
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][0] *= alpha[0];
+                o[dt][1] *= alpha[0];
+                o[dt][2] *= alpha[1];
+                o[dt][3] *= alpha[1];
+            }
+            // O += P V: V rows are keys, read transposed into B fragments.
+#pragma unroll
+            for (int kc = 0; kc < FM_BN / 16; ++kc) {
+#pragma unroll
+                for (int dp = 0; dp < D / 16; ++dp) {
+                    const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                    const int c = dp * 16 + (lane / 16) * 8;
+                    uint32_t b0, b1, b2, b3;
+                    ldsm_x4_t(smem_u32(Vt + key * L::LD + c), b0, b1, b2, b3);
+                    mma_bf16(o[2 * dp], pa[kc], b0, b1);
+                    mma_bf16(o[2 * dp + 1], pa[kc], b2, b3);
+                }
+            }
+        }
+        // Every warp is done with this buffer before the next iteration's copy refills it.
+        __syncthreads();
+    }
+
+    // O / l, rows g and g + 8 of the warp, two columns per n-tile.
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = wrow0 + g + hr * 8;
+        if (r >= rows) continue;
+        const float inv = 1.f / l_run[hr];
+        const int64_t base = ((int64_t)(row0 + r) * num_heads + h) * D;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+            const __nv_bfloat162 v =
+                __floats2bfloat162_rn(o[dt][hr * 2] * inv, o[dt][hr * 2 + 1] * inv);
+            *reinterpret_cast<__nv_bfloat162*>(out + base + dt * 8 + tig * 2) = v;
+        }
+        if (lse != nullptr && tig == 0)
+            lse[(int64_t)(row0 + r) * num_heads + h] = m_run[hr] + logf(l_run[hr]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FM_THREADS) flash_prefill_mma_d64_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+    const int32_t* table, __nv_bfloat16* out, float* lse, int T, int ctx_before,
+    int num_heads, int num_kv_heads, int block_size, float scale) {
+    flash_prefill_mma<64>(q, k_cache, v_cache, table, out, lse, T, ctx_before, num_heads,
+                          num_kv_heads, block_size, scale);
+}
+extern "C" __global__ void __launch_bounds__(FM_THREADS) flash_prefill_mma_d128_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const __nv_bfloat16* v_cache,
+    const int32_t* table, __nv_bfloat16* out, float* lse, int T, int ctx_before,
+    int num_heads, int num_kv_heads, int block_size, float scale) {
+    flash_prefill_mma<128>(q, k_cache, v_cache, table, out, lse, T, ctx_before, num_heads,
+                           num_kv_heads, block_size, scale);
+}
+
+// ---------------------------------------------------------------------------------
 // Flash prefill: causal attention of T query rows of one sequence (positions
 // ctx_before .. ctx_before + T - 1) over its keys 0 .. ctx_before + T - 1, read in
 // place through the block table. Online softmax over key tiles (FlashAttention-2

@@ -755,6 +755,37 @@ pub(crate) fn flash_smem_bytes(d: usize) -> usize {
         + 2 * bm * 4
 }
 
+/// Which flash prefill kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// mma.sync with the scores, probabilities and output in registers and K/V tiles
+    /// copied with cp.async into two shared buffers (FlashAttention-2's structure).
+    Mma,
+    /// WMMA with the scores and the output accumulators in shared memory (earlier
+    /// builds; the layout H2O's exact statistics pass shares).
+    Wmma,
+}
+
+impl FlashKernel {
+    /// `Mma`, unless `KVBENCH_FLASH_PREFILL=wmma` asks for the earlier kernel (a
+    /// fallback should the new one fail on a card, and the "before" of a comparison).
+    pub fn chosen() -> Self {
+        if std::env::var("KVBENCH_FLASH_PREFILL").is_ok_and(|v| v == "wmma") {
+            Self::Wmma
+        } else {
+            Self::Mma
+        }
+    }
+
+    fn smem_bytes(self, d: usize) -> usize {
+        match self {
+            // Q, then two K and two V tiles, 64 rows of D + 8 bf16 each.
+            Self::Mma => 5 * 64 * (d + 8) * 2,
+            Self::Wmma => flash_smem_bytes(d),
+        }
+    }
+}
+
 /// Flash prefill on the tensor cores: `q` (`[T, H, D]` bf16) holds one sequence's rows
 /// at positions `ctx_before..ctx_before + T`, whose K/V (all of them, this step's
 /// included) are in `cache` through the block `table`. No score matrix is
@@ -781,12 +812,38 @@ pub fn flash_prefill_with(
     block_size: usize,
     lse: Option<&mut CudaSlice<f32>>,
 ) -> Result<Tensor> {
+    flash_prefill_impl(
+        cache,
+        q,
+        table,
+        ctx_before,
+        num_kv_heads,
+        block_size,
+        lse,
+        FlashKernel::chosen(),
+    )
+}
+
+/// [`flash_prefill_with`] with the kernel named.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_prefill_impl(
+    cache: &LayerCache,
+    q: &Tensor,
+    table: &[i32],
+    ctx_before: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+    lse: Option<&mut CudaSlice<f32>>,
+    kernel: FlashKernel,
+) -> Result<Tensor> {
     check_bf16(q, "flash_prefill q")?;
     let dev = device_of(q.device())?;
     let (t, h, d) = q.dims3()?;
-    let name = match d {
-        64 => "flash_prefill_d64_bf16",
-        128 => "flash_prefill_d128_bf16",
+    let name = match (kernel, d) {
+        (FlashKernel::Mma, 64) => "flash_prefill_mma_d64_bf16",
+        (FlashKernel::Mma, 128) => "flash_prefill_mma_d128_bf16",
+        (FlashKernel::Wmma, 64) => "flash_prefill_d64_bf16",
+        (FlashKernel::Wmma, 128) => "flash_prefill_d128_bf16",
         _ => {
             return Err(Error::Config(format!(
                 "flash prefill has kernels for head dims 64 and 128, not {d}: use \
@@ -806,7 +863,7 @@ pub fn flash_prefill_with(
     let qv = view(&qs, ql, "flash_prefill q")?;
     let table_d = upload_i32(&dev, table)?;
     let mut out = dev.alloc_zeros::<bf16>(t * h * d)?;
-    let smem = flash_smem_bytes(d);
+    let smem = kernel.smem_bytes(d);
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     f.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
