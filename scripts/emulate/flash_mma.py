@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""A transcription of flash_prefill_mma's per-lane arithmetic (engines/src/cuda/kernels.cu)
+in NumPy: ldmatrix (plain and .trans) and mma.m16n8k16 emulated by the PTX ISA's fragment
+layouts, the causal mask, the online softmax on the accumulators and P's register reuse,
+for whole blocks, against causal attention computed directly. It checks the kernel's
+index arithmetic on a machine without a GPU; it does not run the CUDA code, and a change
+to the kernel must be made here too. `python3 scripts/emulate/flash_mma.py` (NumPy).
+"""
+import sys
+
+import numpy as np
+rng = np.random.default_rng(0)
+
+def bf(x):  # round to bf16
+    x = np.asarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return u.astype(np.uint32).view(np.float32)
+
+def ldsm(sm, addr, trans):
+    # addr[lane] = (row_index, col_index) into 2-D smem array; returns regs[lane][m] = (lo, hi)
+    regs = [[None]*4 for _ in range(32)]
+    for m in range(4):
+        rows = [sm[addr[8*m+i][0], addr[8*m+i][1]:addr[8*m+i][1]+8] for i in range(8)]
+        M = np.stack(rows)  # 8x8
+        for t in range(32):
+            if not trans:
+                regs[t][m] = (M[t//4, (t%4)*2], M[t//4, (t%4)*2+1])
+            else:
+                regs[t][m] = (M[(t%4)*2, t//4], M[(t%4)*2+1, t//4])
+    return regs
+
+def mma(c, a, b0, b1):
+    # c[lane][4], a[lane][4 regs of pairs], b0/b1[lane] pairs
+    A = np.zeros((16,16)); B = np.zeros((16,8))
+    for t in range(32):
+        g, tig = t >> 2, t & 3
+        for i in range(8):
+            reg, half = i // 2, i % 2
+            row = g if (i < 2 or 4 <= i < 6) else g + 8
+            col = tig*2 + (i & 1) + (8 if i >= 4 else 0)
+            A[row, col] = a[t][reg][half]
+        for i in range(4):
+            reg = b0 if i < 2 else b1
+            row = tig*2 + (i & 1) + (8 if i >= 2 else 0)
+            B[row, g] = reg[t][i & 1]
+    D = A @ B
+    for t in range(32):
+        g, tig = t >> 2, t & 3
+        c[t][0] += D[g, tig*2]; c[t][1] += D[g, tig*2+1]
+        c[t][2] += D[g+8, tig*2]; c[t][3] += D[g+8, tig*2+1]
+
+def run(D, T, ctx_before, blk, BM=64, BN=64):
+    n_total = ctx_before + T
+    q = bf(rng.normal(size=(T, D)) * 2)
+    k = bf(rng.normal(size=(n_total, D)))
+    v = bf(rng.normal(size=(n_total, D)))
+    scale = 1/np.sqrt(D)
+    row0 = blk * BM
+    rows = min(BM, T - row0)
+    n_keys = ctx_before + row0 + rows
+    Q = np.zeros((BM, D)); Q[:rows] = q[row0:row0+rows]
+    out = np.full((rows, D), np.nan); lse = np.full(rows, np.nan)
+    for warp in range(4):
+        wrow0 = warp*16
+        wlast = ctx_before + row0 + min(wrow0+15, rows-1)
+        qf = []
+        for kk in range(D//16):
+            addr = [(wrow0 + (l%8) + ((l//8)%2)*8, kk*16 + (l//16)*8) for l in range(32)]
+            qf.append(ldsm(Q, addr, False))
+        o = [[[0.0]*4 for _ in range(32)] for _ in range(D//8)]
+        m_run = [[-np.inf, -np.inf] for _ in range(32)]
+        l_run = [[0.0, 0.0] for _ in range(32)]
+        tiles = (n_keys + BN - 1)//BN
+        for it in range(tiles):
+            kt = it*BN
+            Kt = np.zeros((BN, D)); Vt = np.zeros((BN, D))
+            for j in range(BN):
+                if kt + j < n_keys: Kt[j] = k[kt+j]; Vt[j] = v[kt+j]
+            if not (wrow0 < rows and kt <= wlast): continue
+            s = [[[0.0]*4 for _ in range(32)] for _ in range(BN//8)]
+            for kk in range(D//16):
+                for np_ in range(BN//16):
+                    addr = [(np_*16 + (l%8) + (l//16)*8, kk*16 + ((l//8)%2)*8) for l in range(32)]
+                    r = ldsm(Kt, addr, False)
+                    qa = [[qf[kk][t][m] for m in range(4)] for t in range(32)]
+                    mma(s[2*np_], qa, [r[t][0] for t in range(32)], [r[t][1] for t in range(32)])
+                    mma(s[2*np_+1], qa, [r[t][2] for t in range(32)], [r[t][3] for t in range(32)])
+            pa = [[[None]*4 for _ in range(32)] for _ in range(BN//16)]
+            alpha = [[0,0] for _ in range(32)]; sums = [[0.0,0.0] for _ in range(32)]
+            m_use = [[0,0] for _ in range(32)]
+            mx = [[-np.inf,-np.inf] for _ in range(32)]
+            for t in range(32):
+                g, tig = t >> 2, t & 3
+                pos0 = ctx_before + row0 + wrow0 + g
+                for nt in range(BN//8):
+                    for e in range(4):
+                        key = kt + nt*8 + tig*2 + (e & 1)
+                        pos = pos0 + (e >> 1)*8
+                        x = s[nt][t][e]*scale
+                        if key > pos or key >= n_keys: x = -np.inf
+                        s[nt][t][e] = x
+                        mx[t][e >> 1] = max(mx[t][e >> 1], x)
+            for hr in range(2):  # quad reduction (xor 1, 2)
+                for t in range(32):
+                    base = t & ~3
+                    red = max(mx[base + i][hr] for i in range(4))
+                    m_new = max(m_run[t][hr], red)
+                    m_use[t][hr] = 0.0 if m_new == -np.inf else m_new
+                    alpha[t][hr] = np.exp(m_run[t][hr] - m_use[t][hr])
+                    m_run[t][hr] = m_new
+            for t in range(32):
+                for nt in range(BN//8):
+                    for e in range(4):
+                        p = np.exp(s[nt][t][e] - m_use[t][e >> 1])
+                        s[nt][t][e] = p; sums[t][e >> 1] += p
+                    pa[nt//2][t][(nt%2)*2+0] = tuple(bf([s[nt][t][0], s[nt][t][1]]))
+                    pa[nt//2][t][(nt%2)*2+1] = tuple(bf([s[nt][t][2], s[nt][t][3]]))
+            for hr in range(2):
+                red = [sum(sums[(t & ~3)+i][hr] for i in range(4)) for t in range(32)]
+                for t in range(32):
+                    l_run[t][hr] = l_run[t][hr]*alpha[t][hr] + red[t]
+            for dt in range(D//8):
+                for t in range(32):
+                    o[dt][t][0] *= alpha[t][0]; o[dt][t][1] *= alpha[t][0]
+                    o[dt][t][2] *= alpha[t][1]; o[dt][t][3] *= alpha[t][1]
+            for kc in range(BN//16):
+                for dp in range(D//16):
+                    addr = [(kc*16 + (l%8) + ((l//8)%2)*8, dp*16 + (l//16)*8) for l in range(32)]
+                    r = ldsm(Vt, addr, True)
+                    mma(o[2*dp], pa[kc], [r[t][0] for t in range(32)], [r[t][1] for t in range(32)])
+                    mma(o[2*dp+1], pa[kc], [r[t][2] for t in range(32)], [r[t][3] for t in range(32)])
+        for t in range(32):
+            g, tig = t >> 2, t & 3
+            for hr in range(2):
+                r = wrow0 + g + hr*8
+                if r >= rows: continue
+                for dt in range(D//8):
+                    out[r, dt*8 + tig*2] = o[dt][t][hr*2] / l_run[t][hr]
+                    out[r, dt*8 + tig*2 + 1] = o[dt][t][hr*2+1] / l_run[t][hr]
+                if tig == 0: lse[r] = m_run[t][hr] + np.log(l_run[t][hr])
+    # reference
+    ref = np.zeros((rows, D)); rlse = np.zeros(rows)
+    for r in range(rows):
+        pos = ctx_before + row0 + r
+        sc = (k[:pos+1] @ q[row0+r]) * scale
+        m = sc.max(); p = np.exp(sc - m)
+        ref[r] = p @ v[:pos+1] / p.sum(); rlse[r] = m + np.log(p.sum())
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    lerr = np.abs(lse - rlse).max()
+    return err, lerr
+
+# (D, T, ctx_before, block): partial blocks, a cached prefix, tiles across the diagonal.
+failed = 0
+for D, T, cb, blk in [(64, 100, 0, 0), (64, 100, 0, 1), (128, 200, 37, 2), (128, 70, 130, 0), (64, 64, 5, 0)]:
+    e, le = run(D, T, cb, blk)
+    ok = e < 1e-2 and le < 1e-3  # P is rounded to bf16 as on the device
+    failed += not ok
+    print(f"D={D} T={T} ctx_before={cb} block={blk}: rel err {e:.2e}, lse err {le:.2e}", "ok" if ok else "FAIL")
+sys.exit(1 if failed else 0)

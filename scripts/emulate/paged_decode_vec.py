@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""A transcription of paged_decode_part_vec's lane arithmetic (engines/src/cuda/kernels.cu)
+in NumPy: D/8 lanes per key row, the shuffle reductions of the score and V passes, the
+warps' partial outputs, and paged_decode_reduce_bf16's combination of partitions, through
+a random block table, against attention computed directly (scores kept as H2O's `raw`
+too). It checks the kernel's index arithmetic on a machine without a GPU; it does not run
+the CUDA code, and a change to the kernel must be made here too.
+`python3 scripts/emulate/paged_decode_vec.py` (NumPy).
+"""
+import sys
+
+import numpy as np
+rng = np.random.default_rng(1)
+def shfl_xor_sum(vals, offsets):
+    vals = list(vals)
+    for o in offsets:
+        vals = [vals[l] + vals[l ^ o] for l in range(32)]
+    return vals
+
+def run(D, G, KVH, ctx, part_size, bs=16):
+    LPR, RPW, warps = D // 8, 32 // (D // 8), 4
+    H = KVH * G
+    nblocks = (ctx + bs - 1)//bs + 3
+    table = rng.permutation(nblocks)[:(ctx + bs - 1)//bs]
+    kc = rng.normal(size=(nblocks*bs, KVH, D)); vc = rng.normal(size=(nblocks*bs, KVH, D))
+    q = rng.normal(size=(H, D)); scale = 1/np.sqrt(D)
+    parts = (ctx + part_size - 1)//part_size
+    pm = np.zeros((H, parts)); pl = np.zeros((H, parts)); pacc = np.zeros((H, parts, D))
+    raw = np.full((H, ctx), np.nan)
+    for kvh in range(KVH):
+        for part in range(parts):
+            start = part*part_size; end = min(ctx, start+part_size); n = end-start
+            ss = np.zeros((G, part_size))
+            for warp in range(warps):
+                base = warp*RPW
+                while base < n:
+                    accs = {g: [0.0]*32 for g in range(G)}
+                    for lane in range(32):
+                        sub, sl = lane // LPR, lane % LPR
+                        j = base + sub
+                        k8 = np.zeros(8)
+                        if j < n:
+                            t = start + j; slot = table[t//bs]*bs + t % bs
+                            k8 = kc[slot, kvh, sl*8:sl*8+8]
+                        for g in range(G):
+                            accs[g][lane] = float(q[kvh*G+g, sl*8:sl*8+8] @ k8)
+                    for g in range(G):
+                        red = [accs[g][l] for l in range(32)]
+                        o = LPR//2
+                        while o > 0:
+                            red = [red[l] + red[l ^ o] for l in range(32)]; o //= 2
+                        for lane in range(32):
+                            sub, sl = lane // LPR, lane % LPR
+                            j = base + sub
+                            if j < n and sl == 0:
+                                ss[g, j] = red[lane]*scale; raw[kvh*G+g, start+j] = red[lane]*scale
+                    base += warps*RPW
+            for g in range(G):
+                m = ss[g, :n].max(); p = np.exp(ss[g, :n]-m); ss[g, :n] = p
+                pm[kvh*G+g, part] = m; pl[kvh*G+g, part] = p.sum()
+            sacc = np.zeros((warps, G, D))
+            for warp in range(warps):
+                acc = np.zeros((32, G, 8))
+                base = warp*RPW
+                while base < n:
+                    for lane in range(32):
+                        sub, sl = lane // LPR, lane % LPR
+                        j = base + sub
+                        if j < n:
+                            t = start + j; slot = table[t//bs]*bs + t % bs
+                            v8 = vc[slot, kvh, sl*8:sl*8+8]
+                            for g in range(G): acc[lane, g] += ss[g, j]*v8
+                    base += warps*RPW
+                x = acc.copy(); o = LPR
+                while o < 32:
+                    x = np.stack([x[l] + x[l ^ o] for l in range(32)]); o *= 2
+                for lane in range(32):
+                    sub, sl = lane // LPR, lane % LPR
+                    if sub == 0: sacc[warp, :, sl*8:sl*8+8] = x[lane]
+            pacc[kvh*G:(kvh+1)*G, part] = sacc.sum(0)
+    M = pm.max(1, keepdims=True); w = np.exp(pm - M)
+    out = (pacc * w[..., None]).sum(1) / (pl*w).sum(1, keepdims=True)
+    # reference
+    ref = np.zeros((H, D)); err_raw = 0
+    for h in range(H):
+        kvh = h // G
+        slots = [table[t//bs]*bs + t % bs for t in range(ctx)]
+        sc = kc[slots, kvh] @ q[h] * scale
+        err_raw = max(err_raw, np.abs(sc - raw[h]).max())
+        p = np.exp(sc - sc.max()); ref[h] = p @ vc[slots, kvh] / p.sum()
+    return np.abs(out-ref).max()/np.abs(ref).max(), err_raw
+
+# (D, group, KV heads, context, partition): one key, partial warp steps and partitions.
+failed = 0
+for D, G, KVH, ctx, ps in [(128, 4, 2, 1, 64), (128, 4, 2, 300, 64), (64, 3, 3, 513, 128), (128, 8, 1, 130, 64), (64, 1, 2, 77, 64)]:
+    e, er = run(D, G, KVH, ctx, ps)
+    ok = e < 1e-9 and er < 1e-9  # f64 throughout: only the summation order differs
+    failed += not ok
+    print(f"D={D} G={G} KVH={KVH} ctx={ctx} part={ps}: rel err {e:.1e}, raw scores err {er:.1e}", "ok" if ok else "FAIL")
+sys.exit(1 if failed else 0)
