@@ -4,7 +4,8 @@ in NumPy: ldmatrix (plain and .trans) and mma.m16n8k16 emulated by the PTX ISA's
 layouts, the causal mask, the online softmax on the accumulators and P's register reuse,
 for whole blocks, against causal attention computed directly. It checks the kernel's
 index arithmetic on a machine without a GPU; it does not run the CUDA code, and a change
-to the kernel must be made here too. `python3 scripts/emulate/flash_mma.py` (NumPy).
+to the kernel must be made here too. The same for attn_colsum_mma (H2O's exact column
+statistics from each row's log-sum-exp). `python3 scripts/emulate/flash_mma.py` (NumPy).
 """
 import sys
 
@@ -150,6 +151,73 @@ def run(D, T, ctx_before, blk, BM=64, BN=64):
     lerr = np.abs(lse - rlse).max()
     return err, lerr
 
+def run_colsum(D, T, ctx_before, G, kt_block, BM=64, BN=64):
+    """attn_colsum_mma for one block (64 keys, one KV head of G query heads)."""
+    n_keys = ctx_before + T
+    q = bf(rng.normal(size=(T, G, D)) * 2)
+    k = bf(rng.normal(size=(n_keys, D)))
+    scale = 1/np.sqrt(D)
+    lse = np.zeros((T, G))
+    for r in range(T):
+        for gi in range(G):
+            sc = (k[:ctx_before+r+1] @ q[r, gi]) * scale
+            lse[r, gi] = sc.max() + np.log(np.exp(sc - sc.max()).sum())
+    kt = kt_block * BN
+    Ks = np.zeros((BN, D))
+    for j in range(BN):
+        if kt + j < n_keys: Ks[j] = k[kt+j]
+    first = max(0, kt - ctx_before) // BM * BM
+    per_head = (T - first + BM - 1)//BM if T > first else 0
+    got = np.full(BN, np.nan)
+    for warp in range(4):
+        wkey0 = kt + warp*16
+        kf = []
+        for kk in range(D//16):
+            addr = [(warp*16 + (l%8) + ((l//8)%2)*8, kk*16 + (l//16)*8) for l in range(32)]
+            kf.append(ldsm(Ks, addr, False))
+        acc = [[0.0, 0.0] for _ in range(32)]
+        for it in range(per_head * G):
+            gi = it // per_head
+            row0 = first + (it % per_head)*BM
+            rows = min(BM, T - row0)
+            Qt = np.zeros((BM, D)); Qt[:rows] = q[row0:row0+rows, gi]
+            Lt = np.zeros(BM); Lt[:rows] = lse[row0:row0+rows, gi]
+            last_pos = ctx_before + min(row0 + BM, T) - 1
+            if not (wkey0 < n_keys and last_pos >= wkey0): continue
+            for np_ in range(BM//16):
+                s0 = [[0.0]*4 for _ in range(32)]; s1 = [[0.0]*4 for _ in range(32)]
+                for kk in range(D//16):
+                    addr = [(np_*16 + (l%8) + (l//16)*8, kk*16 + ((l//8)%2)*8) for l in range(32)]
+                    r = ldsm(Qt, addr, False)
+                    ka = [[kf[kk][t][m] for m in range(4)] for t in range(32)]
+                    mma(s0, ka, [r[t][0] for t in range(32)], [r[t][1] for t in range(32)])
+                    mma(s1, ka, [r[t][2] for t in range(32)], [r[t][3] for t in range(32)])
+                for t in range(32):
+                    g, tig = t >> 2, t & 3
+                    for e in range(8):
+                        x = s0[t][e] if e < 4 else s1[t][e-4]
+                        col = np_*16 + (e >> 2)*8 + tig*2 + (e & 1)
+                        key = wkey0 + g + ((e >> 1) & 1)*8
+                        pos = ctx_before + row0 + col
+                        if row0 + col < T and key <= pos and key < n_keys:
+                            acc[t][(e >> 1) & 1] += np.exp(x*scale - Lt[col])
+        for t in range(32):
+            g, tig = t >> 2, t & 3
+            for hr in range(2):
+                x = sum(acc[(t & ~3) + i][hr] for i in range(4))
+                key = wkey0 + g + hr*8
+                if tig == 0 and key < n_keys: got[key - kt] = x
+    ref = np.zeros(BN)
+    for j in range(BN):
+        key = kt + j
+        if key >= n_keys: continue
+        for r in range(T):
+            if key > ctx_before + r: continue
+            for gi in range(G):
+                ref[j] += np.exp((k[key] @ q[r, gi])*scale - lse[r, gi])
+    valid = min(BN, n_keys - kt)
+    return np.abs(got[:valid] - ref[:valid]).max() / np.abs(ref[:valid]).max()
+
 # (D, T, ctx_before, block): partial blocks, a cached prefix, tiles across the diagonal.
 failed = 0
 for D, T, cb, blk in [(64, 100, 0, 0), (64, 100, 0, 1), (128, 200, 37, 2), (128, 70, 130, 0), (64, 64, 5, 0)]:
@@ -157,4 +225,11 @@ for D, T, cb, blk in [(64, 100, 0, 0), (64, 100, 0, 1), (128, 200, 37, 2), (128,
     ok = e < 1e-2 and le < 1e-3  # P is rounded to bf16 as on the device
     failed += not ok
     print(f"D={D} T={T} ctx_before={cb} block={blk}: rel err {e:.2e}, lse err {le:.2e}", "ok" if ok else "FAIL")
+# H2O's column statistics (D, T, ctx_before, group, key block): keys of the prefix,
+# of the diagonal, and a partial last block.
+for D, T, cb, G, kb in [(64, 100, 0, 3, 0), (64, 100, 0, 3, 1), (128, 150, 70, 2, 1), (128, 130, 0, 4, 2)]:
+    e = run_colsum(D, T, cb, G, kb)
+    ok = e < 1e-5  # f32 products on both sides; an indexing slip is of order 1
+    failed += not ok
+    print(f"colsum D={D} T={T} ctx_before={cb} group={G} key block={kb}: rel err {e:.2e}", "ok" if ok else "FAIL")
 sys.exit(1 if failed else 0)

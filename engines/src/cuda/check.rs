@@ -400,10 +400,11 @@ fn evicting_checks(
     d: usize,
     bs: usize,
 ) -> Result<Vec<KernelCheck>> {
-    use super::{flash_prefill_with, paged_decode_with, prefill_attention_stats, DecodeScores};
+    use super::{paged_decode_with, prefill_attention_stats, DecodeScores};
     use crate::attention::prefill::ColumnStats;
     use crate::policy::evicting::cuda::{
-        colsum, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init, SlotLayer,
+        colsum_with, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init,
+        SlotLayer,
     };
     use crate::policy::evicting::h2o::{H2o, H2oParams};
     use crate::policy::evicting::streaming::{Streaming, StreamingParams};
@@ -452,17 +453,42 @@ fn evicting_checks(
         reset(&mut sl)?;
         let qp = rand_bf16(rng, t * h * d, 2.0);
         let qt = upload(&qp, &[t, h, d], dev)?;
-        let mut lse = cuda.alloc_zeros::<f32>(t * h)?;
-        flash_prefill_with(&sl.kv, &qt, &tables[si], before, kvh, bs, Some(&mut lse))?;
-        colsum(&cuda, &mut sl, &qt, &lse, &tables_d[si], before, kvh, bs)?;
-        let got = scores_of(&sl, si, l)?;
         let reference = reference_columns(&qp, &keys[si].0, before, 0, l, h, kvh, d);
-        let e = rel_err(&got, &reference);
-        out.push(bf16_check(
-            "h2o exact statistics",
-            format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
-            e,
-        ));
+        for (kernel, name) in [
+            (FlashKernel::Mma, "h2o exact statistics (mma)"),
+            (FlashKernel::Wmma, "h2o exact statistics (wmma)"),
+        ] {
+            reset(&mut sl)?;
+            let mut lse = cuda.alloc_zeros::<f32>(t * h)?;
+            flash_prefill_impl(
+                &sl.kv,
+                &qt,
+                &tables[si],
+                before,
+                kvh,
+                bs,
+                Some(&mut lse),
+                kernel,
+            )?;
+            colsum_with(
+                &cuda,
+                &mut sl,
+                &qt,
+                &lse,
+                &tables_d[si],
+                before,
+                kvh,
+                bs,
+                kernel,
+            )?;
+            let got = scores_of(&sl, si, l)?;
+            let e = rel_err(&got, &reference);
+            out.push(bf16_check(
+                name,
+                format!("H={h} KVH={kvh} D={d}, {t} rows after {before}"),
+                e,
+            ));
+        }
     }
 
     // Statistics from the materialized probabilities (cuBLAS): eager and chunked.

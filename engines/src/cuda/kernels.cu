@@ -993,6 +993,146 @@ __device__ void attn_colsum(const __nv_bfloat16* __restrict__ q,
     }
 }
 
+// attn_colsum on mma.sync, the same inputs, outputs and grid (ceil(n_keys / 64), KVH).
+// The block's 64 keys are the A operand (each warp keeps 16 keys' K fragments in
+// registers) and each 64-row query tile the B operand, so a warp computes S^T = K Q^T
+// (16 keys x 8 rows per mma) and adds exp(s * scale - lse_row) of the rows that see each
+// key; a key's four lanes reduce at the end and one lane writes it (no atomics, fixed
+// order). Query tiles of each head of the group go through two shared buffers with
+// cp.async, with their rows' log-sum-exp.
+template <int D>
+__device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
+                                const __nv_bfloat16* __restrict__ k_cache,
+                                const int32_t* __restrict__ table, const float* __restrict__ lse,
+                                float* __restrict__ score, int T, int ctx_before, int num_heads,
+                                int num_kv_heads, int block_size, float scale) {
+    constexpr int LD = D + 8;
+    constexpr int CH = D / 8;
+    extern __shared__ __align__(128) unsigned char fmsmem[];
+    __nv_bfloat16* Ks = (__nv_bfloat16*)fmsmem;                   // [BN, LD]
+    __nv_bfloat16* Qs = Ks + FM_BN * LD;                          // [2][BM, LD]
+    float* Lr = (float*)(fmsmem + (FM_BN + 2 * FM_BM) * LD * 2);  // [2][BM]
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    const int g = lane >> 2, tig = lane & 3;
+    const int kvh = blockIdx.y;
+    const int group = num_heads / num_kv_heads;
+    const int n_keys = ctx_before + T;
+    const int kt = blockIdx.x * FM_BN;
+    const int wkey0 = kt + warp * 16;  // the warp's first key
+
+    for (int i = threadIdx.x; i < FM_BN * CH; i += FM_THREADS) {
+        const int j = i / CH, c = (i % CH) * 8;
+        const int t = kt + j;
+        const bool ok = t < n_keys;
+        int64_t off = 0;
+        if (ok) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            off = (slot * num_kv_heads + kvh) * D + c;
+        }
+        cp_async16(smem_u32(Ks + j * LD + c), k_cache + off, ok);
+    }
+    // Query tiles from the first whose last row can see key kt, for every head.
+    const int first = max(0, kt - ctx_before) / FM_BM * FM_BM;
+    const int per_head = T > first ? (T - first + FM_BM - 1) / FM_BM : 0;
+    const int tiles = per_head * group;
+    auto load_tile = [&](int it, int buf) {
+        const int h = kvh * group + it / per_head;
+        const int row0 = first + (it % per_head) * FM_BM;
+        const int rows = min(FM_BM, T - row0);
+        for (int i = threadIdx.x; i < FM_BM * CH; i += FM_THREADS) {
+            const int r = i / CH, c = (i % CH) * 8;
+            const bool ok = r < rows;
+            const __nv_bfloat16* src = ok ? q + ((int64_t)(row0 + r) * num_heads + h) * D + c : q;
+            cp_async16(smem_u32(Qs + buf * FM_BM * LD + r * LD + c), src, ok);
+        }
+        if (threadIdx.x < FM_BM)
+            Lr[buf * FM_BM + threadIdx.x] =
+                threadIdx.x < rows ? lse[(int64_t)(row0 + threadIdx.x) * num_heads + h] : 0.f;
+    };
+    if (tiles > 0) load_tile(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+
+    uint32_t kf[D / 16][4];
+    float acc[2] = {0.f, 0.f};  // keys wkey0 + g and wkey0 + g + 8, this lane's rows
+    if (tiles == 0) asm volatile("cp.async.wait_group 0;\n" ::);
+    for (int it = 0; it < tiles; ++it) {
+        const int buf = it & 1;
+        const int row0 = first + (it % per_head) * FM_BM;
+        if (it + 1 < tiles) {
+            load_tile(it + 1, buf ^ 1);
+            asm volatile("cp.async.commit_group;\n" ::);
+            asm volatile("cp.async.wait_group 1;\n" ::);
+        } else {
+            asm volatile("cp.async.wait_group 0;\n" ::);
+        }
+        __syncthreads();
+        if (it == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                const int c = kk * 16 + (lane / 16) * 8;
+                ldsm_x4(smem_u32(Ks + r * LD + c), kf[kk][0], kf[kk][1], kf[kk][2], kf[kk][3]);
+            }
+        }
+        // Rows whose positions are all before this warp's first key add nothing.
+        const int last_pos = ctx_before + min(row0 + FM_BM, T) - 1;
+        if (wkey0 < n_keys && last_pos >= wkey0) {
+            const __nv_bfloat16* Qt = Qs + buf * FM_BM * LD;
+            const float* Lt = Lr + buf * FM_BM;
+#pragma unroll
+            for (int np = 0; np < FM_BM / 16; ++np) {
+                float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    const int r = np * 16 + (lane % 8) + (lane / 16) * 8;
+                    const int c = kk * 16 + ((lane / 8) % 2) * 8;
+                    uint32_t b0, b1, b2, b3;
+                    ldsm_x4(smem_u32(Qt + r * LD + c), b0, b1, b2, b3);
+                    mma_bf16(s0, kf[kk], b0, b1);
+                    mma_bf16(s1, kf[kk], b2, b3);
+                }
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const float x = e < 4 ? s0[e] : s1[e - 4];
+                    const int col = np * 16 + (e >> 2) * 8 + tig * 2 + (e & 1);  // tile row
+                    const int key = wkey0 + g + ((e >> 1) & 1) * 8;
+                    const int pos = ctx_before + row0 + col;
+                    if (row0 + col < T && key <= pos && key < n_keys)
+                        acc[(e >> 1) & 1] += __expf(x * scale - Lt[col]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        float x = acc[hr];
+        x += __shfl_xor_sync(0xffffffffu, x, 1);
+        x += __shfl_xor_sync(0xffffffffu, x, 2);
+        const int t = wkey0 + g + hr * 8;
+        if (tig == 0 && t < n_keys) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            score[slot * num_kv_heads + kvh] += x;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(FM_THREADS) attn_colsum_mma_d64_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
+    const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
+    int block_size, float scale) {
+    attn_colsum_mma<64>(q, k_cache, table, lse, score, T, ctx_before, num_heads, num_kv_heads,
+                        block_size, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(FM_THREADS) attn_colsum_mma_d128_bf16(
+    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
+    const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
+    int block_size, float scale) {
+    attn_colsum_mma<128>(q, k_cache, table, lse, score, T, ctx_before, num_heads, num_kv_heads,
+                         block_size, scale);
+}
+
 extern "C" __global__ void __launch_bounds__(128) attn_colsum_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
     const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,

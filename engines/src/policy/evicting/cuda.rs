@@ -28,7 +28,7 @@ use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill_contiguous, flash_prefill_with,
     flash_smem_bytes, grow_slice, initial_blocks, join_rows, kv_gather, kv_write_at,
     paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores,
-    DecodeShape, DecodeTables, LayerCache, RollingKeys, MODULE, PTX,
+    DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys, MODULE, PTX,
 };
 use crate::error::{Error, Result};
 use crate::policy::evicting::book::SlotBook;
@@ -823,10 +823,39 @@ pub fn colsum(
     num_kv_heads: usize,
     block_size: usize,
 ) -> Result<()> {
+    colsum_with(
+        dev,
+        sl,
+        q,
+        lse,
+        table,
+        ctx_before,
+        num_kv_heads,
+        block_size,
+        FlashKernel::chosen(),
+    )
+}
+
+/// [`colsum`] on the kernel of the given flash design (the statistics pass follows
+/// the attention pass's: `mma.sync` by default, WMMA with `KVBENCH_FLASH_PREFILL=wmma`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn colsum_with(
+    dev: &CudaDevice,
+    sl: &mut SlotLayer,
+    q: &Tensor,
+    lse: &CudaSlice<f32>,
+    table: &CudaSlice<i32>,
+    ctx_before: usize,
+    num_kv_heads: usize,
+    block_size: usize,
+    kernel: FlashKernel,
+) -> Result<()> {
     let (t, h, d) = q.dims3()?;
-    let name = match d {
-        64 => "attn_colsum_d64_bf16",
-        128 => "attn_colsum_d128_bf16",
+    let name = match (kernel, d) {
+        (FlashKernel::Mma, 64) => "attn_colsum_mma_d64_bf16",
+        (FlashKernel::Mma, 128) => "attn_colsum_mma_d128_bf16",
+        (FlashKernel::Wmma, 64) => "attn_colsum_d64_bf16",
+        (FlashKernel::Wmma, 128) => "attn_colsum_d128_bf16",
         _ => {
             return Err(Error::Config(format!(
                 "exact H2O statistics have kernels for head dims 64 and 128, not {d}: use \
@@ -837,7 +866,11 @@ pub fn colsum(
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
     let qv = crate::cuda::view(&qs, ql, "attn_colsum q")?;
-    let smem = flash_smem_bytes(d);
+    let smem = match kernel {
+        // K, then two query tiles, 64 rows of D + 8 bf16 each, and two tiles' lse.
+        FlashKernel::Mma => 3 * 64 * (d + 8) * 2 + 2 * 64 * 4,
+        FlashKernel::Wmma => flash_smem_bytes(d),
+    };
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     f.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
