@@ -46,6 +46,7 @@ steps=(
   "ttft-flash|run experiments/gpu/ttft-flash.yaml --results \$RES"
   "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"
   "torch-anchors|py:scripts/peers/torch_llama.py all --out \$RES/torch-anchors.json"
+  "torch-eager|py:scripts/peers/torch_llama.py decode --eager --out \$RES/torch-eager.json"
   "paradigms-batch32|run experiments/gpu/paradigms-batch32.yaml --results \$RES"
   "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"

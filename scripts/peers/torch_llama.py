@@ -9,7 +9,9 @@
   bf16 weights, a static cache and `torch.compile(mode="reduce-overhead")` (transformers'
   CompileConfig, which generate() applies to the decode steps of a static cache): decode
   tokens/s at each batch after a prompt of random tokens, as
-  batch × N / (time to generate 1 + N tokens − time to generate 1).
+  batch × N / (time to generate 1 + N tokens − time to generate 1). `--eager`: the same
+  without compiling (every operation launched from Python each step: how far launch
+  overhead alone holds a decode step back).
 
 Each measurement is the median of several timed runs after a warm-up (CUDA events on a
 GPU). Prints a table and writes every number as JSON (`--out`). `--tiny` runs small
@@ -119,7 +121,7 @@ def sdpa(dev, shapes, lengths):
     return rows
 
 
-def decode(dev, shapes, batches, prompt, new, reps, done=lambda rows: None):
+def decode(dev, shapes, batches, prompt, new, reps, done=lambda rows: None, eager=False):
     from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -149,7 +151,7 @@ def decode(dev, shapes, batches, prompt, new, reps, done=lambda rows: None):
                     out = model.generate(
                         ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                         do_sample=False, pad_token_id=0, cache_implementation="static",
-                        compile_config=compile_config,
+                        compile_config=compile_config, disable_compile=eager,
                     )
                 assert out.shape == (b, prompt + n), out.shape
             return run
@@ -161,8 +163,9 @@ def decode(dev, shapes, batches, prompt, new, reps, done=lambda rows: None):
         tok_s = b * new / (whole - first)
         # generate() keeps the compiled forward here once it has used it.
         compiled = hasattr(model, "_compiled_call")
-        if not compiled:
-            print("decode: transformers did not compile the decode steps", file=sys.stderr)
+        if compiled == eager:
+            sys.exit(f"decode: asked for {'eager' if eager else 'compiled'} decode steps, "
+                     f"transformers {'compiled' if compiled else 'did not compile'} them")
         rows.append({
             "compiled": compiled,
             "batch": b, "prompt": prompt, "new_tokens": new, "prefill_and_one_s": first,
@@ -184,6 +187,7 @@ def main():
     ap.add_argument("--new", type=int, default=128, help="decode tokens timed per run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="small shapes on the CPU: checks the script")
+    ap.add_argument("--eager", action="store_true", help="decode without torch.compile")
     ap.add_argument("--out", help="write the numbers as JSON here")
     a = ap.parse_args()
     if a.tiny:
@@ -196,6 +200,7 @@ def main():
 
     res = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "decode_mode": "eager" if a.eager else "compiled",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "shapes": "tiny" if a.tiny else "llama-3.1-8b",
@@ -217,7 +222,7 @@ def main():
             save()
 
         decode(dev, shapes, [int(x) for x in a.batches.split(",")], a.prompt, a.new,
-               a.reps, done)
+               a.reps, done, eager=a.eager)
 
 
 if __name__ == "__main__":
