@@ -47,6 +47,7 @@ steps=(
   "paradigms-batch16|run experiments/gpu/paradigms-batch16.yaml --results \$RES"
   "torch-anchors|py:scripts/peers/torch_llama.py all --out \$RES/torch-anchors.json"
   "torch-eager|py:scripts/peers/torch_llama.py decode --eager --out \$RES/torch-eager.json"
+  "h2d-gather|py:scripts/gpu-h2d-gather.py --out \$RES/h2d-gather.json"
   "paradigms-batch32|run experiments/gpu/paradigms-batch32.yaml --results \$RES"
   "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
