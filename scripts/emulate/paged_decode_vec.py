@@ -4,7 +4,9 @@ in NumPy: D/8 lanes per key row, the shuffle reductions of the score and V passe
 warps' partial outputs, and paged_decode_reduce_bf16's combination of partitions, through
 a random block table, against attention computed directly (scores kept as H2O's `raw`
 too). It checks the kernel's index arithmetic on a machine without a GPU; it does not run
-the CUDA code, and a change to the kernel must be made here too.
+the CUDA code, and a change to the kernel must be made here too. Rolling positions
+(StreamingLLM: keys rotated to their index as they are read, each lane taking its
+partner's half by a shuffle) too.
 `python3 scripts/emulate/paged_decode_vec.py` (NumPy).
 """
 import sys
@@ -17,7 +19,9 @@ def shfl_xor_sum(vals, offsets):
         vals = [vals[l] + vals[l ^ o] for l in range(32)]
     return vals
 
-def run(D, G, KVH, ctx, part_size, bs=16):
+def run(D, G, KVH, ctx, part_size, bs=16, roll=None):
+    """`roll` = (n, sinks): rolling positions, the cache holding the ctx kept keys of a
+    context of n (sinks, then the last ctx - sinks), each rotated to its index."""
     LPR, RPW, warps = D // 8, 32 // (D // 8), 4
     H = KVH * G
     nblocks = (ctx + bs - 1)//bs + 3
@@ -27,6 +31,17 @@ def run(D, G, KVH, ctx, part_size, bs=16):
     parts = (ctx + part_size - 1)//part_size
     pm = np.zeros((H, parts)); pl = np.zeros((H, parts)); pacc = np.zeros((H, parts, D))
     raw = np.full((H, ctx), np.nan)
+    half = D // 2
+    if roll is not None:
+        n_ctx, sinks = roll
+        kept = list(range(sinks)) + list(range(n_ctx - (ctx - sinks), n_ctx))
+        last = kept.pop(); rng.shuffle(kept); kept.append(last)  # the new token last
+        pos = np.zeros((nblocks*bs, KVH), dtype=np.int64)
+        for i in range(ctx):
+            pos[table[i//bs]*bs + i % bs, :] = kept[i]
+        params = (ctx, n_ctx, ctx, ctx - sinks)  # m, n, capacity, recent
+        inv = 10000.0 ** (-2.0*np.arange(half)/D)
+        cos = np.cos(np.arange(ctx)[:, None]*inv); sin = np.sin(np.arange(ctx)[:, None]*inv)
     for kvh in range(KVH):
         for part in range(parts):
             start = part*part_size; end = min(ctx, start+part_size); n = end-start
@@ -35,15 +50,32 @@ def run(D, G, KVH, ctx, part_size, bs=16):
                 base = warp*RPW
                 while base < n:
                     accs = {g: [0.0]*32 for g in range(G)}
+                    lane_k = [None]*32
                     for lane in range(32):
                         sub, sl = lane // LPR, lane % LPR
                         j = base + sub
                         k8 = np.zeros(8)
                         if j < n:
                             t = start + j; slot = table[t//bs]*bs + t % bs
-                            k8 = kc[slot, kvh, sl*8:sl*8+8]
+                            k8 = kc[slot, kvh, sl*8:sl*8+8].copy()
+                        lane_k[lane] = k8
+                    if roll is not None:
+                        other = [lane_k[l ^ (LPR//2)] for l in range(32)]
+                        for lane in range(32):
+                            sub, sl = lane // LPR, lane % LPR
+                            j = base + sub
+                            if j >= n: continue
+                            t = start + j; slot = table[t//bs]*bs + t % bs
+                            p = pos[slot, kvh]; m_, n_, cap, recent = params
+                            index = p if p < cap - recent else p - (n_ - m_)
+                            d0 = (sl % (LPR//2))*8
+                            c = cos[index, d0:d0+8]; s_ = sin[index, d0:d0+8]
+                            if sl < LPR//2: lane_k[lane] = lane_k[lane]*c - other[lane]*s_
+                            else: lane_k[lane] = other[lane]*s_ + lane_k[lane]*c
+                    for lane in range(32):
+                        sl = lane % LPR
                         for g in range(G):
-                            accs[g][lane] = float(q[kvh*G+g, sl*8:sl*8+8] @ k8)
+                            accs[g][lane] = float(q[kvh*G+g, sl*8:sl*8+8] @ lane_k[lane])
                     for g in range(G):
                         red = [accs[g][l] for l in range(32)]
                         o = LPR//2
@@ -85,7 +117,14 @@ def run(D, G, KVH, ctx, part_size, bs=16):
     for h in range(H):
         kvh = h // G
         slots = [table[t//bs]*bs + t % bs for t in range(ctx)]
-        sc = kc[slots, kvh] @ q[h] * scale
+        keys = kc[slots, kvh].copy()
+        if roll is not None:
+            for i in range(ctx):
+                p = kept[i]; index = p if p < sinks else p - (roll[0] - ctx)
+                x0, x1 = keys[i, :half].copy(), keys[i, half:].copy()
+                keys[i, :half] = x0*cos[index] - x1*sin[index]
+                keys[i, half:] = x0*sin[index] + x1*cos[index]
+        sc = keys @ q[h] * scale
         err_raw = max(err_raw, np.abs(sc - raw[h]).max())
         p = np.exp(sc - sc.max()); ref[h] = p @ vc[slots, kvh] / p.sum()
     return np.abs(out-ref).max()/np.abs(ref).max(), err_raw
@@ -97,4 +136,10 @@ for D, G, KVH, ctx, ps in [(128, 4, 2, 1, 64), (128, 4, 2, 300, 64), (64, 3, 3, 
     ok = e < 1e-9 and er < 1e-9  # f64 throughout: only the summation order differs
     failed += not ok
     print(f"D={D} G={G} KVH={KVH} ctx={ctx} part={ps}: rel err {e:.1e}, raw scores err {er:.1e}", "ok" if ok else "FAIL")
+# Rolling positions (D, group, KV heads, kept keys, partition, (context, sinks)).
+for D, G, KVH, ctx, ps, roll in [(128, 4, 2, 64, 64, (900, 4)), (64, 3, 3, 100, 64, (100, 4)), (128, 4, 1, 77, 64, (500, 0))]:
+    e, er = run(D, G, KVH, ctx, ps, roll=roll)
+    ok = e < 1e-9
+    failed += not ok
+    print(f"rolling D={D} G={G} KVH={KVH} kept={ctx} (n, sinks)={roll}: rel err {e:.1e}", "ok" if ok else "FAIL")
 sys.exit(1 if failed else 0)

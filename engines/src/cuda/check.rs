@@ -192,7 +192,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             (DecodeKernel::Vector, "paged_decode (vector)"),
             (DecodeKernel::Scalar, "paged_decode (scalar)"),
         ] {
-            if !kernel.applies(d, h / kvh, false) {
+            if !kernel.applies(d, h / kvh) {
                 continue;
             }
             for (rows, sub) in [
@@ -301,7 +301,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         }
         out.extend(evicting_checks(dev, &mut rng, h, kvh, d, bs)?);
         out.extend(infinigen_checks(dev, &mut rng, h, kvh, d, bs)?);
-        out.push(rolling_check(dev, &mut rng, h, kvh, d, bs)?);
+        out.extend(rolling_check(dev, &mut rng, h, kvh, d, bs)?);
     }
     Ok(out)
 }
@@ -1191,8 +1191,8 @@ fn rolling_check(
     kvh: usize,
     d: usize,
     bs: usize,
-) -> Result<KernelCheck> {
-    use super::{paged_decode_rolling, upload_i32, RollingKeys};
+) -> Result<Vec<KernelCheck>> {
+    use super::{upload_i32, RollingKeys};
     use candle_core::cuda_backend::WrapErr;
     let cuda = device_of(dev)?;
     let stream = cuda.cuda_stream();
@@ -1255,19 +1255,6 @@ fn rolling_check(
         block_size: bs,
         part_size: 512,
     };
-    let roll = RollingKeys {
-        pos: &pos_d,
-        params: &params_d,
-        cos: &cos_d,
-        sin: &sin_d,
-    };
-    let o = download(&paged_decode_rolling(
-        &cache,
-        &upload(&q, &[cases.len(), h, d], dev)?,
-        &t,
-        shape,
-        roll,
-    )?)?;
     let mut want = Vec::new();
     for (ri, (&(n, sinks, _), &m)) in cases.iter().zip(&kept).enumerate() {
         let (k, kept_pos) = &keys[ri];
@@ -1293,9 +1280,40 @@ fn rolling_check(
             d,
         ));
     }
-    Ok(bf16_check(
-        "paged_decode (rolling positions)",
-        format!("H={h} KVH={kvh} D={d}, (n, sinks, window) {cases:?}"),
-        rel_err(&o, &want),
-    ))
+    let mut out = Vec::new();
+    for (kernel, name) in [
+        (
+            DecodeKernel::Vector,
+            "paged_decode (rolling positions, vector)",
+        ),
+        (
+            DecodeKernel::Scalar,
+            "paged_decode (rolling positions, scalar)",
+        ),
+    ] {
+        if !kernel.applies(d, h / kvh) {
+            continue;
+        }
+        let roll = RollingKeys {
+            pos: &pos_d,
+            params: &params_d,
+            cos: &cos_d,
+            sin: &sin_d,
+        };
+        let o = download(&paged_decode_impl(
+            &cache,
+            &upload(&q, &[cases.len(), h, d], dev)?,
+            &t,
+            shape,
+            None,
+            Some(roll),
+            Some(kernel),
+        )?)?;
+        out.push(bf16_check(
+            name,
+            format!("H={h} KVH={kvh} D={d}, (n, sinks, window) {cases:?}"),
+            rel_err(&o, &want),
+        ));
+    }
+    Ok(out)
 }

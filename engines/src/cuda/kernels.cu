@@ -231,14 +231,18 @@ extern "C" __global__ void paged_decode_part_rolling_bf16(
 // output elements of every head, then the lanes and warps that hold the same elements
 // are summed. Shared memory: G * P floats of scores, then warps * G * D floats.
 // (Four blocks per SM in the launch bounds: without them ptxas spills the G = 4 build.)
-template <int D, int MAXG>
+//
+// Rolling positions (ROLL): the key is rotated to its index in the cache as the scalar
+// kernel does it; dimension i pairs with i + D/2, which lies in the lane D/16 further
+// on, so each lane takes its partner's 8 elements by a shuffle.
+template <int D, int MAXG, bool ROLL>
 __device__ __forceinline__ void paged_decode_part_vec(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
     const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
-    int part_size, float scale) {
+    int part_size, float scale, Rolling roll) {
     constexpr int LPR = D / 8;          // lanes per key row
     constexpr int RPW = WARP / LPR;     // keys per warp step
     extern __shared__ float smem[];
@@ -289,9 +293,10 @@ __device__ __forceinline__ void paged_decode_part_vec(
         const int j = base + sub;
         const bool valid = j < n;
         float k8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int64_t slot = 0;
         if (valid) {
             const int t = start + j;
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            slot = (int64_t)table[t / block_size] * block_size + t % block_size;
             const uint4 raw_k = *reinterpret_cast<const uint4*>(
                 k_cache + slot * row_elems + (int64_t)kvh * D + sl * 8);
             const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_k);
@@ -300,6 +305,26 @@ __device__ __forceinline__ void paged_decode_part_vec(
                 const float2 f = __bfloat1622float2(h2[i]);
                 k8[2 * i] = f.x;
                 k8[2 * i + 1] = f.y;
+            }
+        }
+        if (ROLL) {
+            // Every lane shuffles (the partner of a lane past the last key holds zeros).
+            float other[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) other[i] = __shfl_xor_sync(0xffffffffu, k8[i], LPR / 2);
+            if (valid) {
+                const int p = roll.pos[slot * num_kv_heads + kvh];
+                const int32_t* pr = roll.params + (int64_t)row * 4;
+                const int index = p < pr[2] - pr[3] ? p : p - (pr[1] - pr[0]);
+                const float* rc = roll.cos + (int64_t)index * (D / 2) + (sl % (LPR / 2)) * 8;
+                const float* rs = roll.sin + (int64_t)index * (D / 2) + (sl % (LPR / 2)) * 8;
+                const bool first_half = sl < LPR / 2;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    // (x0, x1) = (dimension i, dimension i + D/2) of the pair.
+                    const float c = rc[i], s_ = rs[i];
+                    k8[i] = first_half ? k8[i] * c - other[i] * s_ : other[i] * s_ + k8[i] * c;
+                }
             }
         }
 #pragma unroll
@@ -403,9 +428,26 @@ __device__ __forceinline__ void paged_decode_part_vec(
             float* __restrict__ part_l, float* __restrict__ part_acc,                        \
             float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
             int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
-        paged_decode_part_vec<D, MAXG>(q, k_cache, v_cache, tables, ctx_lens, part_m,        \
-                                       part_l, part_acc, raw, raw_stride, num_kv_heads,      \
-                                       group, block_size, max_blocks, part_size, scale);     \
+        paged_decode_part_vec<D, MAXG, false>(q, k_cache, v_cache, tables, ctx_lens, part_m, \
+                                              part_l, part_acc, raw, raw_stride,             \
+                                              num_kv_heads, group, block_size, max_blocks,   \
+                                              part_size, scale, Rolling{});                  \
+    }                                                                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
+        paged_decode_part_vec_rolling_d##D##_g##MAXG##_bf16(                                 \
+            const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,  \
+            const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,   \
+            const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
+            float* __restrict__ part_l, float* __restrict__ part_acc,                        \
+            float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale,        \
+            const int32_t* __restrict__ pos, const int32_t* __restrict__ params,             \
+            const float* __restrict__ rope_cos, const float* __restrict__ rope_sin) {        \
+        paged_decode_part_vec<D, MAXG, true>(q, k_cache, v_cache, tables, ctx_lens, part_m,  \
+                                             part_l, part_acc, raw, raw_stride,              \
+                                             num_kv_heads, group, block_size, max_blocks,    \
+                                             part_size, scale,                               \
+                                             Rolling{pos, params, rope_cos, rope_sin});      \
     }
 PAGED_DECODE_VEC(64, 4)
 PAGED_DECODE_VEC(64, 8)

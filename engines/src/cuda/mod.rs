@@ -296,8 +296,8 @@ pub struct DecodeShape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeKernel {
     /// 16-byte loads, each K/V row read once for the whole query group, keys split
-    /// across lanes and warps in both passes: head dims 64 and 128, groups of up to 8,
-    /// keys cached with RoPE applied.
+    /// across lanes and warps in both passes (rolling keys rotated as they are read):
+    /// head dims 64 and 128, groups of up to 8.
     Vector,
     /// One warp per key with 2-byte loads, and one thread per output element walking
     /// the partition's keys: any shape, and keys rotated as they are read.
@@ -306,17 +306,17 @@ pub enum DecodeKernel {
 
 impl DecodeKernel {
     /// The vector kernel where it applies, unless [`scalar_forced`].
-    fn choose(head_dim: usize, group: usize, rolling: bool) -> Self {
-        if !scalar_forced() && Self::Vector.applies(head_dim, group, rolling) {
+    fn choose(head_dim: usize, group: usize) -> Self {
+        if !scalar_forced() && Self::Vector.applies(head_dim, group) {
             Self::Vector
         } else {
             Self::Scalar
         }
     }
 
-    fn applies(self, head_dim: usize, group: usize, rolling: bool) -> bool {
+    fn applies(self, head_dim: usize, group: usize) -> bool {
         match self {
-            Self::Vector => !rolling && matches!(head_dim, 64 | 128) && (1..=8).contains(&group),
+            Self::Vector => matches!(head_dim, 64 | 128) && (1..=8).contains(&group),
             Self::Scalar => true,
         }
     }
@@ -473,11 +473,10 @@ pub(crate) fn paged_decode_impl(
     }
     let max_blocks = t.max_blocks;
     let group = h / kvh;
-    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group, roll.is_some()));
-    if !kernel.applies(d, group, roll.is_some()) {
+    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group));
+    if !kernel.applies(d, group) {
         return Err(Error::Config(format!(
-            "paged_decode: the {kernel:?} kernel does not take head dim {d}, group {group}{}",
-            if roll.is_some() { ", rolling keys" } else { "" }
+            "paged_decode: the {kernel:?} kernel does not take head dim {d}, group {group}"
         )));
     }
     let part_size = if scalar_forced() {
@@ -533,10 +532,14 @@ pub(crate) fn paged_decode_impl(
     let name = match (kernel, roll.is_some(), d, group) {
         (DecodeKernel::Scalar, true, ..) => "paged_decode_part_rolling_bf16",
         (DecodeKernel::Scalar, false, ..) => "paged_decode_part_bf16",
-        (DecodeKernel::Vector, _, 64, ..=4) => "paged_decode_part_vec_d64_g4_bf16",
-        (DecodeKernel::Vector, _, 64, _) => "paged_decode_part_vec_d64_g8_bf16",
-        (DecodeKernel::Vector, _, _, ..=4) => "paged_decode_part_vec_d128_g4_bf16",
-        (DecodeKernel::Vector, ..) => "paged_decode_part_vec_d128_g8_bf16",
+        (DecodeKernel::Vector, false, 64, ..=4) => "paged_decode_part_vec_d64_g4_bf16",
+        (DecodeKernel::Vector, false, 64, _) => "paged_decode_part_vec_d64_g8_bf16",
+        (DecodeKernel::Vector, false, _, ..=4) => "paged_decode_part_vec_d128_g4_bf16",
+        (DecodeKernel::Vector, false, ..) => "paged_decode_part_vec_d128_g8_bf16",
+        (DecodeKernel::Vector, true, 64, ..=4) => "paged_decode_part_vec_rolling_d64_g4_bf16",
+        (DecodeKernel::Vector, true, 64, _) => "paged_decode_part_vec_rolling_d64_g8_bf16",
+        (DecodeKernel::Vector, true, _, ..=4) => "paged_decode_part_vec_rolling_d128_g4_bf16",
+        (DecodeKernel::Vector, true, ..) => "paged_decode_part_vec_rolling_d128_g8_bf16",
     };
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     let mut b = f.builder();
