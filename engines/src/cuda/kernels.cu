@@ -77,6 +77,51 @@ struct Rolling {
     const float* sin;
 };
 
+// A partition past its row's context: m = -inf, l = 0 and a zero output for each of
+// the group's heads (head0 = row * H + kvh * group), as the reduction expects.
+__device__ __forceinline__ void empty_partition(float* __restrict__ part_m,
+                                                float* __restrict__ part_l,
+                                                float* __restrict__ part_acc, int64_t head0,
+                                                int group, int D, int parts, int part) {
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        const int64_t o = (head0 + i) * parts + part;
+        part_m[o] = -INFINITY;
+        part_l[o] = 0.f;
+    }
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int64_t o = (head0 + i / D) * parts + part;
+        part_acc[o * D + i % D] = 0.f;
+    }
+}
+
+// Per head of the group: max m and sum of exp l of the partition's n scaled scores
+// (ss [G, P]), the scores turned into exp(s - m) in place (one warp per head at a time).
+__device__ __forceinline__ void partition_softmax(float* __restrict__ ss,
+                                                  float* __restrict__ part_m,
+                                                  float* __restrict__ part_l, int64_t head0,
+                                                  int group, int part_size, int n, int parts,
+                                                  int part) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    for (int g = warp; g < group; g += warps) {
+        float m = -INFINITY;
+        for (int j = lane; j < n; j += WARP) m = fmaxf(m, ss[g * part_size + j]);
+        m = warp_max(m);
+        float l = 0.f;
+        for (int j = lane; j < n; j += WARP) {
+            const float p = __expf(ss[g * part_size + j] - m);
+            ss[g * part_size + j] = p;
+            l += p;
+        }
+        l = warp_sum(l);
+        if (lane == 0) {
+            const int64_t o = (head0 + g) * parts + part;
+            part_m[o] = m;
+            part_l[o] = l;
+        }
+    }
+}
+
 template <bool ROLL>
 __device__ __forceinline__ void paged_decode_part(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
@@ -100,16 +145,8 @@ __device__ __forceinline__ void paged_decode_part(
     const int warps = blockDim.x / WARP;
 
     if (n <= 0) {
-        for (int i = threadIdx.x; i < group; i += blockDim.x) {
-            const int64_t o = ((int64_t)row * H + kvh * group + i) * parts + part;
-            part_m[o] = -INFINITY;
-            part_l[o] = 0.f;
-        }
-        for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-            const int g = i / D, d = i % D;
-            const int64_t o = ((int64_t)row * H + kvh * group + g) * parts + part;
-            part_acc[o * D + d] = 0.f;
-        }
+        empty_partition(part_m, part_l, part_acc, (int64_t)row * H + kvh * group, group, D,
+                        parts, part);
         return;
     }
 
@@ -159,24 +196,8 @@ __device__ __forceinline__ void paged_decode_part(
     }
     __syncthreads();
 
-    // Per head: max and sum of exp over the partition (one warp per head at a time).
-    for (int g = warp; g < group; g += warps) {
-        float m = -INFINITY;
-        for (int j = lane; j < n; j += WARP) m = fmaxf(m, ss[g * part_size + j]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int j = lane; j < n; j += WARP) {
-            const float p = __expf(ss[g * part_size + j] - m);
-            ss[g * part_size + j] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            const int64_t o = ((int64_t)row * H + kvh * group + g) * parts + part;
-            part_m[o] = m;
-            part_l[o] = l;
-        }
-    }
+    partition_softmax(ss, part_m, part_l, (int64_t)row * H + kvh * group, group, part_size, n,
+                      parts, part);
     __syncthreads();
 
     // acc[g, d] = sum_j p[g, j] * V[j, d]; threads over (g, d), keys in order.
@@ -259,15 +280,7 @@ __device__ __forceinline__ void paged_decode_part_vec(
     const int64_t head0 = (int64_t)row * H + kvh * group;
 
     if (n <= 0) {
-        for (int i = threadIdx.x; i < group; i += blockDim.x) {
-            const int64_t o = (head0 + i) * parts + part;
-            part_m[o] = -INFINITY;
-            part_l[o] = 0.f;
-        }
-        for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-            const int64_t o = (head0 + i / D) * parts + part;
-            part_acc[o * D + i % D] = 0.f;
-        }
+        empty_partition(part_m, part_l, part_acc, head0, group, D, parts, part);
         return;
     }
     float* ss = smem;                          // [G, P]
@@ -346,24 +359,7 @@ __device__ __forceinline__ void paged_decode_part_vec(
     }
     __syncthreads();
 
-    // Per head: max and sum of exp over the partition (one warp per head at a time).
-    for (int g = warp; g < group; g += warps) {
-        float m = -INFINITY;
-        for (int j = lane; j < n; j += WARP) m = fmaxf(m, ss[g * part_size + j]);
-        m = warp_max(m);
-        float l = 0.f;
-        for (int j = lane; j < n; j += WARP) {
-            const float p = __expf(ss[g * part_size + j] - m);
-            ss[g * part_size + j] = p;
-            l += p;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            const int64_t o = (head0 + g) * parts + part;
-            part_m[o] = m;
-            part_l[o] = l;
-        }
-    }
+    partition_softmax(ss, part_m, part_l, head0, group, part_size, n, parts, part);
     __syncthreads();
 
     float acc[MAXG][8];
