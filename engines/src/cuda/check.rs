@@ -3,7 +3,7 @@
 //! --device cuda` runs these before the model checks.
 
 use super::{
-    device_of, flash_prefill_impl, kv_gather, kv_write, paged_decode, paged_decode_impl,
+    device_of, flash_prefill_with, kv_gather, kv_write, paged_decode, paged_decode_impl,
     partition_size, prefill_attention, synchronize, DecodeKernel, DecodeShape, DecodeTables,
     FlashKernel, LayerCache,
 };
@@ -246,7 +246,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 (FlashKernel::Mma, "flash_prefill (mma)"),
                 (FlashKernel::Wmma, "flash_prefill (wmma)"),
             ] {
-                let o = flash_prefill_impl(
+                let o = flash_prefill_with(
                     &cache,
                     &upload(&qp, &[t, h, d], dev)?,
                     &tables[si],
@@ -403,8 +403,7 @@ fn evicting_checks(
     use super::{paged_decode_with, prefill_attention_stats, DecodeScores};
     use crate::attention::prefill::ColumnStats;
     use crate::policy::evicting::cuda::{
-        colsum_with, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init,
-        SlotLayer,
+        colsum, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init, SlotLayer,
     };
     use crate::policy::evicting::h2o::{H2o, H2oParams};
     use crate::policy::evicting::streaming::{Streaming, StreamingParams};
@@ -460,7 +459,7 @@ fn evicting_checks(
         ] {
             reset(&mut sl)?;
             let mut lse = cuda.alloc_zeros::<f32>(t * h)?;
-            flash_prefill_impl(
+            flash_prefill_with(
                 &sl.kv,
                 &qt,
                 &tables[si],
@@ -470,7 +469,7 @@ fn evicting_checks(
                 Some(&mut lse),
                 kernel,
             )?;
-            colsum_with(
+            colsum(
                 &cuda,
                 &mut sl,
                 &qt,

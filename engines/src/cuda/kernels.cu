@@ -516,6 +516,37 @@ __device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// A fragments for mma_bf16: rows row0..row0+15 and columns kk*16.. of a shared tile of
+// `ld` bf16 per row.
+__device__ __forceinline__ void ldsm_a(const __nv_bfloat16* tile, int ld, int row0, int kk,
+                                       uint32_t* a) {
+    const int lane = threadIdx.x % WARP;
+    const int r = row0 + (lane % 8) + ((lane / 8) % 2) * 8;
+    const int c = kk * 16 + (lane / 16) * 8;
+    ldsm_x4(smem_u32(tile + r * ld + c), a[0], a[1], a[2], a[3]);
+}
+
+// B fragments of two n-tiles for mma_bf16, a shared tile's rows as N and its columns
+// kk*16.. as K: rows row0..row0+7 into (b0, b1), row0+8..row0+15 into (b2, b3).
+__device__ __forceinline__ void ldsm_b2(const __nv_bfloat16* tile, int ld, int row0, int kk,
+                                        uint32_t& b0, uint32_t& b1, uint32_t& b2, uint32_t& b3) {
+    const int lane = threadIdx.x % WARP;
+    const int r = row0 + (lane % 8) + (lane / 16) * 8;
+    const int c = kk * 16 + ((lane / 8) % 2) * 8;
+    ldsm_x4(smem_u32(tile + r * ld + c), b0, b1, b2, b3);
+}
+
+// The two-buffer pipeline's step: with a next tile, its copies (already issued) form a
+// group and all but that group are awaited; on the last tile, everything.
+__device__ __forceinline__ void cp_async_next(bool more) {
+    if (more) {
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+}
+
 // 16 bytes global -> shared, zero-filled when `valid` is false (src is then not read).
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
     const int bytes = valid ? 16 : 0;
@@ -593,23 +624,13 @@ __device__ void flash_prefill_mma(
     const int tiles = (n_keys + FM_BN - 1) / FM_BN;
     for (int it = 0; it < tiles; ++it) {
         const int kt = it * FM_BN, buf = it & 1;
-        if (it + 1 < tiles) {
-            load_tile(kt + FM_BN, buf ^ 1);
-            asm volatile("cp.async.commit_group;\n" ::);
-            asm volatile("cp.async.wait_group 1;\n" ::);
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
-        }
+        if (it + 1 < tiles) load_tile(kt + FM_BN, buf ^ 1);
+        cp_async_next(it + 1 < tiles);
         __syncthreads();
         if (it == 0) {
             // This warp's Q fragments, once (rows wrow0.., all of D).
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const int r = wrow0 + (lane % 8) + ((lane / 8) % 2) * 8;
-                const int c = kk * 16 + (lane / 16) * 8;
-                ldsm_x4(smem_u32(sm + L::Q + r * L::LD + c), qf[kk][0], qf[kk][1], qf[kk][2],
-                        qf[kk][3]);
-            }
+            for (int kk = 0; kk < D / 16; ++kk) ldsm_a(sm + L::Q, L::LD, wrow0, kk, qf[kk]);
         }
         // Tiles wholly above the diagonal for this warp's rows, and warps past T, skip.
         if (wrow0 < rows && kt <= wlast) {
@@ -623,10 +644,8 @@ __device__ void flash_prefill_mma(
             for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
                 for (int np = 0; np < FM_BN / 16; ++np) {
-                    const int key = np * 16 + (lane % 8) + (lane / 16) * 8;
-                    const int c = kk * 16 + ((lane / 8) % 2) * 8;
                     uint32_t b0, b1, b2, b3;
-                    ldsm_x4(smem_u32(Kt + key * L::LD + c), b0, b1, b2, b3);
+                    ldsm_b2(Kt, L::LD, np * 16, kk, b0, b1, b2, b3);
                     mma_bf16(s[2 * np], qf[kk], b0, b1);
                     mma_bf16(s[2 * np + 1], qf[kk], b2, b3);
                 }
@@ -1096,21 +1115,12 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1;
         const int row0 = first + (it % per_head) * FM_BM;
-        if (it + 1 < tiles) {
-            load_tile(it + 1, buf ^ 1);
-            asm volatile("cp.async.commit_group;\n" ::);
-            asm volatile("cp.async.wait_group 1;\n" ::);
-        } else {
-            asm volatile("cp.async.wait_group 0;\n" ::);
-        }
+        if (it + 1 < tiles) load_tile(it + 1, buf ^ 1);
+        cp_async_next(it + 1 < tiles);
         __syncthreads();
         if (it == 0) {
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const int r = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                const int c = kk * 16 + (lane / 16) * 8;
-                ldsm_x4(smem_u32(Ks + r * LD + c), kf[kk][0], kf[kk][1], kf[kk][2], kf[kk][3]);
-            }
+            for (int kk = 0; kk < D / 16; ++kk) ldsm_a(Ks, LD, warp * 16, kk, kf[kk]);
         }
         // Rows whose positions are all before this warp's first key add nothing.
         const int last_pos = ctx_before + min(row0 + FM_BM, T) - 1;
@@ -1122,10 +1132,8 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
                 float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
                 for (int kk = 0; kk < D / 16; ++kk) {
-                    const int r = np * 16 + (lane % 8) + (lane / 16) * 8;
-                    const int c = kk * 16 + ((lane / 8) % 2) * 8;
                     uint32_t b0, b1, b2, b3;
-                    ldsm_x4(smem_u32(Qt + r * LD + c), b0, b1, b2, b3);
+                    ldsm_b2(Qt, LD, np * 16, kk, b0, b1, b2, b3);
                     mma_bf16(s0, kf[kk], b0, b1);
                     mma_bf16(s1, kf[kk], b2, b3);
                 }

@@ -325,8 +325,10 @@ impl DecodeKernel {
 /// `KVBENCH_PAGED_DECODE=scalar`: the decode of earlier builds, the scalar kernel with
 /// the callers' fixed partitions (a fallback should the vector kernel fail on a card,
 /// and the "before" of a comparison in one sitting).
+/// Read once per process: every layer of every decode step asks.
 pub fn scalar_forced() -> bool {
-    std::env::var("KVBENCH_PAGED_DECODE").is_ok_and(|v| v == "scalar")
+    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| std::env::var("KVBENCH_PAGED_DECODE").is_ok_and(|v| v == "scalar"))
 }
 
 /// Blocks a decode launch aims for: two per SM of a 132-SM H100 or H200. With few rows
@@ -772,12 +774,16 @@ pub enum FlashKernel {
 impl FlashKernel {
     /// `Mma`, unless `KVBENCH_FLASH_PREFILL=wmma` asks for the earlier kernel (a
     /// fallback should the new one fail on a card, and the "before" of a comparison).
+    /// Read once per process.
     pub fn chosen() -> Self {
-        if std::env::var("KVBENCH_FLASH_PREFILL").is_ok_and(|v| v == "wmma") {
-            Self::Wmma
-        } else {
-            Self::Mma
-        }
+        static CHOSEN: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            if std::env::var("KVBENCH_FLASH_PREFILL").is_ok_and(|v| v == "wmma") {
+                Self::Wmma
+            } else {
+                Self::Mma
+            }
+        })
     }
 
     fn smem_bytes(self, d: usize) -> usize {
@@ -801,35 +807,22 @@ pub fn flash_prefill(
     num_kv_heads: usize,
     block_size: usize,
 ) -> Result<Tensor> {
-    flash_prefill_with(cache, q, table, ctx_before, num_kv_heads, block_size, None)
-}
-
-/// [`flash_prefill`], optionally writing each row's log-sum-exp per head (`[T, H]`
-/// f32, the natural log of the scaled scores' softmax denominator).
-pub fn flash_prefill_with(
-    cache: &LayerCache,
-    q: &Tensor,
-    table: &[i32],
-    ctx_before: usize,
-    num_kv_heads: usize,
-    block_size: usize,
-    lse: Option<&mut CudaSlice<f32>>,
-) -> Result<Tensor> {
-    flash_prefill_impl(
+    flash_prefill_with(
         cache,
         q,
         table,
         ctx_before,
         num_kv_heads,
         block_size,
-        lse,
+        None,
         FlashKernel::chosen(),
     )
 }
 
-/// [`flash_prefill_with`] with the kernel named.
+/// [`flash_prefill`] on the given kernel, optionally writing each row's log-sum-exp
+/// per head (`[T, H]` f32, the natural log of the scaled scores' softmax denominator).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn flash_prefill_impl(
+pub fn flash_prefill_with(
     cache: &LayerCache,
     q: &Tensor,
     table: &[i32],

@@ -25,10 +25,10 @@
 use crate::attention::prefill::{AttentionImpl, ColumnStats};
 use crate::config::ModelConfig;
 use crate::cuda::{
-    as_i32, device_of, drain_event_seconds, flash_prefill_contiguous, flash_prefill_with,
-    flash_smem_bytes, grow_slice, initial_blocks, join_rows, kv_gather, kv_write_at,
-    paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32, DecodeScores,
-    DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys, MODULE, PTX,
+    as_i32, device_of, drain_event_seconds, flash_prefill, flash_prefill_contiguous,
+    flash_prefill_with, flash_smem_bytes, grow_slice, initial_blocks, join_rows, kv_gather,
+    kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32,
+    DecodeScores, DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys, MODULE, PTX,
 };
 use crate::error::{Error, Result};
 use crate::policy::evicting::book::SlotBook;
@@ -532,16 +532,17 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             }
         } else if self.attention == AttentionImpl::Flash {
             match stats {
-                None => flash_prefill_with(
+                None => flash_prefill(
                     &self.layers[layer].kv,
                     &qs,
                     &table,
                     s.ctx_before,
                     kvh,
                     self.block_size,
-                    None,
                 )?,
                 Some(ColumnStats::Exact) => {
+                    // The statistics pass follows the attention pass's design.
+                    let kernel = FlashKernel::chosen();
                     let mut lse = self.dev.alloc_zeros::<f32>(s.q_len * h)?;
                     let o = flash_prefill_with(
                         &self.layers[layer].kv,
@@ -551,6 +552,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                         kvh,
                         self.block_size,
                         Some(&mut lse),
+                        kernel,
                     )?;
                     let start = self.begin()?;
                     let sl = &mut self.layers[layer];
@@ -563,6 +565,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                         s.ctx_before,
                         kvh,
                         self.block_size,
+                        kernel,
                     )?;
                     self.end(start)?;
                     o
@@ -811,35 +814,10 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
 /// Column statistics of one prefill chunk, second pass: `q` `[T, H, D]` at positions
 /// `ctx_before..` with its rows' log-sum-exp `lse` `[T, H]`; the sum over rows and each
-/// group's heads of the probabilities is added to the scores of keys `0..ctx_before+T`.
+/// group's heads of the probabilities is added to the scores of keys `0..ctx_before+T`,
+/// on the kernel of the given flash design (that of the pass that computed `lse`).
 #[allow(clippy::too_many_arguments)]
 pub fn colsum(
-    dev: &CudaDevice,
-    sl: &mut SlotLayer,
-    q: &Tensor,
-    lse: &CudaSlice<f32>,
-    table: &CudaSlice<i32>,
-    ctx_before: usize,
-    num_kv_heads: usize,
-    block_size: usize,
-) -> Result<()> {
-    colsum_with(
-        dev,
-        sl,
-        q,
-        lse,
-        table,
-        ctx_before,
-        num_kv_heads,
-        block_size,
-        FlashKernel::chosen(),
-    )
-}
-
-/// [`colsum`] on the kernel of the given flash design (the statistics pass follows
-/// the attention pass's: `mma.sync` by default, WMMA with `KVBENCH_FLASH_PREFILL=wmma`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn colsum_with(
     dev: &CudaDevice,
     sl: &mut SlotLayer,
     q: &Tensor,
