@@ -107,6 +107,18 @@ pub(crate) fn render_many(parts: &[Part], img: &dyn Fn(&Path) -> Result<String>)
                     "- **{}** {}  \n  *{}* (from {}): {}",
                     c.id, c.text, lead.1.verdict, lead.0, lead.1.evidence
                 )?;
+                // An experiment listed before the lead that checked part of the claim
+                // but not enough for a verdict still shows its numbers: the reader
+                // ordered it first.
+                for (n, other) in all.iter().take_while(|(n, _)| *n != lead.0) {
+                    if other.partial() {
+                        writeln!(
+                            md,
+                            "  - before it, {n}: *{}*: {}",
+                            other.verdict, other.evidence
+                        )?;
+                    }
+                }
                 for (n, other) in rest {
                     writeln!(md, "  - also {n}: *{}*: {}", other.verdict, other.evidence)?;
                 }

@@ -1223,3 +1223,31 @@ fn html_keeps_tables_lists_and_images() {
     assert!(h.contains("<tr><td>1</td><td>2</td></tr>"));
     assert!(h.contains("<img src=\"data:image/png;base64,AA\">"));
 }
+
+#[test]
+fn a_claim_checked_in_part_without_a_verdict_is_partial() {
+    let one_batch = |ig: f64| {
+        without(batch_study(), |r| r.batch == Some(16.0))
+            .into_iter()
+            .map(|mut r| {
+                if r.engine == "infinigen" {
+                    r.decode_tok_s = Some(ig);
+                }
+                r
+            })
+            .collect::<Vec<_>>()
+    };
+    let c6 = |runs: &[Run]| judge(runs).into_iter().find(|c| c.id == "C6").unwrap();
+    // full/infinigen 10× at one batch: the ratio holds, the growth is not checked.
+    let held = c6(&one_batch(100.0));
+    assert_eq!(held.verdict, Verdict::CannotTell, "{}", held.evidence);
+    assert!(held.partial(), "{}", held.evidence);
+    // 1.1×: the ratio fails, which is a verdict.
+    let failed = c6(&one_batch(900.0));
+    assert_eq!(failed.verdict, Verdict::Disagrees, "{}", failed.evidence);
+    assert!(!failed.partial());
+    // No infinigen and full at one batch: nothing was checked.
+    let none = c6(&without(one_batch(100.0), |r| r.engine != "infinigen"));
+    assert_eq!(none.verdict, Verdict::CannotTell, "{}", none.evidence);
+    assert!(!none.partial(), "{}", none.evidence);
+}

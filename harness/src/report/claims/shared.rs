@@ -30,6 +30,18 @@ pub struct Claim {
     pub evidence: String,
 }
 
+impl Claim {
+    /// A verdict that could not be given although some part of the claim was checked
+    /// and held (a batch's ratio without the batch grid the claim also needs). A part
+    /// that failed would have made the verdict "disagrees".
+    pub fn partial(&self) -> bool {
+        self.verdict == Verdict::CannotTell && self.evidence.contains(HELD)
+    }
+}
+
+/// How [`Parts::check`] marks a part that held.
+const HELD: &str = ": holds";
+
 pub(crate) fn fmt(x: f64) -> String {
     if (x == x.round() && x.abs() < 1e12) || x.abs() >= 100.0 {
         format!("{x:.0}")
@@ -292,7 +304,7 @@ impl Parts {
     pub(crate) fn check(&mut self, ok: bool, s: String) {
         self.held.push(ok);
         self.said
-            .push(format!("{s}: {}", if ok { "holds" } else { "fails" }));
+            .push(format!("{s}{}", if ok { HELD } else { ": fails" }));
     }
 
     /// A part of the claim the data does not speak to; `required`: no verdict without it.
