@@ -30,11 +30,12 @@ fi
 # build whose kernels fail their checks), then the short steps that are sure to finish
 # inside one call (kvbench's side of the PyTorch anchors; TTFT with flash for C1 and C3),
 # then the cells that decide C6-C9, then the rest of the grids. The paradigms-* steps put full, h2o and
-# infinigen side by side at one batch (one batch of requests per cell), so a card with
-# no earlier cells gets the C6-C9 ratios first. A step is `name|kvbench arguments`, or
+# infinigen side by side (one batch of requests per cell), so a card with no earlier
+# cells gets the C5-C8 ratios first. A step is `name|kvbench arguments`,
 # `name|py:script arguments` for a Python script run with the machine's PyTorch (the
-# anchors beside kvbench's numbers), with an optional third field of VAR=value words
-# set for that step alone; $RES is the card's results directory.
+# anchors beside kvbench's numbers), or `name|sh:script arguments` for a shell script
+# that runs the archive's kvbench itself (the profile), with an optional third field
+# of VAR=value words set for that step alone; $RES is the card's results directory.
 steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
@@ -49,7 +50,8 @@ steps=(
   "torch-eager|py:scripts/peers/torch_llama.py decode --eager --out \$RES/torch-eager.json"
   "h2d-gather|py:scripts/gpu-h2d-gather.py --out \$RES/h2d-gather.json"
   "paradigms-batch32|run experiments/gpu/paradigms-batch32.yaml --results \$RES"
-  "paradigms-batch64|run experiments/gpu/paradigms-batch64.yaml --results \$RES"
+  "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
+  "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
   "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"
   "batch-infinigen|run experiments/gpu/batch-scaling-infinigen.yaml --results \$RES --adopt-legacy"
@@ -67,6 +69,11 @@ if [ "$dry" = 1 ]; then
       echo "== $name: python3 ${args#py:}" | sed 's|\$RES|results/baselines/<card>|g'
       script="$(awk '{print $1}' <<<"${args#py:}")"
       python3 -m py_compile "$script"
+      continue
+    fi
+    if [[ "$args" == sh:* ]]; then
+      echo "== $name: ${args#sh:}" | sed 's|\$RES|results/baselines/<card>|g'
+      bash -n "$(awk '{print $1}' <<<"${args#sh:}")"
       continue
     fi
     echo "== $name: kvbench ${args//\$RES/results/baselines/<card>}"
@@ -117,6 +124,8 @@ for s in "${steps[@]}"; do
   if [ "$left" -lt 30 ]; then echo "== out of time before $name"; break; fi
   if [[ "$args" == py:* ]]; then
     echo "== $name ($left s left): python3 ${args#py:}"
+  elif [[ "$args" == sh:* ]]; then
+    echo "== $name ($left s left): ${envs:+$envs }${args#sh:}"
   else
     echo "== $name ($left s left): ${envs:+$envs }kvbench $args"
   fi
@@ -126,6 +135,9 @@ for s in "${steps[@]}"; do
   if [[ "$args" == py:* ]]; then
     # shellcheck disable=SC2086 # the step's arguments are words
     env $envs PYTHONUNBUFFERED=1 timeout --signal=KILL "$left" python3 ${args#py:} >"$log" 2>&1
+  elif [[ "$args" == sh:* ]]; then
+    # shellcheck disable=SC2086 # the step's arguments are words
+    env $envs timeout --signal=KILL "$left" bash ${args#sh:} >"$log" 2>&1
   else
     # shellcheck disable=SC2086 # VAR=value words
     env $envs timeout --signal=KILL "$left" scripts/gpu-run.sh "$archive" "$res/campaign" $args >"$log" 2>&1

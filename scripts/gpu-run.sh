@@ -4,7 +4,8 @@
 # Unpacks the archive, puts the machine's own cuBLAS/cuRAND/NVRTC 13 (from NVIDIA's
 # Python packages, which PyTorch installs) on LD_LIBRARY_PATH, and runs kvbench with the
 # given arguments from the repository root. Results go where the arguments say; OUTDIR
-# receives the log.
+# receives the log. KVBENCH_GPU_WRAP, when set, is a command kvbench runs under (a
+# profiler: scripts/gpu-profile-decode.sh).
 set -euo pipefail
 archive="$1"; out="$2"; shift 2
 dir="${KVBENCH_GPU_DIR:-/tmp/kvbench-gpu}"
@@ -22,4 +23,5 @@ for name in libcublasLt.so.13 libcublas.so.13 libcurand.so.10 libnvrtc.so.13; do
 done
 for d in /usr/local/nvidia/lib64 /usr/lib/x86_64-linux-gnu; do [ -d "$d" ] && libs="$libs:$d"; done
 export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-"$dir/kvbench" "$@" 2>&1 | tee -a "$out/kvbench.log"
+# shellcheck disable=SC2086 # the wrapper's arguments are words
+${KVBENCH_GPU_WRAP:-} "$dir/kvbench" "$@" 2>&1 | tee -a "$out/kvbench.log"
