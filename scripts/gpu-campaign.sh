@@ -5,7 +5,8 @@
 # parts of 15 MiB (campaign.tar.gz.00, .01, ...) when it is larger, since a file that
 # comes back from the GPU machine may have at most 16 MiB. Unpack it in the repository
 # root before the next call (`cat campaign.tar.gz* | tar -xz`); sweeps resume by cell,
-# finished steps are skipped (results/baselines/<card>/campaign/<step>.done).
+# finished steps are skipped (results/baselines/<card>/campaign/<step>.done), except a
+# verify step recorded for another archive: a rebuilt binary is checked again first.
 #
 #   scripts/gpu-campaign.sh OUTDIR              on the GPU machine
 #   scripts/gpu-campaign.sh --dry-run [OUTDIR]  anywhere: list the steps, check each YAML
@@ -111,6 +112,9 @@ if ! grep -q h2d_pinned "$res/ceilings.json" 2>/dev/null; then
   fi
 fi
 export KVBENCH_MODELS_DIR="${KVBENCH_MODELS_DIR:-models}"
+# The archive's identity: a verify step is done for the binary it checked, so a rebuilt
+# archive (new kernels) is verified again before anything is measured with it.
+build="$(sha256sum "$archive" | cut -c1-16)"
 deadline=$(( $(date +%s) + ${KVBENCH_CAMPAIGN_SECONDS:-510} ))
 only=" ${KVBENCH_CAMPAIGN_STEPS:-} "
 status=0
@@ -118,7 +122,12 @@ for s in "${steps[@]}"; do
   name="${s%%|*}"; args="${s#*|}"; envs=""
   if [[ "$args" == *"|"* ]]; then envs="${args#*|}"; args="${args%%|*}"; fi
   args="${args//\$RES/$res}"
-  [ -f "$res/campaign/$name.done" ] && continue
+  if [ -f "$res/campaign/$name.done" ]; then
+    case "$name" in
+      verify-*) grep -q "archive $build" "$res/campaign/$name.done" && continue ;;
+      *) continue ;;
+    esac
+  fi
   if [ -n "${KVBENCH_CAMPAIGN_STEPS:-}" ] && [[ "$only" != *" $name "* ]]; then continue; fi
   left=$(( deadline - $(date +%s) ))
   if [ "$left" -lt 30 ]; then echo "== out of time before $name"; break; fi
@@ -160,7 +169,7 @@ for s in "${steps[@]}"; do
     fi
   fi
   if [ "$rc" = 0 ]; then
-    date -u +%FT%TZ > "$res/campaign/$name.done"
+    echo "$(date -u +%FT%TZ) archive $build" > "$res/campaign/$name.done"
     case "$name" in verify-*) cp "$log" "$res/$name.txt" ;; esac
   elif [ "$rc" = 137 ] || [ "$rc" = 124 ]; then
     echo "== $name stopped at the time limit; the next call resumes it"

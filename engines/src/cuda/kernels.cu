@@ -583,7 +583,9 @@ __device__ void flash_prefill_mma(
     const int g = lane >> 2, tig = lane & 3;  // mma fragment row group, thread in group
     const int h = blockIdx.y;
     const int kvh = h / (num_heads / num_kv_heads);
-    const int row0 = blockIdx.x * FM_BM;
+    // Last row tiles first: under the causal mask they see the most keys, so the
+    // longest blocks start first and the short ones fill the tail (as FlashAttention-2).
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * FM_BM;
     const int rows = min(FM_BM, T - row0);
     const int n_keys = ctx_before + row0 + rows;  // keys the block's last row sees
     const int wrow0 = warp * 16;
