@@ -174,8 +174,9 @@ for s in "${steps[@]}"; do
   elif [ "$rc" = 137 ] || [ "$rc" = 124 ]; then
     echo "== $name stopped at the time limit; the next call resumes it"
     break
-  elif [[ "$args" == py:* ]]; then
-    # A peer's measurement failing says nothing of kvbench's: the steps after it go on.
+  elif [[ "$args" == py:* || "$args" == sh:* ]]; then
+    # A peer's measurement or the profile failing says nothing of kvbench's sweeps: the
+    # steps after it go on.
     echo "== $name failed (exit $rc): see $log; the steps after it go on" >&2
     status=1
   else
