@@ -51,6 +51,8 @@ steps=(
   "torch-eager|py:scripts/peers/torch_llama.py decode --eager --out \$RES/torch-eager.json"
   "h2d-gather|py:scripts/gpu-h2d-gather.py --out \$RES/h2d-gather.json"
   "paradigms-batch32|run experiments/gpu/paradigms-batch32.yaml --results \$RES"
+  "fused-on|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/on"
+  "fused-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/off|KVBENCH_FUSED_PROJECTIONS=0"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"

@@ -60,7 +60,9 @@ fn build(cfg: ModelConfig, wd: WeightDtype, src: &mut dyn WeightSource) -> Resul
     } else {
         Linear::Dense(embed.clone())
     };
-    Llama::new(cfg, wd, embed, layers, norm, lm_head).with_weights_in_huge_pages()
+    Llama::new(cfg, wd, embed, layers, norm, lm_head)
+        .with_weights_in_huge_pages()?
+        .with_fused_projections()
 }
 
 fn check_shape(model: &str, name: &str, got: &[usize], want: &[usize]) -> Result<()> {

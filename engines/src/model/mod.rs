@@ -232,6 +232,15 @@ pub struct Layer {
     pub ffn_norm: Tensor,
 }
 
+/// One layer's fused projections: Q, K and V as one `[q + 2 kv, hidden]` matrix, gate
+/// and up as one `[2 ff, hidden]`. The layer's own `wq`, `wk`, `wv`, `gate` and `up`
+/// are views into them, so nothing is held twice.
+#[derive(Debug, Clone)]
+struct Fused {
+    qkv: Tensor,
+    gate_up: Tensor,
+}
+
 #[derive(Debug, Clone)]
 pub struct Llama {
     pub cfg: ModelConfig,
@@ -240,6 +249,9 @@ pub struct Llama {
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
+    /// Per layer, the projections that share an input as one matrix each (see
+    /// [`Llama::with_fused_projections`]); `None` when they run one by one.
+    fused: Option<Vec<Fused>>,
     inv_freq: Vec<f32>,
     device: Device,
 }
@@ -262,6 +274,7 @@ impl Llama {
             layers,
             norm,
             lm_head,
+            fused: None,
             inv_freq,
             device,
         }
@@ -326,6 +339,7 @@ impl Llama {
             layers,
             norm,
             lm_head,
+            fused,
             inv_freq,
             device,
         } = self;
@@ -384,16 +398,107 @@ impl Llama {
         } else {
             next()?
         };
-        Ok(Llama {
+        let model = Llama {
             cfg,
             weight_dtype,
             embed,
             layers,
             norm,
             lm_head,
+            fused: None,
             inv_freq,
             device,
-        })
+        };
+        // The fused matrices were not moved: fuse the moved ones again.
+        if fused.is_some() {
+            model.fuse_projections()
+        } else {
+            Ok(model)
+        }
+    }
+
+    /// On CUDA, [`Llama::fuse_projections`]. Elsewhere the model is returned as it is:
+    /// the CPU runs products that share an input as one pass already
+    /// (`Linear::forward_many`). `KVBENCH_FUSED_PROJECTIONS=0` keeps the separate
+    /// products of earlier builds on CUDA too (a fallback, and the "before" of a
+    /// comparison in one sitting); `=1` fuses on every device (to test the fused path,
+    /// and `kvbench verify`'s check of it, on a CPU).
+    pub fn with_fused_projections(self) -> Result<Self> {
+        let fuse = match std::env::var("KVBENCH_FUSED_PROJECTIONS").as_deref() {
+            Ok("0") => false,
+            Ok("1") => true,
+            _ => self.device.is_cuda(),
+        };
+        if fuse {
+            self.fuse_projections()
+        } else {
+            Ok(self)
+        }
+    }
+
+    /// Q, K and V, and gate and up, each concatenated into one matrix per layer, as
+    /// vLLM's merged linear layers: one product (one weight pass, one launch) instead
+    /// of three and two, which matters most at small batch, where each product is a
+    /// matrix-vector pass and the small K and V matrices read well below the memory's
+    /// rate. The separate matrices become views into the fused ones. A model with any
+    /// quantized projection is returned unfused.
+    pub fn fuse_projections(mut self) -> Result<Self> {
+        if self.fused.is_some() {
+            return Ok(self);
+        }
+        let dense = |l: &Linear| match l {
+            Linear::Dense(w) => Some(w.clone()),
+            Linear::Quantized { .. } => None,
+        };
+        let all_dense = self.layers.iter().all(|l| {
+            [&l.wq, &l.wk, &l.wv, &l.gate, &l.up]
+                .iter()
+                .all(|w| matches!(w, Linear::Dense(_)))
+        });
+        if !all_dense {
+            return Ok(self);
+        }
+        // Layer by layer, so the separate matrices of one layer are freed before the
+        // next is fused: the load holds one layer's projections twice at most.
+        let mut fused = Vec::with_capacity(self.layers.len());
+        for l in self.layers.iter_mut() {
+            let (Some(q), Some(k), Some(v), Some(g), Some(u)) = (
+                dense(&l.wq),
+                dense(&l.wk),
+                dense(&l.wv),
+                dense(&l.gate),
+                dense(&l.up),
+            ) else {
+                unreachable!("checked dense above")
+            };
+            let (nq, nk, ff) = (q.dim(0)?, k.dim(0)?, g.dim(0)?);
+            let f = Fused {
+                qkv: Tensor::cat(&[&q, &k, &v], 0)?,
+                gate_up: Tensor::cat(&[&g, &u], 0)?,
+            };
+            l.wq = Linear::Dense(f.qkv.narrow(0, 0, nq)?);
+            l.wk = Linear::Dense(f.qkv.narrow(0, nq, nk)?);
+            l.wv = Linear::Dense(f.qkv.narrow(0, nq + nk, nk)?);
+            l.gate = Linear::Dense(f.gate_up.narrow(0, 0, ff)?);
+            l.up = Linear::Dense(f.gate_up.narrow(0, ff, ff)?);
+            fused.push(f);
+        }
+        self.fused = Some(fused);
+        Ok(self)
+    }
+
+    /// Whether the projections that share an input run as one product each.
+    pub fn projections_fused(&self) -> bool {
+        self.fused.is_some()
+    }
+
+    /// The same weights with the projections run one by one (the layers' matrices are
+    /// views of the fused ones, so nothing is copied): the reference the fused
+    /// products are verified against.
+    pub fn with_separate_projections(&self) -> Llama {
+        let mut m = self.clone();
+        m.fused = None;
+        m
     }
 
     pub fn layers(&self) -> &[Layer] {
@@ -532,8 +637,22 @@ impl Llama {
         let mut x = self.embed.index_select(&ids, 0)?;
         let (cos, sin) = self.rope_tables(positions)?;
         for (li, l) in self.layers.iter().enumerate() {
+            let fused = self.fused.as_ref().map(|f| &f[li]);
             let h = candle_nn::ops::rms_norm(&x, &l.attn_norm, eps)?;
-            let [q_raw, k_raw, v] = Linear::forward_many([&l.wq, &l.wk, &l.wv], &h)?;
+            let [q_raw, k_raw, v] = match fused {
+                // Column ranges of one product (views; reshape copies them when the
+                // rows are not contiguous).
+                Some(f) => {
+                    let y = h.matmul(&f.qkv.t()?)?;
+                    let (nq, nk) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+                    [
+                        y.narrow(1, 0, nq)?,
+                        y.narrow(1, nq, nk)?,
+                        y.narrow(1, nq + nk, nk)?,
+                    ]
+                }
+                None => Linear::forward_many([&l.wq, &l.wk, &l.wv], &h)?,
+            };
             let q_raw = q_raw.reshape((t, c.num_heads, c.head_dim))?;
             let k_raw = k_raw.reshape((t, c.num_kv_heads, c.head_dim))?;
             let v = v.reshape((t, c.num_kv_heads, c.head_dim))?;
@@ -553,7 +672,14 @@ impl Llama {
             let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
             x = (x + a)?;
             let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
-            let [gate, up] = Linear::forward_many([&l.gate, &l.up], &h)?;
+            let [gate, up] = match fused {
+                Some(f) => {
+                    let y = h.matmul(&f.gate_up.t()?)?;
+                    let ff = c.intermediate_size;
+                    [y.narrow(1, 0, ff)?, y.narrow(1, ff, ff)?]
+                }
+                None => Linear::forward_many([&l.gate, &l.up], &h)?,
+            };
             let m = l.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
             x = (x + m)?;
         }
@@ -596,6 +722,68 @@ impl Rope for Llama {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fused Q/K/V and gate/up products give the separate products' logits (within f32
+    /// and bf16 rounding: another matmul shape sums in another order) for one token and
+    /// several (whose column ranges are not contiguous), hold no extra bytes, keep the
+    /// separate matrices as views of the fused ones, and survive the move into one
+    /// buffer. On the CPU the loader leaves models unfused (`with_fused_projections`).
+    #[test]
+    fn fused_projections_keep_the_logits() {
+        use crate::model::load::load_preset;
+        for (wd, tol) in [(WeightDtype::F32, 1e-4f32), (WeightDtype::Bf16, 2e-2)] {
+            let cfg = crate::config::preset("tiny").unwrap();
+            let m = load_preset(cfg, wd, 11, &Device::Cpu).unwrap();
+            assert!(!m.projections_fused(), "the CPU loader does not fuse");
+            let f = m.clone().fuse_projections().unwrap();
+            assert!(f.projections_fused());
+            assert_eq!(f.weights_bytes(), m.weights_bytes());
+            let Linear::Dense(wk) = &f.layers[1].wk else {
+                panic!("dense")
+            };
+            assert!(
+                wk.layout().start_offset() > 0,
+                "wk is a view of the fused matrix"
+            );
+            // Each view is the matrix it replaced.
+            let dense = |l: &Layer| {
+                [&l.wq, &l.wk, &l.wv, &l.gate, &l.up].map(|w| match w {
+                    Linear::Dense(t) => t.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
+                    Linear::Quantized { .. } => panic!("dense"),
+                })
+            };
+            for (x, y) in dense(&m.layers[1]).iter().zip(dense(&f.layers[1]).iter()) {
+                assert_eq!(x.to_vec1::<f32>().unwrap(), y.to_vec1::<f32>().unwrap());
+            }
+            for tokens in [&[5u32][..], &[1, 2, 3, 4, 5, 6, 7, 8, 9]] {
+                let a = m.forward_dense(tokens).unwrap();
+                let b = f.forward_dense(tokens).unwrap();
+                let scale = a
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+                let d = d.to_scalar::<f32>().unwrap();
+                assert!(
+                    d.is_finite() && d <= tol * scale,
+                    "{wd:?} {} tokens: {d} of {scale}",
+                    tokens.len()
+                );
+            }
+            let moved = f.clone().with_weights_in_huge_pages().unwrap();
+            assert!(moved.projections_fused());
+            let d = (f.forward_dense(&[3, 4]).unwrap() - moved.forward_dense(&[3, 4]).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
+            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        }
+    }
 
     /// Moving the weights into one buffer keeps every logit, the head's tie to the
     /// embedding (or its absence) and the bytes counted; bf16 matrices stay where they

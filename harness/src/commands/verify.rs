@@ -187,10 +187,22 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     // f32 (the rounding noise of the model itself). Two 16-bit computations of the same
     // function may differ by about twice that.
     let dense = dense_logits(model, &prompts, &reference.outputs)?;
+    // The floor is measured on the separate products: fused products (CUDA) are
+    // checked against them below, and must not widen the tolerance they are held to.
+    let separate = model
+        .projections_fused()
+        .then(|| {
+            dense_logits(
+                &model.with_separate_projections(),
+                &prompts,
+                &reference.outputs,
+            )
+        })
+        .transpose()?;
     let noise_floor = match model.weight_dtype {
         WeightDtype::F16 | WeightDtype::Bf16 => {
             let truth = dense_logits(&model.to_f32()?, &prompts, &reference.outputs)?;
-            Some(max_abs_diff(&dense, &truth))
+            Some(max_abs_diff(separate.as_ref().unwrap_or(&dense), &truth))
         }
         _ => None,
     };
@@ -218,6 +230,22 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         pass: complete && passes(d, tolerance),
         error: None,
     });
+    if let Some(sep) = &separate {
+        // Q/K/V and gate/up as one product each, against the same weights' separate
+        // products.
+        let d = max_abs_diff(&dense, sep);
+        rows.push(Row {
+            engine: "fused-projections",
+            attention: "none".into(),
+            budget: 1.0,
+            params: serde_json::json!({}),
+            max_abs_logit_diff: Some(d),
+            kv_device_bytes: None,
+            kv_device_allowed_bytes: None,
+            pass: passes(d, tolerance),
+            error: None,
+        });
+    }
     // Every strategy at budget 1.0 with each attention implementation (the same list
     // on CPU and CUDA: each has device kernels).
     let impls = [
