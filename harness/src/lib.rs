@@ -3,6 +3,7 @@
 //! it to [`commands::run`]; the library holds the rest so that tests can call it.
 
 pub mod cell;
+pub mod cell_file;
 pub mod commands;
 pub mod compare;
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! The recorder: Parquet tables (Polars) built from the per-cell result files of an
-//! experiment, which stay the source of truth (each written atomically when its cell
-//! ends). `runs.parquet` has one row per cell (its parameters, outcome, metrics,
-//! memory and the environment), `requests.parquet` one per measured request,
+//! experiment (`cells/<id>.json.gz`, [`crate::cell_file`]), which stay the source of
+//! truth (each written atomically when its cell ends). `runs.parquet` has one row per
+//! cell (its parameters, outcome, metrics, memory and the environment),
+//! `requests.parquet` one per measured request,
 //! `steps.parquet` one per engine step and `samples.parquet` the memory time series;
 //! every row carries its cell's index and key. `runs.parquet` starts with headline
 //! columns under stable names (`engine`, `ttft_mean_s`, `decode_tok_s`, `goodput_req_s`,
@@ -285,17 +286,6 @@ fn add_request_metrics(r: &Value, m: &mut Map<String, Value>) {
     m.remove("output");
 }
 
-/// The result files of an experiment's directory, in cell order.
-pub fn cell_files(dir: &Path) -> Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("reading {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "json") && p.is_file())
-        .collect();
-    files.sort();
-    Ok(files)
-}
-
 /// The experiment's name from the copy of its YAML kept beside the results, else the
 /// directory's name.
 fn experiment_name(exp_dir: &Path) -> String {
@@ -325,7 +315,8 @@ pub struct Tables {
 /// Rebuild `runs`, `requests`, `steps` and `samples` Parquet tables of
 /// `results/<name>/` from the results in `cells/` of the plan's `cells` (matched by
 /// identity; each row carries the cell's index in this plan). Other files are listed,
-/// not used; an unreadable one does not stop the others.
+/// not used; an unreadable one does not stop the others, a cell held in two files
+/// (plain and compressed) does.
 pub fn write_tables(exp_dir: &Path, cells: &[crate::experiment::Cell]) -> Result<Tables> {
     let mut tables: BTreeMap<&'static str, Vec<Map<String, Value>>> = BTreeMap::new();
     let mut out = Tables::default();
@@ -333,10 +324,9 @@ pub fn write_tables(exp_dir: &Path, cells: &[crate::experiment::Cell]) -> Result
     let index: std::collections::HashMap<&str, usize> =
         cells.iter().map(|c| (c.id.as_str(), c.index)).collect();
     let mut ours = Vec::new();
-    for f in cell_files(&exp_dir.join("cells"))? {
-        let v = std::fs::read(&f)
-            .map_err(|e| e.to_string())
-            .and_then(|b| serde_json::from_slice::<Value>(&b).map_err(|e| e.to_string()))
+    for f in crate::cell_file::list(&exp_dir.join("cells"))? {
+        let v = crate::cell_file::decode(&f)
+            .map_err(|e| format!("{e:#}"))
             .and_then(|v| {
                 if v.is_object() && v.get("cell").is_some() {
                     Ok(v)

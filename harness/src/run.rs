@@ -1,7 +1,8 @@
 //! `kvbench run EXP.yaml`: parse and check an experiment, expand its matrix into cells
 //! and run each cell in a child process (`kvbench run-cell`), so that an out-of-memory
 //! error, a panic or a device fault ends that cell, not the sweep. Each cell's result is
-//! written atomically (temporary file, then rename) under `results/<name>/cells/`; a
+//! written atomically (temporary file, then rename) under `results/<name>/cells/`, as
+//! gzip-compressed JSON (`<id>.json.gz`, [`crate::cell_file`]); a
 //! sweep killed at any moment loses at most the cell in flight, and a re-run skips
 //! cells already recorded under the same key unless `--force`.
 //!
@@ -22,18 +23,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use xxhash_rust::xxh3::xxh3_64;
 
-/// File of a cell's result: named by the cell's identity alone, so that inserting an
-/// engine or an axis value in the YAML renames nothing.
-fn cell_file(dir: &Path, c: &Cell) -> PathBuf {
-    dir.join(format!("{}.json", c.id))
-}
-
-/// The result recorded at `path` for exactly this cell (same identity), if any.
-fn recorded(path: &Path, c: &Cell) -> Option<serde_json::Value> {
-    std::fs::read(path)
-        .ok()
-        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
-        .filter(|v| v["id"] == c.id.as_str())
+/// The result recorded in `dir` for exactly this cell (same identity), if any; the file
+/// is named by the cell's identity alone, so that inserting an engine or an axis value
+/// in the YAML renames nothing. An unreadable file is no result (the cell runs again and
+/// replaces it); the cell held in two files is an error.
+fn recorded(dir: &Path, c: &Cell) -> Result<Option<serde_json::Value>> {
+    Ok(crate::cell_file::find(dir, &c.id)?
+        .and_then(|f| crate::cell_file::read(&f).ok())
+        .filter(|v| v["id"] == c.id.as_str()))
 }
 
 /// Write `bytes` to `path` durably: a uniquely named temporary file in the same
@@ -340,6 +337,8 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let dir = exp_dir.join("cells");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     remove_stale_temporaries(&dir);
+    // A cell held twice (plain and compressed) stops the sweep before it runs anything.
+    crate::cell_file::list(&dir)?;
     // Every distinct YAML a cell was run from, by hash (the cell records it), and the
     // latest as experiment.yaml for the figures and the report.
     let file = Plan::resolve(&a.experiment);
@@ -358,8 +357,7 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let mut rows = Vec::new();
     let (mut skipped, mut ran, mut retried) = (0, 0, 0);
     for c in cells {
-        let path = cell_file(&dir, c);
-        if let Some(v) = recorded(&path, c).filter(|_| !a.force) {
+        if let Some(v) = recorded(&dir, c)?.filter(|_| !a.force) {
             if a.no_retry || v["outcome"] != "error" {
                 let mut v = v;
                 // Shown under its place in today's plan.
@@ -387,12 +385,14 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         let mut v = run_child(&a.experiment, c, &a.models_dir, &data_dir, a.slo, &bars)?;
         v["spec"] = spec_hash.clone().into();
         let json = serde_json::to_string(&v)?;
-        if let Err(e) = write_atomic(&path, json.as_bytes()) {
-            // The measurement is not lost with the write (a full disk, say).
+        if let Err(e) = crate::cell_file::write(&dir, &c.id, &json) {
+            // The measurement is not lost with the write (a full disk, say); saved as
+            // it is printed, plain JSON, the file is read like a compressed one.
             bars.println(&format!(
                 "could not record cell {} ({e:#}); its result follows, to be saved as {}:\n{json}",
                 c.index,
-                path.display()
+                dir.join(format!("{}{}", c.id, crate::cell_file::PLAIN))
+                    .display()
             ));
             return Err(e);
         }
@@ -595,10 +595,7 @@ fn other_threads_hint(plan: &Plan, foreign: &[PathBuf]) -> Option<String> {
     let here = candle_core::utils::get_num_threads();
     let mut found: std::collections::BTreeMap<usize, usize> = Default::default();
     for f in foreign {
-        let Ok(text) = std::fs::read_to_string(f) else {
-            continue;
-        };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
+        let Ok(v) = crate::cell_file::read(f) else {
             continue;
         };
         let (Some(id), Some(cores)) = (v["id"].as_str(), v["env"]["cpu_cores"].as_u64()) else {
@@ -634,22 +631,19 @@ pub(crate) fn tidy_cells(a: &RunArgs, plan: &Plan, exp_dir: &Path) -> Result<()>
         plan.cells.iter().map(|c| (c.key(), c)).collect();
     let ids: std::collections::HashSet<&str> = plan.cells.iter().map(|c| c.id.as_str()).collect();
     let (mut adopted, mut pruned) = (0, 0);
-    for f in crate::recorder::cell_files(&dir)? {
-        let v = std::fs::read(&f)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok());
+    for f in crate::cell_file::list(&dir)? {
+        let v = crate::cell_file::read(&f).ok();
         if let Some(v) = &v {
             if v["id"].as_str().is_some_and(|id| ids.contains(id)) {
                 continue;
             }
             if a.adopt_legacy && v.get("id").is_none() {
                 if let Some(c) = v["key"].as_str().and_then(|k| by_key.get(k)) {
-                    let to = cell_file(&dir, c);
-                    if !to.exists() {
+                    if crate::cell_file::find(&dir, &c.id)?.is_none() {
                         let mut v = v.clone();
                         v["id"] = c.id.clone().into();
                         v["adopted_legacy"] = true.into();
-                        write_atomic(&to, serde_json::to_string(&v)?.as_bytes())?;
+                        crate::cell_file::write(&dir, &c.id, &serde_json::to_string(&v)?)?;
                         std::fs::remove_file(&f)
                             .with_context(|| format!("removing {}", f.display()))?;
                         adopted += 1;

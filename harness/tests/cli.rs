@@ -610,8 +610,9 @@ fn a_sweep_records_each_cell_once_and_resumes() {
     let files: Vec<_> = std::fs::read_dir(&cells).unwrap().collect();
     assert_eq!(files.len(), 4);
     for f in files {
-        let v: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(f.unwrap().path()).unwrap()).unwrap();
+        let f = f.unwrap().path();
+        assert!(common::is_cell_gz(&f), "{}", f.display());
+        let v = kvbench::cell_file::read(&f).unwrap();
         assert_eq!(v["outcome"], "ok", "{v}");
         assert_eq!(v["requests"].as_array().unwrap().len(), 2);
         assert!(!v["steps"].as_array().unwrap().is_empty());
@@ -848,7 +849,7 @@ fn a_sweep_killed_in_the_middle_of_a_cell_resumes_without_loss_or_duplicates() {
     let recorded = || -> Vec<PathBuf> {
         all_files()
             .into_iter()
-            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .filter(|p| common::is_cell_gz(p))
             .collect()
     };
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvbench"))
@@ -881,16 +882,14 @@ fn a_sweep_killed_in_the_middle_of_a_cell_resumes_without_loss_or_duplicates() {
     // Every cell once, the ones recorded before the kill untouched, nothing half-written.
     let after = all_files();
     assert_eq!(after.len(), 6, "{after:?}");
-    assert!(after
-        .iter()
-        .all(|p| p.extension().is_some_and(|x| x == "json")));
+    assert!(after.iter().all(|p| common::is_cell_gz(p)), "{after:?}");
     for (p, bytes) in before.iter().zip(&kept) {
         assert_eq!(&std::fs::read(p).unwrap(), bytes, "{} changed", p.display());
     }
     let mut keys: Vec<String> = after
         .iter()
         .map(|p| {
-            let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+            let v = kvbench::cell_file::read(p).unwrap();
             assert_eq!(v["outcome"], "ok", "{v}");
             v["key"].as_str().unwrap().to_string()
         })

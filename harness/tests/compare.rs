@@ -2,6 +2,8 @@
 //! planted regressions are named, a uniformly slower machine passes relative to
 //! `full`, unmatched cells are listed and bad paths are named.
 
+mod common;
+
 use polars::prelude::{DataType, NamedFrom, ParquetReader, ParquetWriter, SerReader, Series};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -73,10 +75,10 @@ fn cell_files(exp_dir: &Path) -> Vec<PathBuf> {
 /// returns its key.
 fn edit_cell(exp_dir: &Path, engine: &str, batch: u64, edit: impl Fn(&mut Value)) -> String {
     for f in cell_files(exp_dir) {
-        let mut v: Value = serde_json::from_slice(&std::fs::read(&f).unwrap()).unwrap();
+        let mut v: Value = kvbench::cell_file::read(&f).unwrap();
         if v["cell"]["engine"] == engine && v["cell"]["batch"] == batch {
             edit(&mut v);
-            std::fs::write(&f, serde_json::to_vec(&v).unwrap()).unwrap();
+            common::rewrite_cell(&f, &v);
             return v["key"].as_str().unwrap().to_string();
         }
     }
@@ -247,7 +249,7 @@ fn compare_lists_cells_present_on_one_side_only() {
     let (exp, a) = sweep(dir.path());
     let b = copy(&a, dir.path(), "b");
     let gone = cell_files(&b).pop().unwrap();
-    let key: Value = serde_json::from_slice(&std::fs::read(&gone).unwrap()).unwrap();
+    let key: Value = kvbench::cell_file::read(&gone).unwrap();
     let key = key["key"].as_str().unwrap().to_string();
     std::fs::remove_file(&gone).unwrap();
     rebuild(&exp, &b);

@@ -133,10 +133,9 @@ fn cells_recorded_with_another_thread_count_are_named_with_the_flag_that_reads_t
     let [cell] = &files_in(&exp_dir.join("cells"))[..] else {
         panic!("one cell file")
     };
-    let mut v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(cell).unwrap()).unwrap();
+    let mut v = kvbench::cell_file::read(cell).unwrap();
     v["env"]["cpu_cores"] = 1.into();
-    std::fs::write(cell, v.to_string()).unwrap();
+    common::rewrite_cell(cell, &v);
 
     let (_, err) = sweep(
         dir.path(),
@@ -273,8 +272,10 @@ fn a_crashed_cell_is_retried_unless_asked_not_to_and_an_oom_stays_a_result() {
     let id = plan[0]["id"].as_str().unwrap();
     assert_eq!(id.len(), 32, "{id}");
     std::fs::create_dir_all(&cells).unwrap();
-    let file = cells.join(format!("{id}.json"));
-    std::fs::write(&file, record(&plan[0], "error")).unwrap();
+    // Recorded as plain JSON, as kvbench did before cells were compressed.
+    let plain = cells.join(format!("{id}.json"));
+    let gz = cells.join(format!("{id}.json.gz"));
+    std::fs::write(&plain, record(&plan[0], "error")).unwrap();
     let (out, _) = sweep(dir.path(), &exp, &results, &["--no-retry"]);
     assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
     let (out, _) = sweep(dir.path(), &exp, &results, &[]);
@@ -282,12 +283,36 @@ fn a_crashed_cell_is_retried_unless_asked_not_to_and_an_oom_stays_a_result() {
         out.contains("1 cells run (1 retried after an error), 0 already recorded"),
         "{out}"
     );
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+    // The new result replaced the plain file: one file for the cell, compressed.
+    assert!(!plain.exists());
+    let v = kvbench::cell_file::read(&gz).unwrap();
     assert_eq!(v["outcome"], "ok", "{v}");
     assert_eq!(v["id"], id);
-    std::fs::write(&file, record(&plan[0], "oom")).unwrap();
+
+    // An oom stays, in either form.
+    kvbench::cell_file::write(&cells, id, &record(&plan[0], "oom")).unwrap();
     let (out, _) = sweep(dir.path(), &exp, &results, &[]);
     assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    assert_eq!(runs_rows(&results.join("edits")), 1);
+
+    // Both forms of the cell: no choice is made between them, by a sweep or a rebuild.
+    std::fs::write(&plain, record(&plan[0], "oom")).unwrap();
+    for extra in [&[][..], &["--tables-only"]] {
+        let mut args = common::sweep_args(&exp, &results).to_vec();
+        args.extend(extra);
+        let o = kvbench(dir.path(), &args);
+        assert!(!o.status.success(), "{extra:?}: {}", stdout(&o));
+        let err = stderr(&o);
+        assert!(
+            err.contains(&plain.display().to_string()) && err.contains(&gz.display().to_string()),
+            "{extra:?}: {err}"
+        );
+        assert!(!err.contains("cells run"), "{err}");
+    }
+    std::fs::remove_file(&gz).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    assert_eq!(runs_rows(&results.join("edits")), 1);
 }
 
 #[test]
@@ -296,14 +321,37 @@ fn a_corrupt_cell_file_is_named_and_skipped_and_an_unwritable_result_is_printed(
     let results = dir.path().join("results");
     let exp_dir = results.join("edits");
     sweep(dir.path(), &exp, &results, &[]);
-    std::fs::write(exp_dir.join("cells/broken.json"), "{\"id\": \"ab").unwrap();
-    std::fs::write(exp_dir.join("cells/list.json"), "[1, 2]").unwrap();
+    let cells = exp_dir.join("cells");
+    std::fs::write(cells.join("broken.json"), "{\"id\": \"ab").unwrap();
+    std::fs::write(cells.join("list.json"), "[1, 2]").unwrap();
+    // Compressed: not gzip at all, a stream cut short, broken JSON inside, not a cell.
+    std::fs::write(cells.join("plain.json.gz"), "{\"id\": \"ab\"}").unwrap();
+    let whole = kvbench::cell_file::encode("{\"id\": \"ab\", \"cell\": {}}").unwrap();
+    std::fs::write(cells.join("cut.json.gz"), &whole[..whole.len() / 2]).unwrap();
+    let inside = kvbench::cell_file::encode("{\"id\": \"ab").unwrap();
+    std::fs::write(cells.join("inside.json.gz"), inside).unwrap();
+    let list = kvbench::cell_file::encode("[1, 2]").unwrap();
+    std::fs::write(cells.join("array.json.gz"), list).unwrap();
     let (out, err) = sweep(dir.path(), &exp, &results, &["--tables-only"]);
     assert!(out.contains("runs.parquet (1 rows)"), "{out}");
-    for f in ["broken.json", "list.json"] {
+    for f in [
+        "broken.json",
+        "list.json",
+        "plain.json.gz",
+        "cut.json.gz",
+        "inside.json.gz",
+        "array.json.gz",
+    ] {
         assert!(
             err.lines()
                 .any(|l| l.starts_with("warning:") && l.contains(f) && l.contains("skipped")),
+            "{f}: {err}"
+        );
+    }
+    for f in ["plain.json.gz", "cut.json.gz"] {
+        assert!(
+            err.lines()
+                .any(|l| l.contains(f) && l.contains("not a complete gzip stream")),
             "{f}: {err}"
         );
     }
@@ -315,7 +363,7 @@ fn a_corrupt_cell_file_is_named_and_skipped_and_an_unwritable_result_is_printed(
         .as_str()
         .unwrap()
         .to_string();
-    let file = exp_dir.join(format!("cells/{id}.json"));
+    let file = exp_dir.join(format!("cells/{id}.json.gz"));
     std::fs::remove_file(&file).unwrap();
     std::fs::create_dir(&file).unwrap();
     let o = kvbench(dir.path(), &common::sweep_args(&exp, &results));
@@ -336,6 +384,16 @@ fn a_corrupt_cell_file_is_named_and_skipped_and_an_unwritable_result_is_printed(
         .unwrap()
         .to_string_lossy()
         .starts_with(".tmp")));
+    // Saved by hand where the message says, as printed, it is the cell's result.
+    let by_hand = exp_dir.join(format!("cells/{id}.json"));
+    assert!(
+        err.contains(&format!("to be saved as {}", by_hand.display())),
+        "{err}"
+    );
+    std::fs::remove_dir(&file).unwrap();
+    std::fs::write(&by_hand, json).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
 }
 
 #[test]
@@ -373,7 +431,7 @@ fn a_yaml_edited_while_its_sweep_runs_stops_the_sweep_and_keeps_what_it_recorded
     let (dir, exp) = common::with_experiment("m.yaml", yaml);
     let results = dir.path().join("results");
     let cells = results.join("moving/cells");
-    let json = |p: &PathBuf| p.extension().is_some_and(|x| x == "json");
+    let json = |p: &PathBuf| common::is_cell_gz(p);
     let child = common::kvbench_in(dir.path(), &common::sweep_args(&exp, &results))
         .env("KVBENCH_MODELS_DIR", dir.path())
         .stdout(std::process::Stdio::piped())

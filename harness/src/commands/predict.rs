@@ -91,11 +91,7 @@ pub fn run(a: PredictArgs) -> Result<()> {
                 r.error.as_deref().unwrap_or("no prediction")
             )),
         }
-        let json = serde_json::to_string(&r)?;
-        write_atomic(
-            &cells_dir.join(format!("{}.json", cell.id)),
-            json.as_bytes(),
-        )?;
+        crate::cell_file::write(&cells_dir, &cell.id, &serde_json::to_string(&r)?)?;
     }
     write_tables(&exp_dir, &plan.cells)?;
     for line in &not_modelled {

@@ -48,10 +48,27 @@ pub fn run_each(steps: &[&[&str]], kvbench: impl Fn(&[&str]) -> Output) {
 
 /// The cell files recorded under `exp_dir/cells`, in cell-index order.
 pub fn recorded_cells(exp_dir: &Path) -> Vec<serde_json::Value> {
-    let mut cells: Vec<serde_json::Value> = std::fs::read_dir(exp_dir.join("cells"))
+    let mut cells: Vec<serde_json::Value> = kvbench::cell_file::list(&exp_dir.join("cells"))
         .unwrap()
-        .map(|f| serde_json::from_slice(&std::fs::read(f.unwrap().path()).unwrap()).unwrap())
+        .iter()
+        .map(|f| kvbench::cell_file::read(f).unwrap())
         .collect();
     cells.sort_by_key(|c| c["cell"]["index"].as_u64());
     cells
+}
+
+/// Whether `p` is a cell file as `kvbench run` writes it now (`<id>.json.gz`).
+pub fn is_cell_gz(p: &Path) -> bool {
+    p.to_str().is_some_and(|s| s.ends_with(".json.gz"))
+}
+
+/// Replace the content of cell file `f` with `v`, in the form (plain or gzip) its name says.
+pub fn rewrite_cell(f: &Path, v: &serde_json::Value) {
+    let json = v.to_string();
+    let bytes = if is_cell_gz(f) {
+        kvbench::cell_file::encode(&json).unwrap()
+    } else {
+        json.into_bytes()
+    };
+    std::fs::write(f, bytes).unwrap();
 }
