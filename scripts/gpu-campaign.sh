@@ -163,7 +163,7 @@ for s in "${steps[@]}"; do
     # The step's --results directory (the card's, or one under it).
     exp_res="$(awk '{for (i = 1; i < NF; i++) if ($i == "--results") print $(i + 1)}' <<<"$args")"
     # (grep finds nothing in a clean sweep: under pipefail that must not end the script.)
-    crashed="$( (grep -l '"outcome":"error"' "${exp_res:-$res}/$exp_name"/cells/*.json 2>/dev/null || true) | wc -l)"
+    crashed="$( (zgrep -l '"outcome":"error"' "${exp_res:-$res}/$exp_name"/cells/*.json.gz "${exp_res:-$res}/$exp_name"/cells/*.json 2>/dev/null || true) | wc -l)"
     if [ "$crashed" -gt 0 ]; then
       echo "== $name: $crashed cell(s) ended in an error (see $log); not marked done" >&2
       status=1

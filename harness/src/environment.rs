@@ -3,6 +3,10 @@
 
 use serde::Serialize;
 
+/// What this binary was built from: a hash of the workspace's sources, manifests and
+/// features (harness/build.rs), the same on any machine that builds the same code.
+pub const BUILD_ID: &str = env!("KVBENCH_BUILD_ID");
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Environment {
     pub device: String,
@@ -15,6 +19,9 @@ pub struct Environment {
     pub hostname: Option<String>,
     /// `git rev-parse HEAD` of the working directory, when it is a git checkout.
     pub git_revision: Option<String>,
+    /// The code the kvbench binary was built from ([`BUILD_ID`]): a sweep resumed by
+    /// another build runs again the cells this one did not record.
+    pub build: Option<String>,
     pub kvbench_version: &'static str,
     pub timestamp_unix_s: u64,
     /// Predicted cells: the efficiency constants the cost model used (a calibration,
@@ -56,6 +63,7 @@ impl Environment {
             host_memory_bytes: crate::setup::host_memory_bytes(),
             hostname: System::host_name(),
             git_revision,
+            build: Some(BUILD_ID.to_string()),
             kvbench_version: env!("CARGO_PKG_VERSION"),
             timestamp_unix_s: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)

@@ -13,6 +13,7 @@
 
 use crate::cell::{parse_progress, PROGRESS_ENV};
 use crate::commands::run::RunArgs;
+use crate::environment::BUILD_ID;
 use crate::experiment::{Cell, Kind, Plan, SloSpec};
 use anyhow::{bail, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressState, ProgressStyle};
@@ -355,10 +356,21 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let bars = Bars::new(cells.len());
     let bar = &bars.cells;
     let mut rows = Vec::new();
-    let (mut skipped, mut ran, mut retried) = (0, 0, 0);
+    let (mut skipped, mut ran, mut retried, mut rebuilt) = (0, 0, 0, 0);
     for c in cells {
         if let Some(v) = recorded(&dir, c)?.filter(|_| !a.force) {
-            if a.no_retry || v["outcome"] != "error" {
+            if !a.keep_other_builds && v["env"]["build"].as_str() != Some(BUILD_ID) {
+                // Recorded by other code (or before builds were recorded): not this
+                // build's result, so it is measured again.
+                if rebuilt == 0 {
+                    bars.println(&format!(
+                        "cells recorded by another build of kvbench (build {}, this one {BUILD_ID}) \
+                         are run again; --keep-other-builds keeps them",
+                        v["env"]["build"].as_str().unwrap_or("not recorded")
+                    ));
+                }
+                rebuilt += 1;
+            } else if a.no_retry || v["outcome"] != "error" {
                 let mut v = v;
                 // Shown under its place in today's plan.
                 v["cell"]["index"] = c.index.into();
@@ -366,8 +378,9 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
                 bar.inc(1);
                 rows.push(v);
                 continue;
+            } else {
+                retried += 1;
             }
-            retried += 1;
         }
         // The YAML must still be the one the plan came from: a cell run from an
         // edited file would be recorded under an identity that is not its own.
@@ -406,11 +419,14 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         "{}: {} cells run{}, {} already recorded (under {})",
         plan.exp.name,
         ran,
-        if retried > 0 {
-            format!(" ({retried} retried after an error)")
-        } else {
-            String::new()
-        },
+        [
+            (retried > 0).then(|| format!("{retried} retried after an error")),
+            (rebuilt > 0).then(|| format!("{rebuilt} recorded by another build, run again")),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|s| format!(" ({s})"))
+        .collect::<String>(),
         skipped,
         dir.display()
     );

@@ -342,6 +342,53 @@ fn models_lists_presets_and_named_models() {
         .contains("just fetch-model smollm2"));
 }
 
+/// With the projections fused (as on CUDA; `KVBENCH_FUSED_PROJECTIONS=1` on the CPU),
+/// verify checks the fused products against the separate ones on the same weights, in
+/// a row of its own, and every strategy still passes.
+#[test]
+fn verify_checks_fused_projections_against_the_separate_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .args([
+            "verify",
+            "--model",
+            "preset:tiny",
+            "--dtype",
+            "bf16",
+            "--json",
+        ])
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .env("KVBENCH_FUSED_PROJECTIONS", "1")
+        .env_remove("KVBENCH_MODEL")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["results"].as_array().unwrap();
+    assert_eq!(rows[1]["engine"], "fused-projections", "{}", rows[1]);
+    let d = rows[1]["max_abs_logit_diff"].as_f64().unwrap();
+    assert!(d.is_finite() && rows[1]["pass"] == true, "{}", rows[1]);
+    assert!(rows.iter().all(|r| r["pass"] == true));
+    // Without the variable the CPU does not fuse, and there is no such row.
+    let o = kvbench(
+        dir.path(),
+        &[
+            "verify",
+            "--model",
+            "preset:tiny",
+            "--dtype",
+            "bf16",
+            "--json",
+        ],
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r["engine"] != "fused-projections"));
+}
+
 #[test]
 fn verify_tiny_passes_and_reports_every_combination_as_json() {
     let dir = tempfile::tempdir().unwrap();

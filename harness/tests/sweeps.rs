@@ -249,7 +249,8 @@ fn a_sweep_killed_with_sigkill_leaves_no_cell_running() {
     assert!(files_in(&results.join("long/cells")).is_empty());
 }
 
-/// The JSON record of a cell that `planned` lists, with `outcome`.
+/// The JSON record of a cell that `planned` lists, with `outcome`, as this build
+/// records it.
 fn record(cell: &serde_json::Value, outcome: &str) -> String {
     serde_json::json!({
         "id": cell["id"],
@@ -258,8 +259,47 @@ fn record(cell: &serde_json::Value, outcome: &str) -> String {
         "outcome": outcome,
         "error": format!("recorded as {outcome} by the test"),
         "metrics": null,
+        "env": {"build": kvbench::environment::BUILD_ID},
     })
     .to_string()
+}
+
+#[test]
+fn a_cell_recorded_by_another_build_is_run_again_unless_kept() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let cells = results.join("edits/cells");
+    let plan = planned(dir.path(), &exp);
+    let id = plan[0]["id"].as_str().unwrap();
+    // A real run records this build.
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+    let file = kvbench::cell_file::find(&cells, id).unwrap().unwrap();
+    let mut v = kvbench::cell_file::read(&file).unwrap();
+    assert_eq!(v["env"]["build"], kvbench::environment::BUILD_ID);
+    assert_eq!(kvbench::environment::BUILD_ID.len(), 16);
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    // The same cell as another build recorded it: kept when asked, else measured again.
+    v["env"]["build"] = "0123456789abcdef".into();
+    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &["--keep-other-builds"]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(
+        out.contains("1 cells run (1 recorded by another build, run again), 0 already recorded"),
+        "{out}"
+    );
+    assert!(err.contains("build 0123456789abcdef"), "{err}");
+    let v = kvbench::cell_file::read(&file).unwrap();
+    assert_eq!(v["env"]["build"], kvbench::environment::BUILD_ID);
+    // A cell recorded before builds were: run again too.
+    let mut v = v;
+    v["env"].as_object_mut().unwrap().remove("build");
+    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
+    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 recorded by another build"), "{out}");
+    assert!(err.contains("build not recorded"), "{err}");
 }
 
 #[test]

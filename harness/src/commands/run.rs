@@ -33,6 +33,12 @@ pub struct RunArgs {
     #[arg(long)]
     pub force: bool,
 
+    /// Keep cells recorded by another build of kvbench (other code: its `env.build`
+    /// differs from this binary's) as this sweep's; by default they are run again, so
+    /// a sweep resumed after a rebuild holds one build's cells.
+    #[arg(long, conflicts_with = "force")]
+    pub keep_other_builds: bool,
+
     /// Run nothing: rebuild the Parquet tables from the cells already recorded (after
     /// a sweep was stopped, or with cells gathered from several machines).
     #[arg(long, conflicts_with_all = ["dry_run", "force"])]

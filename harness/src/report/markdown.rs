@@ -180,6 +180,27 @@ fn sections(
             writeln!(md, "- {label}: {v}")?;
         }
     }
+    // Every build that recorded a cell: one line when the sweep is one build's.
+    if df
+        .get_column_names()
+        .iter()
+        .any(|c| c.as_str() == "env_build")
+    {
+        let builds: BTreeSet<String> = strings(df, "env_build")
+            .into_iter()
+            .map(|b| b.unwrap_or_else(|| "not recorded".into()))
+            .collect();
+        let list: Vec<&str> = builds.iter().map(String::as_str).collect();
+        if list.len() == 1 {
+            writeln!(md, "- build: {}", list[0])?;
+        } else {
+            writeln!(
+                md,
+                "- builds: {} (the cells were recorded by different code)",
+                list.join(", ")
+            )?;
+        }
+    }
     let outcomes: BTreeMap<&str, usize> = runs.iter().fold(BTreeMap::new(), |mut m, r| {
         *m.entry(r.outcome.as_str()).or_default() += 1;
         m
