@@ -117,6 +117,7 @@ export KVBENCH_MODELS_DIR="${KVBENCH_MODELS_DIR:-models}"
 # The archive's identity: a verify step is done for the binary it checked, so a rebuilt
 # archive (new kernels) is verified again before anything is measured with it.
 build="$(sha256sum "$archive" | cut -c1-16)"
+echo "== archive $build: $(scripts/gpu-run.sh "$archive" "$res/campaign" --version 2>&1 | tail -1)"
 deadline=$(( $(date +%s) + ${KVBENCH_CAMPAIGN_SECONDS:-510} ))
 only=" ${KVBENCH_CAMPAIGN_STEPS:-} "
 status=0

@@ -1021,3 +1021,15 @@ fn slos_from_the_yaml_or_the_flag_give_goodput_and_per_objective_fractions() {
         stderr(&o)
     );
 }
+
+/// `--version` names the build every cell records, so a binary that travelled can be
+/// matched with the cells it wrote.
+#[test]
+fn version_names_the_build_cells_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = kvbench(dir.path(), &["--version"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let want = format!("(build {})", kvbench::environment::BUILD_ID);
+    assert!(out.contains(&want), "{out}");
+}

@@ -18,7 +18,9 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "kvbench", version, about, long_about = None)]
+// The version names the build (the hash of the code it was built from, which every
+// cell records as env.build), so a binary that travelled can be told from another.
+#[command(name = "kvbench", version = concat!(env!("CARGO_PKG_VERSION"), " (build ", env!("KVBENCH_BUILD_ID"), ")"), about, long_about = None)]
 pub struct Cli {
     /// Worker threads for CPU kernels (default: all cores). Sets RAYON_NUM_THREADS.
     #[arg(long, global = true, env = "KVBENCH_THREADS")]
