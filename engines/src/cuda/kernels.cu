@@ -559,6 +559,46 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// One 64-row tile of head h's queries, rows row0.. (`rows` of them; the rest zeros), into
+// shared rows of D + 8 bf16, 16 bytes per cp.async.
+template <int D>
+__device__ __forceinline__ void cp_async_q_tile(const __nv_bfloat16* __restrict__ q, int row0,
+                                                int rows, int num_heads, int h,
+                                                __nv_bfloat16* dst) {
+    constexpr int CH = D / 8, LD = D + 8;
+    for (int i = threadIdx.x; i < FM_BM * CH; i += FM_THREADS) {
+        const int r = i / CH, c = (i % CH) * 8;
+        const bool ok = r < rows;
+        const __nv_bfloat16* src = ok ? q + ((int64_t)(row0 + r) * num_heads + h) * D + c : q;
+        cp_async16(smem_u32(dst + r * LD + c), src, ok);
+    }
+}
+
+// One 64-key tile of KV head kvh's cache, keys kt.. through the block table, into shared
+// rows of D + 8 bf16, 16 bytes per cp.async; keys at or past n_keys are zero-filled. V
+// too when WITH_V.
+template <int D, bool WITH_V>
+__device__ __forceinline__ void cp_async_kv_tile(const __nv_bfloat16* __restrict__ k_cache,
+                                                 const __nv_bfloat16* __restrict__ v_cache,
+                                                 const int32_t* __restrict__ table, int kt,
+                                                 int n_keys, int block_size, int num_kv_heads,
+                                                 int kvh, __nv_bfloat16* k_dst,
+                                                 __nv_bfloat16* v_dst) {
+    constexpr int CH = D / 8, LD = D + 8;
+    for (int i = threadIdx.x; i < FM_BN * CH; i += FM_THREADS) {
+        const int j = i / CH, c = (i % CH) * 8;
+        const int t = kt + j;
+        const bool ok = t < n_keys;
+        int64_t off = 0;
+        if (ok) {
+            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+            off = (slot * num_kv_heads + kvh) * D + c;
+        }
+        cp_async16(smem_u32(k_dst + j * LD + c), k_cache + off, ok);
+        if (WITH_V) cp_async16(smem_u32(v_dst + j * LD + c), v_cache + off, ok);
+    }
+}
+
 template <int D>
 struct FlashMmaSmem {
     static constexpr int LD = D + 8;                  // bf16 per shared row
@@ -576,7 +616,6 @@ __device__ void flash_prefill_mma(
     __nv_bfloat16* __restrict__ out, float* __restrict__ lse, int T, int ctx_before,
     int num_heads, int num_kv_heads, int block_size, float scale) {
     using L = FlashMmaSmem<D>;
-    constexpr int CH = D / 8;  // 16-byte chunks per row
     extern __shared__ __align__(128) unsigned char fmsmem[];
     __nv_bfloat16* sm = (__nv_bfloat16*)fmsmem;
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -592,25 +631,10 @@ __device__ void flash_prefill_mma(
     const int wlast = ctx_before + row0 + min(wrow0 + 15, rows - 1);
 
     // Q tile (rows past T are zeros), then one tile of K/V per cp.async group.
-    for (int i = threadIdx.x; i < FM_BM * CH; i += FM_THREADS) {
-        const int r = i / CH, c = (i % CH) * 8;
-        const bool ok = r < rows;
-        const __nv_bfloat16* src = ok ? q + ((int64_t)(row0 + r) * num_heads + h) * D + c : q;
-        cp_async16(smem_u32(sm + L::Q + r * L::LD + c), src, ok);
-    }
+    cp_async_q_tile<D>(q, row0, rows, num_heads, h, sm + L::Q);
     auto load_tile = [&](int kt, int buf) {
-        for (int i = threadIdx.x; i < FM_BN * CH; i += FM_THREADS) {
-            const int j = i / CH, c = (i % CH) * 8;
-            const int t = kt + j;
-            const bool ok = t < n_keys;
-            int64_t off = 0;
-            if (ok) {
-                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-                off = (slot * num_kv_heads + kvh) * D + c;
-            }
-            cp_async16(smem_u32(sm + L::K + buf * L::TILE + j * L::LD + c), k_cache + off, ok);
-            cp_async16(smem_u32(sm + L::V + buf * L::TILE + j * L::LD + c), v_cache + off, ok);
-        }
+        cp_async_kv_tile<D, true>(k_cache, v_cache, table, kt, n_keys, block_size, num_kv_heads, kvh,
+                            sm + L::K + buf * L::TILE, sm + L::V + buf * L::TILE);
     };
     load_tile(0, 0);
     asm volatile("cp.async.commit_group;\n" ::);
@@ -1066,7 +1090,6 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
                                 float* __restrict__ score, int T, int ctx_before, int num_heads,
                                 int num_kv_heads, int block_size, float scale) {
     constexpr int LD = D + 8;
-    constexpr int CH = D / 8;
     extern __shared__ __align__(128) unsigned char fmsmem[];
     __nv_bfloat16* Ks = (__nv_bfloat16*)fmsmem;                   // [BN, LD]
     __nv_bfloat16* Qs = Ks + FM_BN * LD;                          // [2][BM, LD]
@@ -1079,17 +1102,8 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
     const int kt = blockIdx.x * FM_BN;
     const int wkey0 = kt + warp * 16;  // the warp's first key
 
-    for (int i = threadIdx.x; i < FM_BN * CH; i += FM_THREADS) {
-        const int j = i / CH, c = (i % CH) * 8;
-        const int t = kt + j;
-        const bool ok = t < n_keys;
-        int64_t off = 0;
-        if (ok) {
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            off = (slot * num_kv_heads + kvh) * D + c;
-        }
-        cp_async16(smem_u32(Ks + j * LD + c), k_cache + off, ok);
-    }
+    cp_async_kv_tile<D, false>(k_cache, nullptr, table, kt, n_keys, block_size, num_kv_heads, kvh, Ks,
+                        nullptr);
     // Query tiles from the first whose last row can see key kt, for every head.
     const int first = max(0, kt - ctx_before) / FM_BM * FM_BM;
     const int per_head = T > first ? (T - first + FM_BM - 1) / FM_BM : 0;
@@ -1098,12 +1112,7 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
         const int h = kvh * group + it / per_head;
         const int row0 = first + (it % per_head) * FM_BM;
         const int rows = min(FM_BM, T - row0);
-        for (int i = threadIdx.x; i < FM_BM * CH; i += FM_THREADS) {
-            const int r = i / CH, c = (i % CH) * 8;
-            const bool ok = r < rows;
-            const __nv_bfloat16* src = ok ? q + ((int64_t)(row0 + r) * num_heads + h) * D + c : q;
-            cp_async16(smem_u32(Qs + buf * FM_BM * LD + r * LD + c), src, ok);
-        }
+        cp_async_q_tile<D>(q, row0, rows, num_heads, h, Qs + buf * FM_BM * LD);
         if (threadIdx.x < FM_BM)
             Lr[buf * FM_BM + threadIdx.x] =
                 threadIdx.x < rows ? lse[(int64_t)(row0 + threadIdx.x) * num_heads + h] : 0.f;
