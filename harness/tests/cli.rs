@@ -348,15 +348,16 @@ fn models_lists_presets_and_named_models() {
 #[test]
 fn verify_checks_fused_projections_against_the_separate_ones() {
     let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "verify",
+        "--model",
+        "preset:tiny",
+        "--dtype",
+        "bf16",
+        "--json",
+    ];
     let o = Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .args([
-            "verify",
-            "--model",
-            "preset:tiny",
-            "--dtype",
-            "bf16",
-            "--json",
-        ])
+        .args(args)
         .env("KVBENCH_MODELS_DIR", dir.path())
         .env("KVBENCH_FUSED_PROJECTIONS", "1")
         .env_remove("KVBENCH_MODEL")
@@ -370,17 +371,7 @@ fn verify_checks_fused_projections_against_the_separate_ones() {
     assert!(d.is_finite() && rows[1]["pass"] == true, "{}", rows[1]);
     assert!(rows.iter().all(|r| r["pass"] == true));
     // Without the variable the CPU does not fuse, and there is no such row.
-    let o = kvbench(
-        dir.path(),
-        &[
-            "verify",
-            "--model",
-            "preset:tiny",
-            "--dtype",
-            "bf16",
-            "--json",
-        ],
-    );
+    let o = kvbench(dir.path(), &args);
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert!(v["results"]
         .as_array()

@@ -23,9 +23,21 @@ fn with_ceilings(device: &Device, file: &str) -> Device {
     device.with_ceilings(&c, file)
 }
 
-fn baseline(name: &str) -> Measured {
-    let dir = repo().join("results/baselines/cpu").join(name);
+/// A committed baseline of `card` (cpu, h100, h200): results/baselines/<card>/<name>.
+fn measured(card: &str, name: &str) -> Measured {
+    let dir = repo().join("results/baselines").join(card).join(name);
     Measured::load(&dir, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
+}
+
+fn baseline(name: &str) -> Measured {
+    measured("cpu", name)
+}
+
+/// The device table's `name` with the rates measured on `card`, as `just validate-cost`
+/// fits it.
+fn card_device(name: &str, card: &str) -> Device {
+    let d = DeviceTable::builtin().unwrap().get(name).unwrap().clone();
+    with_ceilings(&d, &format!("results/baselines/{card}/ceilings.json"))
 }
 
 /// Bounds on the median |error| over the held-out cells of each experiment
@@ -179,19 +191,11 @@ fn recommend_ranks_what_runs_before_what_does_not_and_explains_each() {
 
 #[test]
 fn the_h100_calibration_predicts_the_ttft_grid_it_was_not_fitted_on() {
-    let h100 = DeviceTable::builtin()
-        .unwrap()
-        .get("h100-sxm")
-        .unwrap()
-        .clone();
-    let dir = |name: &str| {
-        let d = repo().join("results/baselines/h100").join(name);
-        Measured::load(&d, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
-    };
+    let dir = |name: &str| measured("h100", name);
     // Only h2o's cells: `full`'s were recorded before the engine synchronized the GPU
     // after each forward (results/baselines/h100/NOTES.md).
     // With the card's measured rates as its peaks, as `just validate-cost` fits it.
-    let h100 = with_ceilings(&h100, "results/baselines/h100/ceilings.json");
+    let h100 = card_device("h100-sxm", "h100");
     let (mut cal, obs) = calibrate(&[dir("gpu-batch-scaling")], &h100, &["h2o".into()]).unwrap();
     assert_eq!(obs.dropped, 0);
     cal.ceilings = Some("results/baselines/h100/ceilings.json".into());
@@ -288,14 +292,10 @@ fn predict_records_a_results_directory_that_plot_overlays_on_the_measured_one() 
 #[test]
 fn the_h200_calibration_leaves_out_the_transfer_it_does_not_model() {
     use kvbench::prediction::NOT_MODELLED;
-    let h200 = DeviceTable::builtin().unwrap().get("h200").unwrap().clone();
-    let h200 = with_ceilings(&h200, "results/baselines/h200/ceilings.json");
+    let h200 = card_device("h200", "h200");
     // The pinned host-to-device rate measured on the card, not PCIe 5's 64 GB/s.
     assert!((h200.host_link_bandwidth().unwrap() / 1e9 - 55.5).abs() < 0.1);
-    let dir = |name: &str| {
-        let d = repo().join("results/baselines/h200").join(name);
-        Measured::load(&d, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
-    };
+    let dir = |name: &str| measured("h200", name);
     let (mut cal, obs) = calibrate(&[dir("gpu-paradigms-batch16")], &h200, &[]).unwrap();
     cal.ceilings = Some("results/baselines/h200/ceilings.json".into());
     assert_eq!(obs.left_out.len(), 1, "{:?}", obs.left_out);
@@ -342,12 +342,8 @@ fn the_h200_calibration_leaves_out_the_transfer_it_does_not_model() {
 /// and TTFT (12.5 % and 13.3 % medians when this was written).
 #[test]
 fn the_h200_calibration_of_the_current_engine_predicts_the_decode_kernel_cells() {
-    let h200 = DeviceTable::builtin().unwrap().get("h200").unwrap().clone();
-    let h200 = with_ceilings(&h200, "results/baselines/h200/ceilings.json");
-    let dir = |name: &str| {
-        let d = repo().join("results/baselines/h200").join(name);
-        Measured::load(&d, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
-    };
+    let h200 = card_device("h200", "h200");
+    let dir = |name: &str| measured("h200", name);
     let fitted = [
         dir("gpu-paradigms-batch32"),
         dir("prefill-kernel/mma/gpu-prefill-kernel"),

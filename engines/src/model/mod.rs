@@ -450,27 +450,28 @@ impl Llama {
             Linear::Dense(w) => Some(w.clone()),
             Linear::Quantized { .. } => None,
         };
-        let all_dense = self.layers.iter().all(|l| {
-            [&l.wq, &l.wk, &l.wv, &l.gate, &l.up]
-                .iter()
-                .all(|w| matches!(w, Linear::Dense(_)))
-        });
-        if !all_dense {
+        // Every layer's five matrices (handles, no copy), or None if any is quantized.
+        let Some(parts) = self
+            .layers
+            .iter()
+            .map(|l| {
+                Some([
+                    dense(&l.wq)?,
+                    dense(&l.wk)?,
+                    dense(&l.wv)?,
+                    dense(&l.gate)?,
+                    dense(&l.up)?,
+                ])
+            })
+            .collect::<Option<Vec<_>>>()
+        else {
             return Ok(self);
-        }
-        // Layer by layer, so the separate matrices of one layer are freed before the
-        // next is fused: the load holds one layer's projections twice at most.
+        };
+        // Layer by layer, each layer's handles dropped once it is fused, so the separate
+        // matrices of one layer are freed before the next: the load holds one layer's
+        // projections twice at most.
         let mut fused = Vec::with_capacity(self.layers.len());
-        for l in self.layers.iter_mut() {
-            let (Some(q), Some(k), Some(v), Some(g), Some(u)) = (
-                dense(&l.wq),
-                dense(&l.wk),
-                dense(&l.wv),
-                dense(&l.gate),
-                dense(&l.up),
-            ) else {
-                unreachable!("checked dense above")
-            };
+        for (l, [q, k, v, g, u]) in self.layers.iter_mut().zip(parts) {
             let (nq, nk, ff) = (q.dim(0)?, k.dim(0)?, g.dim(0)?);
             let f = Fused {
                 qkv: Tensor::cat(&[&q, &k, &v], 0)?,

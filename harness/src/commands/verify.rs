@@ -219,32 +219,16 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     let d = max_abs_diff(&dense, &reference.logits);
     let complete = dense.iter().map(Vec::len).sum::<usize>()
         == reference.logits.iter().map(Vec::len).sum::<usize>();
-    rows.push(Row {
-        engine: "dense-reference",
-        attention: "none".into(),
-        budget: 1.0,
-        params: serde_json::json!({}),
-        max_abs_logit_diff: Some(d),
-        kv_device_bytes: None,
-        kv_device_allowed_bytes: None,
-        pass: complete && passes(d, tolerance),
-        error: None,
-    });
+    rows.push(Row::forward(
+        "dense-reference",
+        d,
+        complete && passes(d, tolerance),
+    ));
     if let Some(sep) = &separate {
         // Q/K/V and gate/up as one product each, against the same weights' separate
         // products.
         let d = max_abs_diff(&dense, sep);
-        rows.push(Row {
-            engine: "fused-projections",
-            attention: "none".into(),
-            budget: 1.0,
-            params: serde_json::json!({}),
-            max_abs_logit_diff: Some(d),
-            kv_device_bytes: None,
-            kv_device_allowed_bytes: None,
-            pass: passes(d, tolerance),
-            error: None,
-        });
+        rows.push(Row::forward("fused-projections", d, passes(d, tolerance)));
     }
     // Every strategy at budget 1.0 with each attention implementation (the same list
     // on CPU and CUDA: each has device kernels).
@@ -483,6 +467,23 @@ fn dense_logits(
 
 /// Whether a difference passes: finite and within a finite tolerance (a NaN logit
 /// makes the difference +∞, which no tolerance admits).
+impl Row {
+    /// A comparison of two cache-free forwards (no strategy, no KV bytes).
+    fn forward(engine: &'static str, d: f32, pass: bool) -> Self {
+        Row {
+            engine,
+            attention: "none".into(),
+            budget: 1.0,
+            params: serde_json::json!({}),
+            max_abs_logit_diff: Some(d),
+            kv_device_bytes: None,
+            kv_device_allowed_bytes: None,
+            pass,
+            error: None,
+        }
+    }
+}
+
 fn passes(d: f32, tolerance: f32) -> bool {
     d.is_finite() && tolerance.is_finite() && d <= tolerance
 }
