@@ -80,6 +80,57 @@ pub fn huge_vec(n: usize, v: f32) -> Vec<f32> {
     buf
 }
 
+/// Seconds of one pass summing `buf` split evenly over `threads` threads (each its own
+/// contiguous part), and the sum: the memory read bandwidth a batch-1 f32 decode step
+/// works against (`examples/read_bandwidth.rs`, `examples/decode_products.rs`). A
+/// caller keeps the sum so the pass cannot be optimized away.
+pub fn read_pass(buf: &[f32], threads: usize) -> (f64, f32) {
+    let chunk = buf.len().div_ceil(threads.max(1)).max(1);
+    let t = std::time::Instant::now();
+    let total: f32 = std::thread::scope(|s| {
+        let hs: Vec<_> = buf.chunks(chunk).map(|c| s.spawn(move || sum(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(f32::NAN)).sum()
+    });
+    (t.elapsed().as_secs_f64(), total)
+}
+
+/// Sum with four independent accumulators of eight lanes (AVX2 where the CPU has it).
+fn sum(a: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { sum_avx2(a) };
+    }
+    let mut acc = [0f32; 32];
+    let chunks = a.chunks_exact(32);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for (x, y) in acc.iter_mut().zip(c) {
+            *x += y;
+        }
+    }
+    acc.iter().sum::<f32>() + rest
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_avx2(a: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let p = a.as_ptr();
+    let mut i = 0;
+    while i + 32 <= a.len() {
+        for (j, x) in acc.iter_mut().enumerate() {
+            *x = _mm256_add_ps(*x, _mm256_loadu_ps(p.add(i + 8 * j)));
+        }
+        i += 32;
+    }
+    let s = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), s);
+    out.iter().sum::<f32>() + a[i..].iter().sum::<f32>()
+}
+
 /// Ask for huge pages on the 2 MiB-aligned inner part of `[addr, addr + len)`, not yet
 /// touched. A refusal (no THP in the kernel) leaves ordinary pages: nothing to report.
 #[cfg(target_os = "linux")]
@@ -124,5 +175,16 @@ mod tests {
         // Other dtypes and strided tensors come back as they were.
         assert_eq!(out[2].id(), half.id());
         assert_eq!(out[3].id(), strided.id());
+    }
+
+    #[test]
+    fn a_read_pass_sums_every_element_once_whatever_the_threads() {
+        // 1,000,003 ones: not a multiple of the threads nor of the 32-lane chunks.
+        let buf = huge_vec(1_000_003, 1.0);
+        for threads in [1, 2, 3, 8] {
+            let (secs, total) = read_pass(&buf, threads);
+            assert!(secs > 0.0);
+            assert_eq!(total, 1_000_003.0, "{threads} threads");
+        }
     }
 }

@@ -1,0 +1,106 @@
+//! How close the dense products of one batch-1 f32 decode step come to the machine's
+//! read bandwidth, as a ratio measured in one run: SmolLM2-135M's shapes
+//! (`preset:smollm2-135m`, seeded random weights in huge pages, as `generate` holds
+//! them), every layer's Q/K/V, O, gate/up and down products and the output head through
+//! the engine's own `Linear` path on a pool of `threads`, against the read probe of
+//! `read_bandwidth` over a buffer of the same size. Rounds alternate the two so that
+//! drift of a shared machine lands on both; prints each round and the median ratio.
+//! What a decode step spends beside its products (attention, norms, hand-offs) is
+//! the step's time less this.
+//!
+//!   cargo run --release -p kvbench-engines --example decode_products -- [threads] [rounds]
+
+use anyhow::{Context, Result};
+use candle_core::{DType, Device, Tensor};
+use kvbench_engines::config::preset;
+use kvbench_engines::model::load::load_preset;
+use kvbench_engines::model::pages::{huge_vec, read_pass};
+use kvbench_engines::model::{Linear, Llama, WeightDtype};
+use std::time::Instant;
+
+/// One pass over every product of a decode step for one sequence.
+fn products(model: &Llama, h: &Tensor, a: &Tensor, m: &Tensor) -> Result<()> {
+    for l in model.layers() {
+        Linear::forward_many([&l.wq, &l.wk, &l.wv], h)?;
+        l.wo.forward(a)?;
+        Linear::forward_many([&l.gate, &l.up], h)?;
+        l.down.forward(m)?;
+    }
+    model.lm_head().forward(h)?;
+    Ok(())
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut arg = |what: &str, default: usize| -> Result<usize> {
+        args.next().map_or(Ok(default), |s| {
+            s.parse()
+                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
+        })
+    };
+    let threads = arg("threads", 2)?.max(1);
+    let rounds = arg("rounds", 9)?.max(1);
+    let cfg = preset("smollm2-135m").context("preset smollm2-135m")?;
+    let model = load_preset(cfg.clone(), WeightDtype::F32, 0, &Device::Cpu)?
+        .with_weights_in_huge_pages()?;
+    let bytes: u64 = model
+        .layers()
+        .iter()
+        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+        .chain([model.lm_head()])
+        .map(Linear::bytes)
+        .sum();
+    let row = |n: usize| Tensor::ones((1, n), DType::F32, &Device::Cpu);
+    let (h, a, m) = (
+        row(cfg.hidden_size)?,
+        row(cfg.num_heads * cfg.head_dim)?,
+        row(cfg.intermediate_size)?,
+    );
+    let probe = huge_vec(bytes as usize / 4, 1.0);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("thread pool")?;
+    let gb = |secs: f64| bytes as f64 / secs / 1e9;
+    println!(
+        "{} MB of products per step, {threads} thread(s); per round: probe best of 3, products median of 5",
+        bytes / 1_000_000
+    );
+    let mut ratios = Vec::with_capacity(rounds);
+    for round in 0..rounds {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (secs, total) = read_pass(&probe, threads);
+            anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
+            best = best.min(secs);
+        }
+        let mut times = Vec::with_capacity(5);
+        for _ in 0..5 {
+            // As the engine runs a step: on a worker of the pool, its products shared
+            // with the other workers.
+            let t = Instant::now();
+            pool.install(|| rayon::scope(|_| products(&model, &h, &a, &m)))?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let step = median(times);
+        let ratio = best / step;
+        ratios.push(ratio);
+        println!(
+            "round {round}: probe {:.1} GB/s, products {:.2} ms ({:.1} GB/s), {:.0} % of the probe",
+            gb(best),
+            step * 1e3,
+            gb(step),
+            100.0 * ratio
+        );
+    }
+    println!(
+        "median over {rounds} rounds: products at {:.0} % of the probe",
+        100.0 * median(ratios)
+    );
+    Ok(())
+}
