@@ -24,6 +24,18 @@ fn with_ceilings(device: &Device, file: &str) -> Device {
 }
 
 /// A committed baseline of `card` (cpu, h100, h200): results/baselines/<card>/<name>.
+/// Asserts that `cal` is the calibration committed at `committed` (`just validate-cost`
+/// rewrites both), and returns the target that predicts with it on `device`.
+fn committed_target(cal: &Calibration, committed: &str, device: Device) -> Target {
+    let file = repo().join(committed);
+    assert_eq!(&Calibration::load(&file).unwrap(), cal, "{committed}");
+    Target {
+        device,
+        efficiency: cal.efficiency(),
+        tensor_parallel: 1,
+    }
+}
+
 fn measured(card: &str, name: &str) -> Measured {
     let dir = repo().join("results/baselines").join(card).join(name);
     Measured::load(&dir, &repo().join("models")).unwrap_or_else(|e| panic!("{name}: {e:#}"))
@@ -62,14 +74,7 @@ fn a_cpu_calibration_predicts_a_held_out_cpu_experiment() {
     assert!(obs.aligned > 1000, "{} steps paired", obs.aligned);
     assert_eq!(obs.dropped, 0, "the schedule diverged");
     assert!(cal.decode.fit.r_squared > 0.5, "{:?}", cal.decode.fit);
-    // The committed calibration is this fit (`just validate-cost` rewrites both).
-    let committed = repo().join("results/baselines/cpu/calibration-cpu.yaml");
-    assert_eq!(Calibration::load(&committed).unwrap(), cal);
-    let target = Target {
-        device: cpu,
-        efficiency: cal.efficiency(),
-        tensor_parallel: 1,
-    };
+    let target = committed_target(&cal, "results/baselines/cpu/calibration-cpu.yaml", cpu);
     for held in ["cpu-output-scaling", "cpu-quickstart"] {
         let held_out = baseline(held);
         let checks = validate(&held_out, &target).unwrap();
@@ -199,13 +204,11 @@ fn the_h100_calibration_predicts_the_ttft_grid_it_was_not_fitted_on() {
     let (mut cal, obs) = calibrate(&[dir("gpu-batch-scaling")], &h100, &["h2o".into()]).unwrap();
     assert_eq!(obs.dropped, 0);
     cal.ceilings = Some("results/baselines/h100/ceilings.json".into());
-    let committed = repo().join("results/baselines/h100/calibration-h100-sxm.yaml");
-    assert_eq!(Calibration::load(&committed).unwrap(), cal);
-    let target = Target {
-        device: h100,
-        efficiency: cal.efficiency(),
-        tensor_parallel: 1,
-    };
+    let target = committed_target(
+        &cal,
+        "results/baselines/h100/calibration-h100-sxm.yaml",
+        h100,
+    );
     let checks = validate(&dir("gpu-ttft"), &target).unwrap();
     assert_eq!(checks.len(), 36);
     // Every measured ok / oom outcome on the right side, eager and chunked included.
@@ -305,13 +308,11 @@ fn the_h200_calibration_leaves_out_the_transfer_it_does_not_model() {
         "{}",
         obs.left_out[0].1
     );
-    let committed = repo().join("results/baselines/h200/calibration-h200-first-build.yaml");
-    assert_eq!(Calibration::load(&committed).unwrap(), cal);
-    let target = Target {
-        device: h200,
-        efficiency: cal.efficiency(),
-        tensor_parallel: 1,
-    };
+    let target = committed_target(
+        &cal,
+        "results/baselines/h200/calibration-h200-first-build.yaml",
+        h200,
+    );
     let checks = validate(&dir("gpu-paradigms-batch16"), &target).unwrap();
     assert_eq!(checks.len(), 4);
     let memcpy: Vec<_> = checks
@@ -351,13 +352,7 @@ fn the_h200_calibration_of_the_current_engine_predicts_the_decode_kernel_cells()
     let (mut cal, obs) = calibrate(&fitted, &h200, &[]).unwrap();
     cal.ceilings = Some("results/baselines/h200/ceilings.json".into());
     assert!(obs.left_out.is_empty(), "{:?}", obs.left_out);
-    let committed = repo().join("results/baselines/h200/calibration-h200.yaml");
-    assert_eq!(Calibration::load(&committed).unwrap(), cal);
-    let target = Target {
-        device: h200,
-        efficiency: cal.efficiency(),
-        tensor_parallel: 1,
-    };
+    let target = committed_target(&cal, "results/baselines/h200/calibration-h200.yaml", h200);
     let checks = validate(&dir("decode-kernel/vector/gpu-decode-kernel"), &target).unwrap();
     assert_eq!(checks.len(), 8);
     assert!(outcome_mismatches(&checks).is_empty());
