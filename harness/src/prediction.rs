@@ -567,10 +567,13 @@ pub struct RunRow {
 
 /// Fit a calibration of `device` to the steps of measured experiments (of the cells
 /// of `engines` only, when it is not empty).
+/// `rates_from`: another calibration of the device (and its name) whose fitted values
+/// the terms these runs never exercise take ([`Calibration::fit_with`]).
 pub fn calibrate(
     measured: &[Measured],
     device: &Device,
     engines: &[String],
+    rates_from: Option<(&Calibration, &str)>,
 ) -> Result<(Calibration, CellObservations)> {
     let mut all = CellObservations::default();
     let mut sources = Vec::new();
@@ -598,7 +601,7 @@ pub fn calibrate(
         all.dropped += o.dropped;
         all.left_out.extend(o.left_out);
     }
-    let c = Calibration::fit(device, sources, &all.prefill, &all.decode)?;
+    let c = Calibration::fit_with(device, sources, &all.prefill, &all.decode, rates_from)?;
     Ok((c, all))
 }
 

@@ -227,6 +227,20 @@ fn die_with_parent(cmd: &mut Command) {
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_cmd: &mut Command) {}
 
+/// The binary the cells run: this process's own. On Linux that is /proc/self/exe,
+/// which stays this build when a rebuild replaces the file during a sweep (the path
+/// would then start another build's cells, or name a deleted file and fail).
+fn own_binary() -> Result<PathBuf> {
+    #[cfg(target_os = "linux")]
+    {
+        let p = PathBuf::from("/proc/self/exe");
+        if p.exists() {
+            return Ok(p);
+        }
+    }
+    std::env::current_exe().context("locating the kvbench binary")
+}
+
 /// Run one cell in a child process; a child that dies without a result is recorded
 /// as an `error` with the end of its stderr.
 fn run_child(
@@ -237,8 +251,7 @@ fn run_child(
     slo: Option<SloSpec>,
     bars: &Bars,
 ) -> Result<serde_json::Value> {
-    let exe = std::env::current_exe().context("locating the kvbench binary")?;
-    let mut cmd = Command::new(exe);
+    let mut cmd = Command::new(own_binary()?);
     cmd.arg("run-cell")
         .arg(exp)
         .arg("--cell")

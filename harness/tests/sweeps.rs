@@ -1,7 +1,8 @@
 //! A recorded result is always the result of the experiment as written: the ways a
 //! user can run a sweep (editing its YAML between runs, two sweeps on one directory,
-//! killing one, a crash, a corrupt or unwritable cell file) never record or tabulate
-//! a result that does not belong to it, and never lose one that does.
+//! killing one, rebuilding the binary during one, a crash, a corrupt or unwritable
+//! cell file) never record or tabulate a result that does not belong to it, and never
+//! lose one that does.
 
 mod common;
 
@@ -247,6 +248,38 @@ fn a_sweep_killed_with_sigkill_leaves_no_cell_running() {
         panic!("cell process(es) {left:?} outlived their sweep");
     }
     assert!(files_in(&results.join("long/cells")).is_empty());
+}
+
+/// A rebuild replaces the binary while a sweep runs (`cargo build` writes a new file at
+/// the same path): the sweep's later cells still start, from the build that started
+/// the sweep. Here the binary the sweep was started from is deleted as soon as it runs.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_sweep_runs_its_cells_with_its_own_build_after_the_binary_is_replaced() {
+    let (dir, exp) = common::with_experiment(
+        "rebuilt.yaml",
+        &ONE_CELL.replace("batch: [1]", "batch: [1, 2]"),
+    );
+    let copy = dir.path().join("kvbench-copy");
+    std::fs::copy(env!("CARGO_BIN_EXE_kvbench"), &copy).unwrap();
+    let results = dir.path().join("results");
+    let child = std::process::Command::new(&copy)
+        .args(common::sweep_args(&exp, &results))
+        .current_dir(dir.path())
+        .env("KVBENCH_THREADS", "1")
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // spawn() returns once the program has been executed: the sweep runs from here on
+    // without the file, as after a rebuild.
+    std::fs::remove_file(&copy).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let cells = common::recorded_cells(&results.join("edits"));
+    assert_eq!(cells.len(), 2, "{}", stderr(&o));
+    assert!(cells.iter().all(|c| c["outcome"] == "ok"), "{cells:?}");
 }
 
 /// The JSON record of a cell that `planned` lists, with `outcome`, as this build

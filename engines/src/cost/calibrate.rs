@@ -30,6 +30,10 @@ pub struct PhaseFit {
     /// figure: then they cost nothing, and predictions that need them say so).
     #[serde(default)]
     pub unobserved: Vec<Term>,
+    /// Unobserved terms that take another calibration's fitted value instead
+    /// ([`Calibration::rates_from`]): a rate measured on this device by other runs.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub taken: Vec<Term>,
     /// Median |predicted − measured| / measured over the observations.
     pub median_relative_error: f64,
     /// Achieved fractions of the device's datasheet peaks (null where unknown).
@@ -39,13 +43,28 @@ pub struct PhaseFit {
 }
 
 impl PhaseFit {
-    fn new(device: &Device, phase: Phase, obs: &[Observation]) -> Result<Self> {
-        let fit = fit_phase(obs, &terms(phase), &PhaseEfficiency::datasheet(device))
-            .map_err(|e| CostError::Fit(format!("{phase:?} steps: {e}")))?;
-        let unobserved = terms(phase)
+    /// `other`: the same phase of another calibration of the device, whose fitted
+    /// values the terms these steps never exercise take where it observed them.
+    fn new(
+        device: &Device,
+        phase: Phase,
+        obs: &[Observation],
+        other: Option<&PhaseFit>,
+    ) -> Result<Self> {
+        let unobserved: Vec<Term> = terms(phase)
             .into_iter()
             .filter(|t| obs.iter().all(|o| t.feature(&o.cost) == 0.0))
             .collect();
+        let mut fixed = PhaseEfficiency::datasheet(device);
+        let mut taken = Vec::new();
+        if let Some(o) = other {
+            for t in unobserved.iter().filter(|t| !o.unobserved.contains(t)) {
+                t.take(&o.fit.efficiency, &mut fixed);
+                taken.push(*t);
+            }
+        }
+        let fit = fit_phase(obs, &terms(phase), &fixed)
+            .map_err(|e| CostError::Fit(format!("{phase:?} steps: {e}")))?;
         let mut rel: Vec<f64> = obs
             .iter()
             .map(|o| ((fit.efficiency.time(&o.cost) - o.seconds) / o.seconds).abs())
@@ -56,6 +75,7 @@ impl PhaseFit {
         Ok(Self {
             fit,
             unobserved,
+            taken,
             median_relative_error: median_sorted(&rel),
             bandwidth_of_peak,
             flops_of_peak,
@@ -83,6 +103,10 @@ pub struct Calibration {
     /// (peaks and the rates of unexercised terms), when one was given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ceilings: Option<String>,
+    /// The calibration whose fitted values the unexercised terms took (each phase's
+    /// `taken`), when one was given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rates_from: Option<String>,
     pub prefill: PhaseFit,
     pub decode: PhaseFit,
 }
@@ -95,12 +119,35 @@ impl Calibration {
         prefill: &[Observation],
         decode: &[Observation],
     ) -> Result<Self> {
+        Self::fit_with(device, sources, prefill, decode, None)
+    }
+
+    /// [`Calibration::fit`], the terms these steps never exercise taking the values
+    /// `other` (named `name`, a calibration of the same device) fitted, where it
+    /// exercised them, instead of the datasheet's: e.g. the host link fitted on
+    /// another experiment's offloading cells, for a fit on runs that do not offload.
+    pub fn fit_with(
+        device: &Device,
+        sources: Vec<String>,
+        prefill: &[Observation],
+        decode: &[Observation],
+        other: Option<(&Calibration, &str)>,
+    ) -> Result<Self> {
+        if let Some((o, name)) = other {
+            if o.device != device.name {
+                return Err(CostError::Invalid(format!(
+                    "{name}: a calibration of {}, expected one of {}",
+                    o.device, device.name
+                )));
+            }
+        }
         Ok(Self {
             device: device.name.clone(),
             sources,
             ceilings: None,
-            prefill: PhaseFit::new(device, Phase::Prefill, prefill)?,
-            decode: PhaseFit::new(device, Phase::Decode, decode)?,
+            rates_from: other.map(|(_, name)| name.to_string()),
+            prefill: PhaseFit::new(device, Phase::Prefill, prefill, other.map(|o| &o.0.prefill))?,
+            decode: PhaseFit::new(device, Phase::Decode, decode, other.map(|o| &o.0.decode))?,
         })
     }
 
@@ -228,6 +275,75 @@ mod tests {
             .to_string();
         assert!(
             err.contains("c.yaml") && err.contains("efficiency"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn unexercised_terms_take_another_calibrations_fitted_values() {
+        let d = DeviceTable::builtin()
+            .unwrap()
+            .get("h100-sxm")
+            .unwrap()
+            .clone();
+        let step = |b: f64, ctx: f64, h2d: f64| {
+            let bytes = 16e9 + b * ctx / 8.0;
+            let mut o = obs(1.0, b, bytes, 0.0, 1e-3 + 20e-6 * b + bytes / 2.5e12);
+            o.cost.h2d = h2d;
+            o.seconds += h2d / 30e9;
+            o
+        };
+        let pre: Vec<Observation> = [1e3, 4e3, 16e3]
+            .iter()
+            .map(|&l| {
+                let (bytes, flops) = (16e9 + l * l * 50.0, 16e9 * l);
+                obs(1.0, 1.0, bytes, flops, 2e-3 + bytes / 2.5e12 + flops / 6e14)
+            })
+            .collect();
+        let grid = |h2d: f64| -> Vec<Observation> {
+            [1.0, 4.0, 16.0]
+                .iter()
+                .flat_map(|&b| [1e9, 4e9].map(|ctx| step(b, ctx, h2d * b * b)))
+                .collect()
+        };
+        // Runs that offload fit the link (their bytes moved grow as b², not as a
+        // combination of the other features); runs that do not take it from them.
+        let offload = Calibration::fit(&d, vec!["offload".into()], &pre, &grid(1e8)).unwrap();
+        assert!((offload.decode.fit.efficiency.link.unwrap() / 30e9 - 1.0).abs() < 1e-6);
+        let c = Calibration::fit_with(
+            &d,
+            vec!["dense".into()],
+            &pre,
+            &grid(0.0),
+            Some((&offload, "offload.yaml")),
+        )
+        .unwrap();
+        assert_eq!(c.rates_from.as_deref(), Some("offload.yaml"));
+        assert!(c.decode.unobserved.contains(&Term::Link));
+        assert_eq!(c.decode.taken, vec![Term::Link]);
+        assert_eq!(
+            c.decode.fit.efficiency.link,
+            offload.decode.fit.efficiency.link
+        );
+        // The fitted terms are this run's own, unchanged by the other calibration.
+        let alone = Calibration::fit(&d, vec!["dense".into()], &pre, &grid(0.0)).unwrap();
+        assert_eq!(
+            c.decode.fit.efficiency.bandwidth,
+            alone.decode.fit.efficiency.bandwidth
+        );
+        // Neither prefill moved bytes: the link keeps the datasheet's rate.
+        assert!(c.prefill.taken.is_empty());
+        assert_eq!(c.prefill.fit.efficiency.link, Some(64e9));
+        let back = Calibration::from_yaml(&c.to_yaml().unwrap(), "c.yaml").unwrap();
+        assert_eq!(back, c);
+        // A calibration of another device is refused, named.
+        let mut other = offload.clone();
+        other.device = "a100-80g".into();
+        let err = Calibration::fit_with(&d, vec![], &pre, &grid(0.0), Some((&other, "other.yaml")))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("other.yaml") && err.contains("a100-80g"),
             "{err}"
         );
     }

@@ -148,6 +148,20 @@ impl Term {
         self.set(e, 0.0)
     }
 
+    /// This term's value in `from` written into `to` (the others untouched).
+    pub fn take(&self, from: &PhaseEfficiency, to: &mut PhaseEfficiency) {
+        match self {
+            Term::StepOverhead => to.step_overhead_s = from.step_overhead_s,
+            Term::PerSequence => to.per_sequence_s = from.per_sequence_s,
+            Term::Bandwidth => to.bandwidth = from.bandwidth,
+            Term::Flops => to.flops = from.flops,
+            Term::AttentionFlops => to.attention_flops = from.attention_flops,
+            Term::Link => to.link = from.link,
+            Term::AllreduceLatency => to.allreduce_latency_s = from.allreduce_latency_s,
+            Term::Interconnect => to.interconnect = from.interconnect,
+        }
+    }
+
     /// The rate this term stands for in `e` (bytes/s or FLOP/s); `None` for the
     /// overheads, which are seconds and have no ceiling.
     fn rate(&self, e: &PhaseEfficiency) -> Option<f64> {

@@ -100,6 +100,12 @@ pub struct CalibrateArgs {
     /// rates are compared with and as the rates of terms the runs never exercise.
     #[arg(long)]
     pub ceilings: Option<PathBuf>,
+    /// A calibration of the same device whose fitted values the terms these runs never
+    /// exercise take, instead of the device's rates: e.g. the host link fitted on
+    /// another experiment's offloading cells (InfiniGen), for a fit on runs that do not
+    /// offload. The file lists the terms it took.
+    #[arg(long)]
+    pub rates_from: Option<PathBuf>,
 }
 
 /// Rates of a ceilings file (scripts/gpu-ceilings.py's JSON); each may be absent.
@@ -167,15 +173,33 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
         p.fit.r_squared,
         p.median_relative_error * 100.0,
         p.fit.max_relative_error * 100.0,
-        if p.unobserved.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; not in the fitted runs, kept at the device's rate: {:?}",
-                p.unobserved
-            )
-        }
+        unobserved(p)
     )
+}
+
+/// The terms the fitted runs never exercised: those kept at the device's rate, and
+/// those that took another calibration's fitted value (`--rates-from`).
+fn unobserved(p: &PhaseFit) -> String {
+    let kept: Vec<_> = p
+        .unobserved
+        .iter()
+        .filter(|t| !p.taken.contains(t))
+        .collect();
+    let mut s = String::new();
+    if !kept.is_empty() {
+        let _ = write!(
+            s,
+            "; not in the fitted runs, kept at the device's rate: {kept:?}"
+        );
+    }
+    if !p.taken.is_empty() {
+        let _ = write!(
+            s,
+            "; not in the fitted runs, taken from --rates-from: {:?}",
+            p.taken
+        );
+    }
+    s
 }
 
 /// The validation of one experiment as Markdown: the error per metric, then the cells.
@@ -286,7 +310,16 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         .iter()
         .map(|d| Measured::load(d, &a.models_dir))
         .collect::<Result<_>>()?;
-    let (mut cal, obs) = calibrate(&measured, &device, &a.engines)?;
+    let other = match &a.rates_from {
+        Some(p) => Some((Calibration::load(p)?, p.display().to_string())),
+        None => None,
+    };
+    let (mut cal, obs) = calibrate(
+        &measured,
+        &device,
+        &a.engines,
+        other.as_ref().map(|(c, n)| (c, n.as_str())),
+    )?;
     cal.ceilings = a.ceilings.as_ref().map(|p| p.display().to_string());
     for (key, why) in &obs.left_out {
         eprintln!("left out of the fit: {key}: {NOT_MODELLED}: {why}");
