@@ -199,4 +199,6 @@ validate-cost: build
         echo
         cat "$tmp/h200-link.md"
     } > docs/cost-validation.md
-    echo "docs/cost-validation.md, results/baselines/cpu/calibration-cpu.yaml, results/baselines/h100/calibration-h100-sxm.yaml, results/baselines/h200/calibration-h200.yaml, results/baselines/h200/calibration-h200-first-build.yaml"
+    # The README's summary table, each row's medians over the cells it names.
+    python3 scripts/validation-table.py
+    echo "docs/cost-validation.md, README.md (its table), results/baselines/cpu/calibration-cpu.yaml, results/baselines/h100/calibration-h100-sxm.yaml, results/baselines/h200/calibration-h200.yaml, results/baselines/h200/calibration-h200-first-build.yaml"

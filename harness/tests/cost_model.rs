@@ -415,6 +415,38 @@ fn the_h200_link_fitted_on_one_build_predicts_the_other_builds_infinigen() {
     }
 }
 
+/// The README's table of held-out errors is the one `just validate-cost` makes from
+/// docs/cost-validation.md (scripts/validation-table.py, which recomputes each row's
+/// medians from the cells), and a table that differs by one number is refused.
+#[test]
+fn the_readme_validation_table_is_generated_from_the_validation_document() {
+    let check = |readme: &Path| {
+        std::process::Command::new("python3")
+            .arg(repo().join("scripts/validation-table.py"))
+            .arg("--check")
+            .arg("--readme")
+            .arg(readme)
+            .arg("--doc")
+            .arg(repo().join("docs/cost-validation.md"))
+            .output()
+            .expect("python3 runs (CI installs just with it)")
+    };
+    let o = check(&repo().join("README.md"));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("| 2-core CPU | batch scaling"))
+        .expect("the CPU row");
+    let changed = row.replacen(" %", "1 %", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let edited = tmp.path().join("README.md");
+    std::fs::write(&edited, text.replacen(row, &changed, 1)).unwrap();
+    let o = check(&edited);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("just validate-cost"));
+}
+
 /// A ceilings file that is not scripts/gpu-ceilings.py's JSON, names no rate, or gives
 /// a rate that is not positive is refused with the file and the key named.
 #[test]
