@@ -61,6 +61,15 @@ steps=(
   "batch-scaling|run experiments/gpu/batch-scaling.yaml --results \$RES --adopt-legacy"
 )
 
+# Steps that cannot resume part-way (a verify, a profile) and need about this many
+# seconds: one is not started with less time left, so that a short call does not spend
+# its time on a step the limit then kills (sweeps resume by cell and start whenever
+# 30 s are left).
+declare -A need=(
+  [verify-smollm2]=60 [verify-llama]=75 [profile-decode]=200
+  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
+)
+
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"
   [ -x "$kvbench" ] || { echo "gpu-campaign: $kvbench not built (just build)" >&2; exit 1; }
@@ -68,6 +77,7 @@ if [ "$dry" = 1 ]; then
     name="${s%%|*}"; args="${s#*|}"; envs=""
     if [[ "$args" == *"|"* ]]; then envs="${args#*|}"; args="${args%%|*}"; fi
     [ -n "$envs" ] && echo "== $name: with $envs"
+    [ -n "${need[$name]:-}" ] && echo "== $name: started only with ${need[$name]} s left"
     if [[ "$args" == py:* ]]; then
       echo "== $name: python3 ${args#py:}" | sed 's|\$RES|results/baselines/<card>|g'
       script="$(awk '{print $1}' <<<"${args#py:}")"
@@ -133,7 +143,10 @@ for s in "${steps[@]}"; do
   fi
   if [ -n "${KVBENCH_CAMPAIGN_STEPS:-}" ] && [[ "$only" != *" $name "* ]]; then continue; fi
   left=$(( deadline - $(date +%s) ))
-  if [ "$left" -lt 30 ]; then echo "== out of time before $name"; break; fi
+  if [ "$left" -lt "${need[$name]:-30}" ]; then
+    echo "== out of time before $name ($left s left, it needs about ${need[$name]:-30})"
+    break
+  fi
   if [[ "$args" == py:* ]]; then
     echo "== $name ($left s left): python3 ${args#py:}"
   elif [[ "$args" == sh:* ]]; then
