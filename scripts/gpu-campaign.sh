@@ -66,7 +66,7 @@ steps=(
 # its time on a step the limit then kills (sweeps resume by cell and start whenever
 # 30 s are left).
 declare -A need=(
-  [verify-smollm2]=60 [verify-llama]=75 [profile-decode]=200
+  [verify-smollm2]=60 [verify-llama]=75 [profile-decode]=240
   [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
 )
 

@@ -232,13 +232,26 @@ pub struct Layer {
     pub ffn_norm: Tensor,
 }
 
-/// One layer's fused projections: Q, K and V as one `[q + 2 kv, hidden]` matrix, gate
-/// and up as one `[2 ff, hidden]`. The layer's own `wq`, `wk`, `wv`, `gate` and `up`
-/// are views into them, so nothing is held twice.
+/// One layer's fused projections: K and V as one `[2, kv, hidden]` matrix, gate and up
+/// as one `[2, ff, hidden]`, each run as one batched product whose two outputs are
+/// contiguous (`pair_product`). The layer's own `wk`, `wv`, `gate` and `up` are views
+/// into them, so nothing is held twice; Q keeps its own matrix.
 #[derive(Debug, Clone)]
 struct Fused {
-    qkv: Tensor,
+    kv: Tensor,
     gate_up: Tensor,
+}
+
+/// `x·W₀ᵀ` and `x·W₁ᵀ` for the two halves of a `[2, n, k]` matrix as one batched
+/// product: `x` (`[t, k]`) is broadcast over the pair without a copy, and each output
+/// (`[t, n]`) is contiguous. One `[t, 2n]` product would leave both as column ranges,
+/// so every elementwise operation after it (copies, `silu`, the product) would run
+/// candle's strided kernels; on the H100 that made a 1,024-token prefill 25 % slower
+/// (results/baselines/h100/NOTES.md).
+fn pair_product(x: &Tensor, w: &Tensor) -> Result<[Tensor; 2]> {
+    let (t, k) = x.dims2()?;
+    let y = x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?;
+    Ok([y.get(0)?, y.get(1)?])
 }
 
 #[derive(Debug, Clone)]
@@ -436,12 +449,14 @@ impl Llama {
         }
     }
 
-    /// Q, K and V, and gate and up, each concatenated into one matrix per layer, as
-    /// vLLM's merged linear layers: one product (one weight pass, one launch) instead
-    /// of three and two, which matters most at small batch, where each product is a
+    /// K and V, and gate and up, each stacked into one matrix per layer and run as one
+    /// batched product, in the spirit of vLLM's merged linear layers: one launch
+    /// instead of two, which matters most at small batch, where each product is a
     /// matrix-vector pass and the small K and V matrices read well below the memory's
-    /// rate. The separate matrices become views into the fused ones. A model with any
-    /// quantized projection is returned unfused.
+    /// rate. Q stays a product of its own: stacked with K and V (unequal halves) its
+    /// output could only be split into strided column ranges. The separate matrices
+    /// become views into the fused ones. A model with any quantized projection among
+    /// the four is returned unfused.
     pub fn fuse_projections(mut self) -> Result<Self> {
         if self.fused.is_some() {
             return Ok(self);
@@ -450,19 +465,12 @@ impl Llama {
             Linear::Dense(w) => Some(w.clone()),
             Linear::Quantized { .. } => None,
         };
-        // Every layer's five matrices (handles, no copy), or None if any is quantized.
+        // Every layer's four fused matrices (handles, no copy), or None if any is
+        // quantized.
         let Some(parts) = self
             .layers
             .iter()
-            .map(|l| {
-                Some([
-                    dense(&l.wq)?,
-                    dense(&l.wk)?,
-                    dense(&l.wv)?,
-                    dense(&l.gate)?,
-                    dense(&l.up)?,
-                ])
-            })
+            .map(|l| Some([dense(&l.wk)?, dense(&l.wv)?, dense(&l.gate)?, dense(&l.up)?]))
             .collect::<Option<Vec<_>>>()
         else {
             return Ok(self);
@@ -471,17 +479,15 @@ impl Llama {
         // matrices of one layer are freed before the next: the load holds one layer's
         // projections twice at most.
         let mut fused = Vec::with_capacity(self.layers.len());
-        for (l, [q, k, v, g, u]) in self.layers.iter_mut().zip(parts) {
-            let (nq, nk, ff) = (q.dim(0)?, k.dim(0)?, g.dim(0)?);
+        for (l, [k, v, g, u]) in self.layers.iter_mut().zip(parts) {
             let f = Fused {
-                qkv: Tensor::cat(&[&q, &k, &v], 0)?,
-                gate_up: Tensor::cat(&[&g, &u], 0)?,
+                kv: Tensor::stack(&[&k, &v], 0)?,
+                gate_up: Tensor::stack(&[&g, &u], 0)?,
             };
-            l.wq = Linear::Dense(f.qkv.narrow(0, 0, nq)?);
-            l.wk = Linear::Dense(f.qkv.narrow(0, nq, nk)?);
-            l.wv = Linear::Dense(f.qkv.narrow(0, nq + nk, nk)?);
-            l.gate = Linear::Dense(f.gate_up.narrow(0, 0, ff)?);
-            l.up = Linear::Dense(f.gate_up.narrow(0, ff, ff)?);
+            l.wk = Linear::Dense(f.kv.get(0)?);
+            l.wv = Linear::Dense(f.kv.get(1)?);
+            l.gate = Linear::Dense(f.gate_up.get(0)?);
+            l.up = Linear::Dense(f.gate_up.get(1)?);
             fused.push(f);
         }
         self.fused = Some(fused);
@@ -641,16 +647,9 @@ impl Llama {
             let fused = self.fused.as_ref().map(|f| &f[li]);
             let h = candle_nn::ops::rms_norm(&x, &l.attn_norm, eps)?;
             let [q_raw, k_raw, v] = match fused {
-                // Column ranges of one product (views; reshape copies them when the
-                // rows are not contiguous).
                 Some(f) => {
-                    let y = h.matmul(&f.qkv.t()?)?;
-                    let (nq, nk) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-                    [
-                        y.narrow(1, 0, nq)?,
-                        y.narrow(1, nq, nk)?,
-                        y.narrow(1, nq + nk, nk)?,
-                    ]
+                    let [k, v] = pair_product(&h, &f.kv)?;
+                    [l.wq.forward(&h)?, k, v]
                 }
                 None => Linear::forward_many([&l.wq, &l.wk, &l.wv], &h)?,
             };
@@ -674,11 +673,7 @@ impl Llama {
             x = (x + a)?;
             let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
             let [gate, up] = match fused {
-                Some(f) => {
-                    let y = h.matmul(&f.gate_up.t()?)?;
-                    let ff = c.intermediate_size;
-                    [y.narrow(1, 0, ff)?, y.narrow(1, ff, ff)?]
-                }
+                Some(f) => pair_product(&h, &f.gate_up)?,
                 None => Linear::forward_many([&l.gate, &l.up], &h)?,
             };
             let m = l.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
@@ -724,11 +719,11 @@ impl Rope for Llama {
 mod tests {
     use super::*;
 
-    /// Fused Q/K/V and gate/up products give the separate products' logits (within f32
+    /// Fused K/V and gate/up products give the separate products' logits (within f32
     /// and bf16 rounding: another matmul shape sums in another order) for one token and
-    /// several (whose column ranges are not contiguous), hold no extra bytes, keep the
-    /// separate matrices as views of the fused ones, and survive the move into one
-    /// buffer. On the CPU the loader leaves models unfused (`with_fused_projections`).
+    /// several, hold no extra bytes, keep the separate matrices as views of the fused
+    /// ones, and survive the move into one buffer. On the CPU the loader leaves models
+    /// unfused (`with_fused_projections`).
     #[test]
     fn fused_projections_keep_the_logits() {
         use crate::model::load::load_preset;
@@ -739,12 +734,12 @@ mod tests {
             let f = m.clone().fuse_projections().unwrap();
             assert!(f.projections_fused());
             assert_eq!(f.weights_bytes(), m.weights_bytes());
-            let Linear::Dense(wk) = &f.layers[1].wk else {
+            let Linear::Dense(wv) = &f.layers[1].wv else {
                 panic!("dense")
             };
             assert!(
-                wk.layout().start_offset() > 0,
-                "wk is a view of the fused matrix"
+                wv.layout().start_offset() > 0,
+                "wv is a view of the fused matrix"
             );
             // Each view is the matrix it replaced.
             let dense = |l: &Layer| {
@@ -783,6 +778,29 @@ mod tests {
                 .max_all()
                 .unwrap();
             assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        }
+    }
+
+    /// Both outputs of the batched pair product are contiguous (so the elementwise
+    /// operations after it take candle's contiguous kernels) and equal the two
+    /// separate products, at one row and at several.
+    #[test]
+    fn pair_product_gives_two_contiguous_products() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (2, 6, 5), &dev).unwrap();
+        for t in [1, 7] {
+            let x = Tensor::randn(0f32, 1.0, (t, 5), &dev).unwrap();
+            let [a, b] = pair_product(&x, &w).unwrap();
+            for (i, y) in [a, b].into_iter().enumerate() {
+                assert!(y.is_contiguous(), "output {i} at {t} rows");
+                assert_eq!(y.dims(), &[t, 6]);
+                let want = x.matmul(&w.get(i).unwrap().t().unwrap()).unwrap();
+                let d = (y - want).unwrap().abs().unwrap().max_all().unwrap();
+                assert!(
+                    d.to_scalar::<f32>().unwrap() <= 1e-5,
+                    "output {i} at {t} rows"
+                );
+            }
         }
     }
 
