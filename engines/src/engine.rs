@@ -579,6 +579,11 @@ impl Engine {
         self.ledger.release(Component::Activations, act);
         let logits = logits.map_err(|e| self.name_oom(e))?;
         self.policy.end_step(&batch)?;
+        let launch_s = self
+            .model
+            .device()
+            .is_cuda()
+            .then(|| t1.elapsed().as_secs_f64());
         // A GPU runs the step asynchronously: wait for it so the forward's time is its
         // own and not the sampling's (a no-op on the CPU).
         self.model.device().synchronize()?;
@@ -681,6 +686,7 @@ impl Engine {
             schedule_s,
             compute_s: (forward_s - stats.cache_ops_s).max(0.0),
             cache_ops_s: stats.cache_ops_s,
+            launch_s,
             sample_s,
             h2d_bytes: stats.h2d_bytes,
             d2h_bytes: stats.d2h_bytes,

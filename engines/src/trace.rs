@@ -27,6 +27,12 @@ pub struct StepTrace {
     pub schedule_s: f64,
     pub compute_s: f64,
     pub cache_ops_s: f64,
+    /// On a GPU: the host's time to issue the forward (until its last launch
+    /// returned), before waiting for the device. Near `compute_s + cache_ops_s` when
+    /// the host sets the step's pace (or the forward waits on the device inside it),
+    /// well under it when the device does: whether CUDA graphs can help. `None` on the
+    /// CPU, where every kernel has run when it returns.
+    pub launch_s: Option<f64>,
     pub sample_s: f64,
     pub h2d_bytes: u64,
     pub d2h_bytes: u64,

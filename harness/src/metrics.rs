@@ -288,6 +288,7 @@ mod tests {
             schedule_s: 0.0,
             compute_s: compute,
             cache_ops_s: cache,
+            launch_s: None,
             sample_s: 0.0,
             h2d_bytes: 0,
             d2h_bytes: 0,

@@ -325,6 +325,8 @@ impl<'a> SimEngine<'a> {
             schedule_s: 0.0,
             compute_s: seconds,
             cache_ops_s: 0.0,
+            // The host's share is not modelled apart.
+            launch_s: None,
             sample_s: 0.0,
             h2d_bytes: cost.h2d as u64,
             d2h_bytes: cost.d2h as u64,
