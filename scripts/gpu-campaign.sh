@@ -53,6 +53,7 @@ steps=(
   "paradigms-batch32|run experiments/gpu/paradigms-batch32.yaml --results \$RES"
   "fused-on|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/on"
   "fused-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/off|KVBENCH_FUSED_PROJECTIONS=0"
+  "fused-kernels-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/kernels-off|KVBENCH_FUSED_KERNELS=0"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"

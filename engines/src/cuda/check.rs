@@ -303,6 +303,73 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         out.extend(infinigen_checks(dev, &mut rng, h, kvh, d, bs)?);
         out.extend(rolling_check(dev, &mut rng, h, kvh, d, bs)?);
     }
+    out.extend(fused_elementwise_checks(dev, &mut rng)?);
+    Ok(out)
+}
+
+/// The fused elementwise kernels of a layer (`silu_mul`, `add_rms_norm`) against f64,
+/// at SmolLM2's and Llama-3.1-8B's widths, one row and several.
+fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
+    let mut out = Vec::new();
+    for &(hidden, ff) in &[(576usize, 1536usize), (4096, 14336)] {
+        for rows in [1usize, 3, 17] {
+            let gu = rand_bf16(rng, 2 * rows * ff, 4.0);
+            let reference: Vec<f64> = (0..rows * ff)
+                .map(|i| {
+                    let (g, u) = (gu[i] as f64, gu[rows * ff + i] as f64);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect();
+            let got = super::silu_mul(&upload(&gu, &[2, rows, ff], dev)?)?.ok_or_else(|| {
+                crate::error::Error::Config("silu_mul refused a [2, t, ff] bf16 tensor".into())
+            })?;
+            out.push(bf16_check(
+                "silu_mul",
+                format!("{rows} rows x ff {ff}"),
+                rel_err(&download(&got)?, &reference),
+            ));
+
+            let eps = 1e-5f32;
+            let (x, a) = (
+                rand_bf16(rng, rows * hidden, 2.0),
+                rand_bf16(rng, rows * hidden, 2.0),
+            );
+            let w = rand_bf16(rng, hidden, 1.0);
+            // The sum as the kernel stores it (bf16), then the norm over that, in f64.
+            let sum: Vec<f64> = x
+                .iter()
+                .zip(&a)
+                .map(|(&p, &q)| bf16::from_f32(p + q).to_f64())
+                .collect();
+            let mut normed = Vec::with_capacity(rows * hidden);
+            for r in sum.chunks(hidden) {
+                let ms = r.iter().map(|v| v * v).sum::<f64>() / hidden as f64;
+                let inv = 1.0 / (ms + eps as f64).sqrt();
+                normed.extend(r.iter().zip(&w).map(|(v, &g)| v * inv * g as f64));
+            }
+            let (xo, h) = super::add_rms_norm(
+                &upload(&x, &[rows, hidden], dev)?,
+                &upload(&a, &[rows, hidden], dev)?,
+                &upload(&w, &[hidden], dev)?,
+                eps,
+            )?
+            .ok_or_else(|| {
+                crate::error::Error::Config("add_rms_norm refused [t, hidden] bf16 rows".into())
+            })?;
+            let case = format!("{rows} rows x hidden {hidden}");
+            out.push(bf16_check(
+                "add_rms_norm (sum)",
+                case.clone(),
+                rel_err(&download(&xo)?, &sum),
+            ));
+            out.push(bf16_check(
+                "add_rms_norm (norm)",
+                case,
+                rel_err(&download(&h)?, &normed),
+            ));
+        }
+    }
+    synchronize(&device_of(dev)?)?;
     Ok(out)
 }
 

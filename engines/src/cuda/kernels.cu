@@ -1723,3 +1723,97 @@ extern "C" __global__ void ig_stage_own(const __nv_bfloat16* __restrict__ k,
     copy_bf16(k_stage + dst, k + src, row_elems, threadIdx.x, blockDim.x);
     copy_bf16(v_stage + dst, v + src, row_elems, threadIdx.x, blockDim.x);
 }
+
+// ---- Fused elementwise work of a layer (one launch where candle takes two) ----
+
+// SwiGLU's elementwise part on the batched gate/up product: gu holds gate then up,
+// n elements each (n = rows * ff); out[i] = silu(gate[i]) * up[i] in f32, rounded
+// once. Eight elements per thread-iteration (16-byte loads): n % 8 == 0 and gu, out
+// 16-byte aligned (the caller checks). Grid-stride, any grid.
+extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* __restrict__ gu,
+                                         __nv_bfloat16* __restrict__ out, int64_t n) {
+    const int64_t n8 = n / 8;
+    const uint4* g = reinterpret_cast<const uint4*>(gu);
+    const uint4* u = reinterpret_cast<const uint4*>(gu + n);
+    uint4* o = reinterpret_cast<uint4*>(out);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const uint4 a = g[i], b = u[i];
+        uint4 r;
+        const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+        const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+        __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float2 x = __bfloat1622float2(a2[j]);
+            const float2 y = __bfloat1622float2(b2[j]);
+            x.x = x.x / (1.f + __expf(-x.x)) * y.x;
+            x.y = x.y / (1.f + __expf(-x.y)) * y.y;
+            r2[j] = __float22bfloat162_rn(x);
+        }
+        o[i] = r;
+    }
+}
+
+// The residual add and the next RMSNorm of one row per block: x_out = x + a (rounded
+// to bf16, as the separate add), h = x_out * rsqrt(mean(x_out^2) + eps) * w (f32,
+// rounded once). hidden % 8 == 0, 16-byte aligned rows; blockDim a multiple of 32, at
+// most 1024.
+extern "C" __global__ void add_rms_norm_bf16(const __nv_bfloat16* __restrict__ x,
+                                             const __nv_bfloat16* __restrict__ a,
+                                             const __nv_bfloat16* __restrict__ w,
+                                             __nv_bfloat16* __restrict__ x_out,
+                                             __nv_bfloat16* __restrict__ h, int hidden,
+                                             float eps) {
+    __shared__ float partial[32];
+    const int64_t row = (int64_t)blockIdx.x * hidden;
+    const int n8 = hidden / 8;
+    const uint4* xv = reinterpret_cast<const uint4*>(x + row);
+    const uint4* av = reinterpret_cast<const uint4*>(a + row);
+    uint4* xo = reinterpret_cast<uint4*>(x_out + row);
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+        const uint4 p = xv[i], q = av[i];
+        uint4 r;
+        const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&p);
+        const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&q);
+        __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 s = __bfloat1622float2(p2[j]);
+            const float2 t = __bfloat1622float2(q2[j]);
+            r2[j] = __float22bfloat162_rn(make_float2(s.x + t.x, s.y + t.y));
+            const float2 y = __bfloat1622float2(r2[j]);  // the rounded sum, as stored
+            ss += y.x * y.x + y.y * y.y;
+        }
+        xo[i] = r;
+    }
+    ss = warp_sum(ss);
+    if ((threadIdx.x & (WARP - 1)) == 0) partial[threadIdx.x / WARP] = ss;
+    __syncthreads();
+    if (threadIdx.x < WARP) {
+        const int warps = blockDim.x / WARP;
+        float v = threadIdx.x < warps ? partial[threadIdx.x] : 0.f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = rsqrtf(v / hidden + eps);
+    }
+    __syncthreads();
+    const float inv = partial[0];
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    uint4* hv = reinterpret_cast<uint4*>(h + row);
+    // Each thread reads back only the chunks it wrote above.
+    for (int i = threadIdx.x; i < n8; i += blockDim.x) {
+        const uint4 p = xo[i], q = wv[i];
+        uint4 r;
+        const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&p);
+        const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&q);
+        __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float2 s = __bfloat1622float2(p2[j]);
+            const float2 t = __bfloat1622float2(q2[j]);
+            r2[j] = __float22bfloat162_rn(make_float2(s.x * inv * t.x, s.y * inv * t.y));
+        }
+        hv[i] = r;
+    }
+}

@@ -131,6 +131,115 @@ pub fn tensor_from<S: Into<Shape>>(dev: &CudaDevice, s: CudaSlice<bf16>, shape: 
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
+/// Whether a contiguous bf16 tensor's elements start on a 16-byte boundary (the fused
+/// kernels' vector loads).
+fn aligned16(l: &Layout) -> bool {
+    l.start_offset().is_multiple_of(8)
+}
+
+/// SwiGLU's product on the batched gate/up output (`[2, t, ff]` bf16, contiguous, gate
+/// first): `silu(gate) · up` as `[t, ff]`, in one kernel where candle takes two (and
+/// an intermediate). `None` where the kernel does not apply (ff not a multiple of 8,
+/// an unaligned start): the caller takes candle's path.
+pub fn silu_mul(gu: &Tensor) -> Result<Option<Tensor>> {
+    let (two, t, ff) = gu.dims3()?;
+    if two != 2 || gu.dtype() != DType::BF16 || !gu.is_contiguous() || !ff.is_multiple_of(8) {
+        return Ok(None);
+    }
+    let dev = device_of(gu.device())?;
+    let n = t * ff;
+    if n == 0 {
+        return Ok(None);
+    }
+    let (gs, gl) = gu.storage_and_layout();
+    if !aligned16(gl) {
+        return Ok(None);
+    }
+    let g = view(&gs, gl, "silu_mul gate/up")?;
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(n)? };
+    let f = dev.get_or_load_custom_func("silu_mul_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    let n64 = n as i64;
+    b.arg(&g).arg(&mut out).arg(&n64);
+    let threads = 256u32;
+    let blocks = (n / 8).div_ceil(threads as usize).clamp(1, 132 * 16) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop(gs);
+    Ok(Some(tensor_from(&dev, out, (t, ff))))
+}
+
+/// The residual add and the RMSNorm after it, for every row in one kernel where candle
+/// takes two: `(x + a, rms_norm(x + a) · w)`, both `[t, hidden]` bf16 (the sum rounded
+/// to bf16 before the norm, as the separate add leaves it). `None` where the kernel
+/// does not apply (hidden not a multiple of 8, other dtypes or layouts).
+pub fn add_rms_norm(
+    x: &Tensor,
+    a: &Tensor,
+    w: &Tensor,
+    eps: f32,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (t, hidden) = x.dims2()?;
+    let usable = |u: &Tensor| u.dtype() == DType::BF16 && u.is_contiguous();
+    if a.dims() != x.dims()
+        || w.dims() != [hidden]
+        || !usable(x)
+        || !usable(a)
+        || !usable(w)
+        || !hidden.is_multiple_of(8)
+        || t == 0
+    {
+        return Ok(None);
+    }
+    let dev = device_of(x.device())?;
+    let (xs, xl) = x.storage_and_layout();
+    let (as_, al) = a.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    if !(aligned16(xl) && aligned16(al) && aligned16(wl)) {
+        return Ok(None);
+    }
+    let (xv, av, wv) = (
+        view(&xs, xl, "add_rms_norm x")?,
+        view(&as_, al, "add_rms_norm residual")?,
+        view(&ws, wl, "add_rms_norm weight")?,
+    );
+    // SAFETY: the kernel writes every element of both.
+    let (mut xo, mut h) = unsafe {
+        (
+            dev.alloc::<bf16>(t * hidden)?,
+            dev.alloc::<bf16>(t * hidden)?,
+        )
+    };
+    let f = dev.get_or_load_custom_func("add_rms_norm_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    let hid = as_i32(hidden, "hidden size")?;
+    b.arg(&xv)
+        .arg(&av)
+        .arg(&wv)
+        .arg(&mut xo)
+        .arg(&mut h)
+        .arg(&hid)
+        .arg(&eps);
+    // One row per block, a thread per 16-byte chunk up to 1,024 (4,096: 512 threads).
+    let threads = ((hidden / 8).div_ceil(32) * 32).clamp(32, 1024) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop((xs, as_, ws));
+    Ok(Some((
+        tensor_from(&dev, xo, (t, hidden)),
+        tensor_from(&dev, h, (t, hidden)),
+    )))
+}
+
 pub(crate) fn upload_i32(dev: &CudaDevice, v: &[i32]) -> Result<CudaSlice<i32>> {
     Ok(dev.cuda_stream().clone_htod(v).w()?)
 }

@@ -248,10 +248,10 @@ struct Fused {
 /// so every elementwise operation after it (copies, `silu`, the product) would run
 /// candle's strided kernels; on the H100 that made a 1,024-token prefill 25 % slower
 /// (results/baselines/h100/NOTES.md).
-fn pair_product(x: &Tensor, w: &Tensor) -> Result<[Tensor; 2]> {
+/// Returns `[2, t, n]`: its two halves (`get(0)`, `get(1)`) are the products.
+fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (t, k) = x.dims2()?;
-    let y = x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?;
-    Ok([y.get(0)?, y.get(1)?])
+    Ok(x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?)
 }
 
 #[derive(Debug, Clone)]
@@ -265,6 +265,9 @@ pub struct Llama {
     /// Per layer, the projections that share an input as one matrix each (see
     /// [`Llama::with_fused_projections`]); `None` when they run one by one.
     fused: Option<Vec<Fused>>,
+    /// The layer's elementwise work in fused CUDA kernels (residual add + RMSNorm,
+    /// SwiGLU's product; see [`Llama::with_fused_kernels`]).
+    fused_kernels: bool,
     inv_freq: Vec<f32>,
     device: Device,
 }
@@ -288,6 +291,7 @@ impl Llama {
             norm,
             lm_head,
             fused: None,
+            fused_kernels: false,
             inv_freq,
             device,
         }
@@ -353,6 +357,7 @@ impl Llama {
             norm,
             lm_head,
             fused,
+            fused_kernels,
             inv_freq,
             device,
         } = self;
@@ -419,6 +424,7 @@ impl Llama {
             norm,
             lm_head,
             fused: None,
+            fused_kernels,
             inv_freq,
             device,
         };
@@ -497,6 +503,61 @@ impl Llama {
     /// Whether the projections that share an input run as one product each.
     pub fn projections_fused(&self) -> bool {
         self.fused.is_some()
+    }
+
+    /// On CUDA with bf16 weights, the layer's elementwise work in fused kernels: the
+    /// residual add with the RMSNorm after it, and SwiGLU's `silu(gate) · up` on the
+    /// batched gate/up product (`cuda::add_rms_norm`, `cuda::silu_mul`): three launches
+    /// fewer per layer, each checked against an f64 reference by `kvbench verify`.
+    /// `KVBENCH_FUSED_KERNELS=0` keeps candle's operations (the fallback, and the
+    /// "before" of a comparison in one sitting). Elsewhere the model is returned as it
+    /// is.
+    pub fn with_fused_kernels(mut self) -> Self {
+        self.fused_kernels = cfg!(feature = "cuda")
+            && self.device.is_cuda()
+            && self.weight_dtype.compute() == DType::BF16
+            && std::env::var("KVBENCH_FUSED_KERNELS").as_deref() != Ok("0");
+        self
+    }
+
+    /// Whether the layer's elementwise work runs in fused kernels.
+    pub fn kernels_fused(&self) -> bool {
+        self.fused_kernels
+    }
+
+    /// `x + r` (when given) and the RMSNorm of it: one CUDA kernel with fused kernels
+    /// on, candle's two operations otherwise.
+    fn add_norm(
+        &self,
+        x: Tensor,
+        r: Option<&Tensor>,
+        w: &Tensor,
+        eps: f32,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if let (true, Some(r)) = (self.fused_kernels, r) {
+            if let Some(pair) = crate::cuda::add_rms_norm(&x, r, w, eps)? {
+                return Ok(pair);
+            }
+        }
+        let x = match r {
+            Some(r) => (x + r)?,
+            None => x,
+        };
+        let h = candle_nn::ops::rms_norm(&x, w, eps)?;
+        Ok((x, h))
+    }
+
+    /// `silu(gate) · up` from the batched gate/up product (`[2, t, ff]`): one CUDA
+    /// kernel with fused kernels on, candle's two operations otherwise.
+    fn swiglu_pair(&self, y: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.fused_kernels {
+            if let Some(m) = crate::cuda::silu_mul(y)? {
+                return Ok(m);
+            }
+        }
+        Ok((candle_nn::ops::silu(&y.get(0)?)? * y.get(1)?)?)
     }
 
     /// The same weights with the projections run one by one (the layers' matrices are
@@ -643,13 +704,17 @@ impl Llama {
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?;
         let (cos, sin) = self.rope_tables(positions)?;
+        // The previous layer's MLP output, added to the residual together with the
+        // next norm (one kernel where `add_norm` fuses them).
+        let mut pending: Option<Tensor> = None;
         for (li, l) in self.layers.iter().enumerate() {
             let fused = self.fused.as_ref().map(|f| &f[li]);
-            let h = candle_nn::ops::rms_norm(&x, &l.attn_norm, eps)?;
+            let (xn, h) = self.add_norm(x, pending.take().as_ref(), &l.attn_norm, eps)?;
+            x = xn;
             let [q_raw, k_raw, v] = match fused {
                 Some(f) => {
-                    let [k, v] = pair_product(&h, &f.kv)?;
-                    [l.wq.forward(&h)?, k, v]
+                    let y = pair_product(&h, &f.kv)?;
+                    [l.wq.forward(&h)?, y.get(0)?, y.get(1)?]
                 }
                 None => Linear::forward_many([&l.wq, &l.wk, &l.wv], &h)?,
             };
@@ -670,19 +735,24 @@ impl Llama {
                 rope: self,
             })?;
             let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
-            x = (x + a)?;
-            let h = candle_nn::ops::rms_norm(&x, &l.ffn_norm, eps)?;
-            let [gate, up] = match fused {
-                Some(f) => pair_product(&h, &f.gate_up)?,
-                None => Linear::forward_many([&l.gate, &l.up], &h)?,
+            let (xn, h) = self.add_norm(x, Some(&a), &l.ffn_norm, eps)?;
+            x = xn;
+            let act = match fused {
+                Some(f) => self.swiglu_pair(&pair_product(&h, &f.gate_up)?)?,
+                None => {
+                    let [gate, up] = Linear::forward_many([&l.gate, &l.up], &h)?;
+                    (candle_nn::ops::silu(&gate)? * up)?
+                }
             };
-            let m = l.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)?;
-            x = (x + m)?;
+            pending = Some(l.down.forward(&act)?);
         }
         if sample_rows.is_empty() {
             // No logits this step (a prompt chunk that does not end its prompt). A CUDA
             // device cannot allocate an empty buffer, so the empty result lives on the CPU.
             return Ok(Tensor::zeros((0, c.vocab_size), DType::F32, &Device::Cpu)?);
+        }
+        if let Some(m) = pending {
+            x = (x + m)?;
         }
         let rows = Tensor::new(sample_rows, &self.device)?;
         let x = x.index_select(&rows, 0)?;
@@ -731,6 +801,10 @@ mod tests {
             let cfg = crate::config::preset("tiny").unwrap();
             let m = load_preset(cfg, wd, 11, &Device::Cpu).unwrap();
             assert!(!m.projections_fused(), "the CPU loader does not fuse");
+            assert!(
+                !m.clone().with_fused_kernels().kernels_fused(),
+                "the fused kernels are CUDA's"
+            );
             let f = m.clone().fuse_projections().unwrap();
             assert!(f.projections_fused());
             assert_eq!(f.weights_bytes(), m.weights_bytes());
@@ -790,8 +864,11 @@ mod tests {
         let w = Tensor::randn(0f32, 1.0, (2, 6, 5), &dev).unwrap();
         for t in [1, 7] {
             let x = Tensor::randn(0f32, 1.0, (t, 5), &dev).unwrap();
-            let [a, b] = pair_product(&x, &w).unwrap();
-            for (i, y) in [a, b].into_iter().enumerate() {
+            let y = pair_product(&x, &w).unwrap();
+            for (i, y) in [y.get(0).unwrap(), y.get(1).unwrap()]
+                .into_iter()
+                .enumerate()
+            {
                 assert!(y.is_contiguous(), "output {i} at {t} rows");
                 assert_eq!(y.dims(), &[t, 6]);
                 let want = x.matmul(&w.get(i).unwrap().t().unwrap()).unwrap();
