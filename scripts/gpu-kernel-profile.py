@@ -2,7 +2,7 @@
 """Kernels per decode step from an Nsight Compute CSV of two runs that differ only in
 their number of decode steps.
 
-    python3 scripts/gpu-kernel-profile.py NCU.csv --pairs LABEL:STEPS ... [--json OUT]
+    python3 scripts/gpu-kernel-profile.py NCU.csv --pairs LABEL:STEPS ... [--cells DIR] [--json OUT]
 
 NCU.csv: `ncu --target-processes all --metrics gpu__time_duration.sum --csv --page raw
 --print-units base --log-file NCU.csv kvbench run ...` over a sweep whose cells run one
@@ -16,8 +16,12 @@ Standard library only (the GPU machine's python3 is enough).
 """
 import argparse
 import csv
+import glob
+import gzip
 import io
 import json
+import os
+import statistics
 import sys
 from collections import OrderedDict, defaultdict
 
@@ -121,12 +125,46 @@ def one_step(short, long, steps):
     }
 
 
+def step_times(cells_dir):
+    """Per batch size, the medians over the decode steps of the cells recorded in
+    CELLS_DIR (kvbench's cell files, plain or gzip JSON): the step's forward time
+    (`compute_s + cache_ops_s`) and the host's launch time (`launch_s`, None where the
+    build did not record it)."""
+    by_batch = {}
+    for path in sorted(glob.glob(os.path.join(cells_dir, "*.json*"))):
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            cell = json.load(f)
+        if cell.get("outcome") != "ok":
+            continue
+        b = by_batch.setdefault(cell["cell"]["batch"], {"forward": [], "launch": []})
+        for st in cell.get("steps", []):
+            if st.get("kind") != "decode":
+                continue
+            b["forward"].append(st["compute_s"] + st["cache_ops_s"])
+            if st.get("launch_s") is not None:
+                b["launch"].append(st["launch_s"])
+    return {
+        batch: {
+            "forward_ms": 1e3 * statistics.median(v["forward"]) if v["forward"] else None,
+            "launch_ms": 1e3 * statistics.median(v["launch"]) if v["launch"] else None,
+            "steps": len(v["forward"]),
+        }
+        for batch, v in by_batch.items()
+    }
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv")
     ap.add_argument("--pairs", nargs="+", required=True, metavar="LABEL:STEPS")
     ap.add_argument("--json", help="write the per-step summary here")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument(
+        "--cells",
+        help="cells of the plain run (LABEL 'batch N' is matched to batch N): each pair's "
+        "time in kernels beside the step's forward time and the host's launch time",
+    )
     a = ap.parse_args()
     pairs = []
     for p in a.pairs:
@@ -142,6 +180,7 @@ def main():
             f"expected {2 * len(pairs)} for {len(pairs)} pairs"
         )
     result = {"source": "Nsight Compute gpu__time_duration.sum", "pairs": []}
+    plain = step_times(a.cells) if a.cells else {}
     for i, (label, steps) in enumerate(pairs):
         (pid_a, short), (pid_b, long) = procs[2 * i], procs[2 * i + 1]
         s = one_step(short, long, steps)
@@ -152,6 +191,17 @@ def main():
             f"{s['kernel_us_per_step'] / 1e3:.3f} ms in kernels"
             + (f" (uneven counts: {len(s['uneven_names'])} names)" if s["uneven_names"] else "")
         )
+        words = label.split()
+        t = plain.get(int(words[-1])) if words and words[-1].isdigit() else None
+        if t and t["forward_ms"]:
+            kernel_ms = s["kernel_us_per_step"] / 1e3
+            s["plain_run"] = t
+            launch = f"{t['launch_ms']:.3f} ms" if t["launch_ms"] is not None else "not recorded"
+            print(
+                f"  plain run ({t['steps']} decode steps): forward {t['forward_ms']:.3f} ms, "
+                f"host launch {launch}; in kernels {100 * kernel_ms / t['forward_ms']:.0f} % "
+                f"of the forward, gaps {t['forward_ms'] - kernel_ms:.3f} ms"
+            )
         for r in s["by_kernel"][: a.top]:
             print(f"  {r['us']:9.1f} us {100 * (r['share'] or 0):5.1f} %  {r['launches']:7.2f} x  {r['kernel'][:100]}")
     if a.json:

@@ -61,7 +61,7 @@ pairs=()
 if [ "${#pairs[@]}" -gt 0 ]; then
   set +e
   python3 scripts/gpu-kernel-profile.py "$tmp/ncu.csv" --pairs "${pairs[@]}" \
-    --json "$out/kernels.json" > "$out/kernels.txt" 2>&1
+    --cells "$out/gpu-profile-decode/cells" --json "$out/kernels.json" > "$out/kernels.txt" 2>&1
   prc=$?
   set -e
   [ "$prc" = 0 ] || rc=$prc
