@@ -1,8 +1,18 @@
 //! With the `cuda` feature: compile `src/cuda/kernels.cu` to PTX for sm_90 with `nvcc`
-//! from PATH (see scripts/build-cuda.sh). Without the feature this does nothing.
+//! from PATH (see scripts/build-cuda.sh). With `flash-attn` too: compile the vendored
+//! FlashAttention-2 kernels (`vendor/flash-attn`, CUTLASS's headers from
+//! `KVBENCH_CUTLASS_DIR`) into a static library, cached by the hash of its sources and
+//! flags (minutes of nvcc). Without the features this does nothing.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// The vendored FlashAttention-2 files compiled (the headers are hashed too).
+const FA2_SOURCES: [&str; 3] = [
+    "flash_api.cu",
+    "flash_fwd_hdim128_bf16_sm80.cu",
+    "flash_fwd_hdim128_bf16_causal_sm80.cu",
+];
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
@@ -27,4 +37,112 @@ fn main() {
             "the `cuda` feature needs nvcc on PATH ({e}); scripts/build-cuda.sh installs one"
         ),
     }
+    if std::env::var_os("CARGO_FEATURE_FLASH_ATTN").is_some() {
+        flash_attn(&out, &arch);
+    }
+}
+
+/// FNV-1a over bytes, for the cache key of the compiled library.
+fn fnv(hash: &mut u64, bytes: &[u8]) {
+    for &b in bytes {
+        *hash ^= u64::from(b);
+        *hash = hash.wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+fn flash_attn(out: &Path, arch: &str) {
+    println!("cargo::rerun-if-changed=vendor/flash-attn");
+    println!("cargo::rerun-if-env-changed=KVBENCH_CUTLASS_DIR");
+    let cutlass = std::env::var("KVBENCH_CUTLASS_DIR").unwrap_or_else(|_| {
+        panic!(
+            "the `flash-attn` feature needs CUTLASS's headers: KVBENCH_CUTLASS_DIR names a \
+             directory holding include/cute and include/cutlass (scripts/build-cuda.sh \
+             fetches them)"
+        )
+    });
+    let include = Path::new(&cutlass).join("include");
+    assert!(
+        include.join("cute").is_dir(),
+        "KVBENCH_CUTLASS_DIR={cutlass} has no include/cute"
+    );
+    let sm = arch.trim_start_matches("sm_");
+    let flags: Vec<String> = [
+        "-std=c++17",
+        "-O3",
+        "-U__CUDA_NO_HALF_OPERATORS__",
+        "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "-U__CUDA_NO_HALF2_OPERATORS__",
+        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+        "--expt-relaxed-constexpr",
+        "--expt-extended-lambda",
+        "--use_fast_math",
+        "-Xcompiler",
+        "-fPIC",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([
+        format!("-gencode=arch=compute_{sm},code=sm_{sm}"),
+        format!("-I{}", include.display()),
+        "-Ivendor/flash-attn".into(),
+    ])
+    .collect();
+    // The cache key: every vendored file and the flags (not CUTLASS's path: its commit
+    // is pinned by the build script that fetches it).
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    let mut files: Vec<PathBuf> = std::fs::read_dir("vendor/flash-attn")
+        .expect("vendor/flash-attn")
+        .map(|e| e.expect("a directory entry").path())
+        .collect();
+    files.sort();
+    for f in &files {
+        fnv(&mut hash, f.to_string_lossy().as_bytes());
+        fnv(&mut hash, &std::fs::read(f).expect("a vendored file"));
+    }
+    for f in &flags {
+        fnv(&mut hash, f.as_bytes());
+    }
+    let dir = out.join(format!("flash-attn-{hash:016x}"));
+    let lib = dir.join("libkvbench_flash_attn.a");
+    if !lib.exists() {
+        std::fs::create_dir_all(&dir).expect("create the flash-attn build directory");
+        // The kernel files take minutes each: compiled side by side.
+        let objects: Vec<PathBuf> = std::thread::scope(|s| {
+            let jobs: Vec<_> = FA2_SOURCES
+                .iter()
+                .map(|src| {
+                    let (flags, dir) = (&flags, &dir);
+                    s.spawn(move || {
+                        let obj = dir.join(src.replace(".cu", ".o"));
+                        let status = Command::new("nvcc")
+                            .args(flags)
+                            .arg("-c")
+                            .arg(Path::new("vendor/flash-attn").join(src))
+                            .arg("-o")
+                            .arg(&obj)
+                            .status()
+                            .unwrap_or_else(|e| panic!("nvcc for {src}: {e}"));
+                        assert!(status.success(), "nvcc failed ({status}) compiling {src}");
+                        obj
+                    })
+                })
+                .collect();
+            jobs.into_iter()
+                .map(|j| j.join().expect("an nvcc job"))
+                .collect()
+        });
+        let tmp = dir.join("libkvbench_flash_attn.a.tmp");
+        let _ = std::fs::remove_file(&tmp);
+        let status = Command::new("ar")
+            .arg("rcs")
+            .arg(&tmp)
+            .args(&objects)
+            .status()
+            .expect("ar");
+        assert!(status.success(), "ar failed ({status})");
+        std::fs::rename(&tmp, &lib).expect("move the library into place");
+    }
+    println!("cargo::rustc-link-search=native={}", dir.display());
+    println!("cargo::rustc-link-lib=static=kvbench_flash_attn");
+    println!("cargo::rustc-link-lib=dylib=stdc++");
 }

@@ -37,10 +37,33 @@ if [ ! -f "$patch/Cargo.toml" ]; then
   sed -i 's/"dynamic-linking"/"dynamic-loading"/' "$patch/Cargo.toml"
 fi
 
+# CUTLASS's headers for the vendored FlashAttention-2 kernels (engines/vendor/flash-attn),
+# at the commit candle-flash-attn 0.11.1 pins; fetched once (13 MB of headers), or taken
+# from KVBENCH_CUTLASS_DIR.
+cutlass_commit=7d49e6c7e2f8896c47f586706e67e1fb215529dc
+cutlass="${KVBENCH_CUTLASS_DIR:-$HOME/.cache/kvbench/cutlass-${cutlass_commit:0:12}}"
+if [ ! -d "$cutlass/include/cute" ]; then
+  if [ -n "${KVBENCH_CUTLASS_DIR:-}" ]; then
+    echo "KVBENCH_CUTLASS_DIR=$cutlass has no include/cute" >&2
+    exit 1
+  fi
+  echo "== CUTLASS headers ($cutlass_commit) into $cutlass"
+  tmp="$(mktemp -d)"
+  git -C "$tmp" init -q
+  git -C "$tmp" fetch -q --depth 1 https://github.com/NVIDIA/cutlass "$cutlass_commit"
+  git -C "$tmp" checkout -q FETCH_HEAD
+  mkdir -p "$cutlass"
+  cp -r "$tmp/include" "$tmp/LICENSE.txt" "$cutlass/"
+  rm -rf "$tmp"
+fi
+export KVBENCH_CUTLASS_DIR="$cutlass"
+
 # The patch rewrites the lock file's candle-core entry; the repository's copy is kept.
 cp Cargo.lock "$root/Cargo.lock.orig"
 trap 'cp "$root/Cargo.lock.orig" Cargo.lock' EXIT
-cargo build --release -p kvbench --features cuda --target-dir "$root/build" \
+# The first build with flash-attn compiles FlashAttention-2's two kernel files (about 8
+# minutes on 2 cores, 3.8 GB of memory each); later builds reuse them.
+cargo build --release -p kvbench --features flash-attn --target-dir "$root/build" \
   --config "patch.crates-io.candle-core.path=\"$patch\""
 
 bin="$root/build/release/kvbench"

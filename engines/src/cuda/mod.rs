@@ -4,6 +4,8 @@
 //! [`check`] compares every kernel with the CPU reference on random inputs.
 
 pub mod check;
+#[cfg(feature = "flash-attn")]
+pub mod flash_attn;
 
 use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
@@ -878,21 +880,32 @@ pub enum FlashKernel {
     /// WMMA with the scores and the output accumulators in shared memory (earlier
     /// builds; the layout H2O's exact statistics pass shares).
     Wmma,
+    /// FlashAttention-2's own forward kernel (vendored, bf16, head dim 128; the build
+    /// feature `flash-attn`), over K/V gathered contiguous. H2O's statistics pass then
+    /// runs the `Mma` one.
+    Fa2,
 }
 
 impl FlashKernel {
-    /// `Mma`, unless `KVBENCH_FLASH_PREFILL=wmma` asks for the earlier kernel (a
-    /// fallback should the new one fail on a card, and the "before" of a comparison).
-    /// Read once per process.
+    /// `Mma`, unless `KVBENCH_FLASH_PREFILL` asks for `wmma` (the earlier kernel: a
+    /// fallback should the new one fail on a card, and the "before" of a comparison) or
+    /// `fa2` (FlashAttention-2, in builds with the `flash-attn` feature; refused with a
+    /// named error at the first prefill otherwise). Read once per process.
     pub fn chosen() -> Self {
         static CHOSEN: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
-        *CHOSEN.get_or_init(|| {
-            if std::env::var("KVBENCH_FLASH_PREFILL").is_ok_and(|v| v == "wmma") {
-                Self::Wmma
-            } else {
-                Self::Mma
-            }
+        *CHOSEN.get_or_init(|| match std::env::var("KVBENCH_FLASH_PREFILL").as_deref() {
+            Ok("wmma") => Self::Wmma,
+            Ok("fa2") => Self::Fa2,
+            _ => Self::Mma,
         })
+    }
+
+    /// The kernel of H2O's exact statistics pass that goes with this attention kernel.
+    pub fn stats(self) -> Self {
+        match self {
+            Self::Fa2 => Self::Mma,
+            k => k,
+        }
     }
 
     fn smem_bytes(self, d: usize) -> usize {
@@ -900,6 +913,8 @@ impl FlashKernel {
             // Q, then two K and two V tiles, 64 rows of D + 8 bf16 each.
             Self::Mma => 5 * 64 * (d + 8) * 2,
             Self::Wmma => flash_smem_bytes(d),
+            // Launched by FlashAttention's own code.
+            Self::Fa2 => 0,
         }
     }
 }
@@ -942,6 +957,16 @@ pub fn flash_prefill_with(
     kernel: FlashKernel,
 ) -> Result<Tensor> {
     check_bf16(q, "flash_prefill q")?;
+    if kernel == FlashKernel::Fa2 {
+        #[cfg(feature = "flash-attn")]
+        return flash_attn::prefill(cache, q, table, ctx_before, num_kv_heads, block_size, lse);
+        #[cfg(not(feature = "flash-attn"))]
+        return Err(Error::Config(
+            "KVBENCH_FLASH_PREFILL=fa2: this build has no FlashAttention-2 kernels (the \
+             `flash-attn` feature; `just build-cuda` builds them)"
+                .into(),
+        ));
+    }
     let dev = device_of(q.device())?;
     let (t, h, d) = q.dims3()?;
     let name = match (kernel, d) {

@@ -829,6 +829,7 @@ pub fn colsum(
     kernel: FlashKernel,
 ) -> Result<()> {
     let (t, h, d) = q.dims3()?;
+    let kernel = kernel.stats();
     let name = match (kernel, d) {
         (FlashKernel::Mma, 64) => "attn_colsum_mma_d64_bf16",
         (FlashKernel::Mma, 128) => "attn_colsum_mma_d128_bf16",
@@ -846,7 +847,7 @@ pub fn colsum(
     let qv = crate::cuda::view(&qs, ql, "attn_colsum q")?;
     let smem = match kernel {
         // K, then two query tiles, 64 rows of D + 8 bf16 each, and two tiles' lse.
-        FlashKernel::Mma => 3 * 64 * (d + 8) * 2 + 2 * 64 * 4,
+        FlashKernel::Mma | FlashKernel::Fa2 => 3 * 64 * (d + 8) * 2 + 2 * 64 * 4,
         FlashKernel::Wmma => flash_smem_bytes(d),
     };
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
