@@ -94,18 +94,9 @@ pub fn prefill(
             "fa2 prefill: {h} query heads over {num_kv_heads} KV heads"
         )));
     }
+    // (The block count and the log-sum-exp buffer were checked by the caller,
+    // `flash_prefill_with`.)
     let n = ctx_before + t;
-    if n.div_ceil(block_size) > table.len() {
-        return Err(Error::Config(format!(
-            "fa2 prefill: {n} tokens need more than {} blocks",
-            table.len()
-        )));
-    }
-    if lse.as_ref().is_some_and(|l| l.len() < t * h) {
-        return Err(Error::Config(format!(
-            "fa2 prefill: log-sum-exp buffer smaller than {t} rows x {h} heads"
-        )));
-    }
     // The pool's blocks are smaller than FlashAttention's pages: the keys are gathered
     // contiguous first (about a thousandth of the attention's time at 32K).
     let (k, v) = kv_gather(&dev, cache, table, n, block_size, num_kv_heads, d)?;

@@ -1726,6 +1726,21 @@ extern "C" __global__ void ig_stage_own(const __nv_bfloat16* __restrict__ k,
 
 // ---- Fused elementwise work of a layer (one launch where candle takes two) ----
 
+// Eight bf16 (one 16-byte load) as four float pairs, and back (rounded to nearest).
+__device__ __forceinline__ void unpack8(const uint4& v, float2 (&f)[4]) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; j++) f[j] = __bfloat1622float2(p[j]);
+}
+
+__device__ __forceinline__ uint4 pack8(const float2 (&f)[4]) {
+    uint4 v;
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int j = 0; j < 4; j++) p[j] = __float22bfloat162_rn(f[j]);
+    return v;
+}
+
 // SwiGLU's elementwise part on the batched gate/up product: gu holds gate then up,
 // n elements each (n = rows * ff); out[i] = silu(gate[i]) * up[i] in f32, rounded
 // once. Eight elements per thread-iteration (16-byte loads): n % 8 == 0 and gu, out
@@ -1738,20 +1753,15 @@ extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* __restrict__ gu,
     uint4* o = reinterpret_cast<uint4*>(out);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8;
          i += (int64_t)gridDim.x * blockDim.x) {
-        const uint4 a = g[i], b = u[i];
-        uint4 r;
-        const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
-        const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
-        __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+        float2 x[4], y[4];
+        unpack8(g[i], x);
+        unpack8(u[i], y);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            float2 x = __bfloat1622float2(a2[j]);
-            const float2 y = __bfloat1622float2(b2[j]);
-            x.x = x.x / (1.f + __expf(-x.x)) * y.x;
-            x.y = x.y / (1.f + __expf(-x.y)) * y.y;
-            r2[j] = __float22bfloat162_rn(x);
+            x[j].x = x[j].x / (1.f + __expf(-x[j].x)) * y[j].x;
+            x[j].y = x[j].y / (1.f + __expf(-x[j].y)) * y[j].y;
         }
-        o[i] = r;
+        o[i] = pack8(x);
     }
 }
 
@@ -1773,20 +1783,16 @@ extern "C" __global__ void add_rms_norm_bf16(const __nv_bfloat16* __restrict__ x
     uint4* xo = reinterpret_cast<uint4*>(x_out + row);
     float ss = 0.f;
     for (int i = threadIdx.x; i < n8; i += blockDim.x) {
-        const uint4 p = xv[i], q = av[i];
-        uint4 r;
-        const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&p);
-        const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&q);
-        __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+        float2 s[4], t[4];
+        unpack8(xv[i], s);
+        unpack8(av[i], t);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 s = __bfloat1622float2(p2[j]);
-            const float2 t = __bfloat1622float2(q2[j]);
-            r2[j] = __float22bfloat162_rn(make_float2(s.x + t.x, s.y + t.y));
-            const float2 y = __bfloat1622float2(r2[j]);  // the rounded sum, as stored
-            ss += y.x * y.x + y.y * y.y;
-        }
+        for (int j = 0; j < 4; j++) s[j] = make_float2(s[j].x + t[j].x, s[j].y + t[j].y);
+        const uint4 r = pack8(s);
         xo[i] = r;
+        unpack8(r, s);  // the rounded sum, as stored, is what the norm sees
+#pragma unroll
+        for (int j = 0; j < 4; j++) ss += s[j].x * s[j].x + s[j].y * s[j].y;
     }
     ss = warp_sum(ss);
     if ((threadIdx.x & (WARP - 1)) == 0) partial[threadIdx.x / WARP] = ss;
@@ -1803,17 +1809,11 @@ extern "C" __global__ void add_rms_norm_bf16(const __nv_bfloat16* __restrict__ x
     uint4* hv = reinterpret_cast<uint4*>(h + row);
     // Each thread reads back only the chunks it wrote above.
     for (int i = threadIdx.x; i < n8; i += blockDim.x) {
-        const uint4 p = xo[i], q = wv[i];
-        uint4 r;
-        const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&p);
-        const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&q);
-        __nv_bfloat162* r2 = reinterpret_cast<__nv_bfloat162*>(&r);
+        float2 s[4], g[4];
+        unpack8(xo[i], s);
+        unpack8(wv[i], g);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float2 s = __bfloat1622float2(p2[j]);
-            const float2 t = __bfloat1622float2(q2[j]);
-            r2[j] = __float22bfloat162_rn(make_float2(s.x * inv * t.x, s.y * inv * t.y));
-        }
-        hv[i] = r;
+        for (int j = 0; j < 4; j++) s[j] = make_float2(s[j].x * inv * g[j].x, s[j].y * inv * g[j].y);
+        hv[i] = pack8(s);
     }
 }

@@ -957,6 +957,19 @@ pub fn flash_prefill_with(
     kernel: FlashKernel,
 ) -> Result<Tensor> {
     check_bf16(q, "flash_prefill q")?;
+    let (t, h, d) = q.dims3()?;
+    if (ctx_before + t).div_ceil(block_size) > table.len() {
+        return Err(Error::Config(format!(
+            "flash_prefill: {} tokens need more than {} blocks",
+            ctx_before + t,
+            table.len()
+        )));
+    }
+    if lse.as_ref().is_some_and(|l| l.len() < t * h) {
+        return Err(Error::Config(format!(
+            "flash_prefill: log-sum-exp buffer smaller than {t} rows x {h} heads"
+        )));
+    }
     if kernel == FlashKernel::Fa2 {
         #[cfg(feature = "flash-attn")]
         return flash_attn::prefill(cache, q, table, ctx_before, num_kv_heads, block_size, lse);
@@ -968,7 +981,6 @@ pub fn flash_prefill_with(
         ));
     }
     let dev = device_of(q.device())?;
-    let (t, h, d) = q.dims3()?;
     let name = match (kernel, d) {
         (FlashKernel::Mma, 64) => "flash_prefill_mma_d64_bf16",
         (FlashKernel::Mma, 128) => "flash_prefill_mma_d128_bf16",
@@ -981,13 +993,6 @@ pub fn flash_prefill_with(
             )))
         }
     };
-    if (ctx_before + t).div_ceil(block_size) > table.len() {
-        return Err(Error::Config(format!(
-            "flash_prefill: {} tokens need more than {} blocks",
-            ctx_before + t,
-            table.len()
-        )));
-    }
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
     let qv = view(&qs, ql, "flash_prefill q")?;
@@ -1008,11 +1013,6 @@ pub fn flash_prefill_with(
         as_i32(block_size, "block size")?,
     );
     let scale = 1.0f32 / (d as f32).sqrt();
-    if lse.as_ref().is_some_and(|l| l.len() < t * h) {
-        return Err(Error::Config(format!(
-            "flash_prefill: log-sum-exp buffer smaller than {t} rows x {h} heads"
-        )));
-    }
     let mut b = f.builder();
     b.arg(&qv)
         .arg(&cache.k)
