@@ -3,7 +3,7 @@
 //! sequence's rows against its K/V gathered contiguous from the paged pool, causal with
 //! the rows at the end of the keys (a cached prefix before them).
 
-use super::{device_of, kv_gather, tensor_from, upload_i32, view, LayerCache};
+use super::{as_i32, device_of, kv_gather, tensor_from, upload_i32, view, LayerCache};
 use crate::error::{Error, Result};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::WrapErr;
@@ -63,9 +63,10 @@ extern "C" {
     );
 }
 
+/// A size as FlashAttention's `u32` arguments take it, within the i32 range every
+/// kvbench kernel argument keeps to (`as_i32`).
 fn u32_of(x: usize, what: &str) -> Result<u32> {
-    u32::try_from(x)
-        .map_err(|_| Error::Config(format!("{what} = {x} exceeds FlashAttention's u32")))
+    Ok(as_i32(x, what)? as u32)
 }
 
 /// Causal attention of `q` (`[T, H, 128]` bf16, the rows at positions `ctx_before..`)
@@ -109,8 +110,8 @@ pub fn prefill(
         view(&ks, kl, "fa2 k")?,
         view(&vs, vl, "fa2 v")?,
     );
-    let cu_q = upload_i32(&dev, &[0, super::as_i32(t, "rows")?])?;
-    let cu_k = upload_i32(&dev, &[0, super::as_i32(n, "keys")?])?;
+    let cu_q = upload_i32(&dev, &[0, as_i32(t, "rows")?])?;
+    let cu_k = upload_i32(&dev, &[0, as_i32(n, "keys")?])?;
     // SAFETY: the kernel writes every element of both.
     let (mut out, mut lse_hq) =
         unsafe { (dev.alloc::<bf16>(t * h * d)?, dev.alloc::<f32>(h * t)?) };
