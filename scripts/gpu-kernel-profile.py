@@ -26,12 +26,17 @@ import sys
 from collections import OrderedDict, defaultdict
 
 DURATION = "gpu__time_duration.sum"
-UNIT_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+# Nsight Compute writes the unit long ("nsecond") or short ("ns") by version.
+UNIT_NS = {
+    "nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9,
+    "ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9,
+}
 
 
 def read_kernels(path):
     """(pid, kernel name, duration ns) for every profiled kernel, in file order."""
-    with open(path, newline="", errors="replace") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="", errors="replace") as f:
         lines = f.read().splitlines()
     # Nsight Compute's own messages (==PROF==, ==WARNING==) share the file with the CSV.
     rows = [l for l in lines if l.startswith('"')]

@@ -7,7 +7,7 @@
 #      steps) in its own `kvbench run-cell` process under Nsight Compute: every
 #      kernel's duration, one CSV per cell, so a cell that finishes is kept when a
 #      later one is stopped;
-# and writes OUTDIR/kernels.json and kernels.txt: kernels launched and time in kernels
+# and writes OUTDIR/kernels.json and kernels.txt (the raw CSVs kept gzipped in OUTDIR/ncu/): kernels launched and time in kernels
 # per decode step at batch 1 and 16, in all and by kernel name
 # (scripts/gpu-kernel-profile.py). A step's wall time less its time in kernels is the
 # time the card waited for the host between kernels.
@@ -33,6 +33,7 @@ rc=0
 done_cells=0
 : > "$tmp/ncu.csv"
 : > "$out/ncu-cells.txt"
+rm -rf "$out/ncu"; mkdir -p "$out/ncu"
 for cell in 0 1 2 3; do
   start=$(date +%s)
   set +e
@@ -44,15 +45,20 @@ for cell in 0 1 2 3; do
     > "$tmp/run$cell.log" 2>&1
   rc=$?
   set -e
-  # Kernels Nsight Compute reported profiling, finished or not: the rate tells how
-  # long a larger profile would take.
-  profiled="$(grep -c '==PROF== Profiling' "$tmp/cell$cell.csv" 2>/dev/null || true)"
+  # Kernel rows in the CSV, finished or not (each is `"ID",...` with a numeric ID; the
+  # header and the units row are not counted): the rate tells how long a larger
+  # profile would take.
+  profiled="$(grep -c '^"[0-9]' "$tmp/cell$cell.csv" 2>/dev/null || true)"
   echo "cell $cell: exit $rc after $(( $(date +%s) - start )) s, ${profiled:-0} kernels profiled" \
     | tee -a "$out/ncu-cells.txt"
+  # The raw CSV travels back with the results, so a summary that fails can be rerun
+  # on any machine (`gpu-kernel-profile.py OUTDIR/ncu/ncu.csv.gz ...`).
+  [ -s "$tmp/cell$cell.csv" ] && gzip -c "$tmp/cell$cell.csv" > "$out/ncu/cell$cell.csv.gz"
   [ "$rc" = 0 ] || break
   cat "$tmp/cell$cell.csv" >> "$tmp/ncu.csv"
   done_cells=$(( done_cells + 1 ))
 done
+[ -s "$tmp/ncu.csv" ] && gzip -c "$tmp/ncu.csv" > "$out/ncu/ncu.csv.gz"
 # The pairs whose two cells both finished (batch 1 alone if batch 16 was stopped).
 pairs=()
 [ "$done_cells" -ge 2 ] && pairs+=("batch 1:2")

@@ -300,6 +300,25 @@ fn experiment_name(exp_dir: &Path) -> String {
         })
 }
 
+/// Remove the experiment's Parquet tables, returning how many there were. A sweep does
+/// this before it measures its first cell: the tables describe the cells as they were
+/// when they were last built, and a sweep stopped part-way (killed, out of time) must
+/// not leave tables that disagree with `cells/` (rows of cells since rerun by another
+/// build, none for the cells it added). They are rebuilt when the sweep ends, or with
+/// `--tables-only`.
+pub fn remove_tables(exp_dir: &Path) -> Result<usize> {
+    let mut removed = 0;
+    for name in schema::TABLES {
+        let f = exp_dir.join(schema::file_name(name));
+        match std::fs::remove_file(&f) {
+            Ok(()) => removed += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e).with_context(|| format!("removing {}", f.display())),
+        }
+    }
+    Ok(removed)
+}
+
 /// What [`write_tables`] wrote and what it left out.
 #[derive(Debug, Default)]
 pub struct Tables {

@@ -404,6 +404,12 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
                 file.display()
             );
         }
+        if ran == 0 && crate::recorder::remove_tables(&exp_dir)? > 0 {
+            bars.println(&format!(
+                "tables of {} removed until the sweep ends (rebuilt from cells/ then, or with --tables-only)",
+                exp_dir.display()
+            ));
+        }
         bar.set_message(format!(
             "cell {} {} b{} budget {}",
             c.index, c.engine, c.batch, c.budget

@@ -250,6 +250,48 @@ fn a_sweep_killed_with_sigkill_leaves_no_cell_running() {
     assert!(files_in(&results.join("long/cells")).is_empty());
 }
 
+/// Tables built before a sweep describe the cells as they were: a sweep that measures a
+/// cell removes them first, so one killed part-way leaves none that disagree with
+/// `cells/` (here a row of another build's cell that the sweep was rerunning), and
+/// `--tables-only` builds them again from what is recorded.
+#[test]
+#[cfg(target_os = "linux")]
+fn a_sweep_killed_part_way_leaves_no_tables_of_cells_it_was_replacing() {
+    let yaml = "name: long\nmodel: preset:tiny\ndtype: f32\ndevice:\n  memory: 1GiB\nengines:\n  - name: full\nmatrix:\n  batch: [1]\n  prompt_len: [16]\n  output_len: [256]\nworkload:\n  num_requests: 100000\n";
+    let (dir, exp) = common::with_experiment("long.yaml", yaml);
+    let results = dir.path().join("results");
+    let exp_dir = results.join("long");
+    let plan = planned(dir.path(), &exp);
+    let cells = exp_dir.join("cells");
+    std::fs::create_dir_all(&cells).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&record(&plan[0], "ok")).unwrap();
+    v["env"]["build"] = "0123456789abcdef".into();
+    kvbench::cell_file::write(&cells, plan[0]["id"].as_str().unwrap(), &v.to_string()).unwrap();
+    sweep(dir.path(), &exp, &results, &["--tables-only"]);
+    assert_eq!(runs_rows(&exp_dir), 1);
+    let mut child = common::kvbench_in(dir.path(), &common::sweep_args(&exp, &results))
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while cell_processes(&exp).is_empty() && start.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let running = !cell_processes(&exp).is_empty();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(running, "the cell never started");
+    for name in ["runs", "requests", "steps", "samples", "accuracy"] {
+        let f = exp_dir.join(format!("{name}.parquet"));
+        assert!(!f.exists(), "{} outlived a sweep that was replacing its rows", f.display());
+    }
+    // The record is still there (the rerun never finished), and tabulated on request.
+    sweep(dir.path(), &exp, &results, &["--tables-only"]);
+    assert_eq!(runs_rows(&exp_dir), 1);
+}
+
 /// A rebuild replaces the binary while a sweep runs (`cargo build` writes a new file at
 /// the same path): the sweep's later cells still start, from the build that started
 /// the sweep. Here the binary the sweep was started from is deleted as soon as it runs.
