@@ -42,7 +42,7 @@ steps=(
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
-  "prefill-mma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/mma"
+  "prefill-mma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/mma|KVBENCH_FLASH_PREFILL=mma"
   "prefill-wmma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/wmma|KVBENCH_FLASH_PREFILL=wmma"
   "anchors-kvbench|run experiments/gpu/anchors.yaml --results \$RES"
   "ttft-flash|run experiments/gpu/ttft-flash.yaml --results \$RES"
@@ -55,8 +55,7 @@ steps=(
   "fused-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/off|KVBENCH_FUSED_PROJECTIONS=0"
   "fused-kernels-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/kernels-off|KVBENCH_FUSED_KERNELS=0"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
-  "verify-fa2|verify --device cuda --model preset:llama-3.1-8b|KVBENCH_FLASH_PREFILL=fa2"
-  "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2|KVBENCH_FLASH_PREFILL=fa2"
+  "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"
   "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
   "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"
@@ -69,7 +68,7 @@ steps=(
 # its time on a step the limit then kills (sweeps resume by cell and start whenever
 # 30 s are left).
 declare -A need=(
-  [verify-smollm2]=60 [verify-llama]=75 [verify-fa2]=75 [profile-decode]=240
+  [verify-smollm2]=60 [verify-llama]=75 [profile-decode]=240
   [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
 )
 

@@ -24,6 +24,10 @@ pub struct Environment {
     pub build: Option<String>,
     pub kvbench_version: &'static str,
     pub timestamp_unix_s: u64,
+    /// The engines' kernel switches set for this cell (`KVBENCH_FLASH_PREFILL=fa2`,
+    /// ...; part of its identity), absent when none is.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub switches: std::collections::BTreeMap<String, String>,
     /// Predicted cells: the efficiency constants the cost model used (a calibration,
     /// or the datasheet roofline); the rest describes the machine that predicted.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -68,6 +72,7 @@ impl Environment {
             timestamp_unix_s: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
+            switches: kvbench_engines::kernel_switches(),
             prediction: None,
         }
     }

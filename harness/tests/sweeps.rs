@@ -285,7 +285,11 @@ fn a_sweep_killed_part_way_leaves_no_tables_of_cells_it_was_replacing() {
     assert!(running, "the cell never started");
     for name in ["runs", "requests", "steps", "samples", "accuracy"] {
         let f = exp_dir.join(format!("{name}.parquet"));
-        assert!(!f.exists(), "{} outlived a sweep that was replacing its rows", f.display());
+        assert!(
+            !f.exists(),
+            "{} outlived a sweep that was replacing its rows",
+            f.display()
+        );
     }
     // The record is still there (the rerun never finished), and tabulated on request.
     sweep(dir.path(), &exp, &results, &["--tables-only"]);
@@ -375,6 +379,52 @@ fn a_cell_recorded_by_another_build_is_run_again_unless_kept() {
     let (out, err) = sweep(dir.path(), &exp, &results, &[]);
     assert!(out.contains("1 recorded by another build"), "{out}");
     assert!(err.contains("build not recorded"), "{err}");
+}
+
+/// A kernel switch (`KVBENCH_FLASH_PREFILL`, ...) changes what a cell measures: a cell
+/// recorded with one set is not taken for the plain cell, nor the plain one for it, and
+/// the record names the switch.
+#[test]
+fn a_cell_recorded_with_a_kernel_switch_is_not_taken_for_one_without() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let switched = |args: &[&str]| {
+        let o = common::kvbench_in(dir.path(), args)
+            .env("KVBENCH_MODELS_DIR", dir.path())
+            .env("KVBENCH_FUSED_PROJECTIONS", "1")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let plain_id = planned(dir.path(), &exp)[0]["id"].clone();
+    let args = common::sweep_args(&exp, &results);
+    let out = switched(&args);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+    let cells = common::recorded_cells(&results.join("edits"));
+    assert_eq!(cells.len(), 1);
+    assert_ne!(
+        cells[0]["id"], plain_id,
+        "the switch is not in the identity"
+    );
+    assert_eq!(
+        cells[0]["env"]["switches"]["KVBENCH_FUSED_PROJECTIONS"],
+        "1"
+    );
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+    let plain: Vec<_> = common::recorded_cells(&results.join("edits"))
+        .into_iter()
+        .filter(|c| c["id"] == plain_id)
+        .collect();
+    assert_eq!(plain.len(), 1);
+    assert!(
+        plain[0]["env"].get("switches").is_none(),
+        "{}",
+        plain[0]["env"]
+    );
+    let out = switched(&args);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
 }
 
 #[test]

@@ -242,7 +242,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 let row = &qp[i * h * d..(i + 1) * h * d];
                 reference.extend(reference_row(row, k, v, before + i + 1, kvh, d));
             }
-            for (kernel, name) in flash_kernels(d, false) {
+            for (kernel, name) in flash_kernels(d, false)? {
                 let o = flash_prefill_with(
                     &cache,
                     &upload(&qp, &[t, h, d], dev)?,
@@ -433,10 +433,10 @@ fn reference_columns(
 
 /// The flash prefill kernels checked for head dim `d`, each with its check's name (of
 /// the attention, or with `stats` of H2O's exact statistics after it): `mma` and
-/// `wmma`, and FlashAttention-2 at head dim 128 when the run chose it
-/// (`KVBENCH_FLASH_PREFILL=fa2`, in builds with the `flash-attn` feature), so a plain
-/// verify does not depend on the vendored kernels.
-fn flash_kernels(d: usize, stats: bool) -> Vec<(FlashKernel, &'static str)> {
+/// `wmma`, and FlashAttention-2 when the run prefills with it (the default in builds
+/// with the `flash-attn` feature, at head dim 128), so a verify checks the kernel its
+/// runs use and a build without the vendored kernels does not need them.
+fn flash_kernels(d: usize, stats: bool) -> Result<Vec<(FlashKernel, &'static str)>> {
     let names = if stats {
         [
             "h2o exact statistics (mma)",
@@ -451,10 +451,10 @@ fn flash_kernels(d: usize, stats: bool) -> Vec<(FlashKernel, &'static str)> {
         ]
     };
     let mut ks = vec![(FlashKernel::Mma, names[0]), (FlashKernel::Wmma, names[1])];
-    if FlashKernel::chosen() == FlashKernel::Fa2 && d == 128 {
+    if FlashKernel::chosen_for(d)? == FlashKernel::Fa2 {
         ks.push((FlashKernel::Fa2, names[2]));
     }
-    ks
+    Ok(ks)
 }
 
 /// A check of a bf16 result against its f64 reference.
@@ -543,7 +543,7 @@ fn evicting_checks(
         let qp = rand_bf16(rng, t * h * d, 2.0);
         let qt = upload(&qp, &[t, h, d], dev)?;
         let reference = reference_columns(&qp, &keys[si].0, before, 0, l, h, kvh, d);
-        for (kernel, name) in flash_kernels(d, true) {
+        for (kernel, name) in flash_kernels(d, true)? {
             reset(&mut sl)?;
             let mut lse = cuda.alloc_zeros::<f32>(t * h)?;
             flash_prefill_with(

@@ -887,17 +887,56 @@ pub enum FlashKernel {
 }
 
 impl FlashKernel {
-    /// `Mma`, unless `KVBENCH_FLASH_PREFILL` asks for `wmma` (the earlier kernel: a
-    /// fallback should the new one fail on a card, and the "before" of a comparison) or
-    /// `fa2` (FlashAttention-2, in builds with the `flash-attn` feature; refused with a
-    /// named error at the first prefill otherwise). Read once per process.
-    pub fn chosen() -> Self {
-        static CHOSEN: std::sync::OnceLock<FlashKernel> = std::sync::OnceLock::new();
-        *CHOSEN.get_or_init(|| match std::env::var("KVBENCH_FLASH_PREFILL").as_deref() {
-            Ok("wmma") => Self::Wmma,
-            Ok("fa2") => Self::Fa2,
-            _ => Self::Mma,
+    /// The kernel for head dim `d`: the one `KVBENCH_FLASH_PREFILL` names (`mma`,
+    /// `wmma` or `fa2`), else the default: `Fa2` in builds with the `flash-attn` feature
+    /// (the fastest, verified on an H100), `Mma` otherwise. FlashAttention-2 is built
+    /// for head dim 128 only: as the default it gives way to `Mma` at other head dims;
+    /// asked for by name it is refused there, and without the feature, with a named
+    /// error. `wmma` is the earlier kernel (a fallback, and the "before" of a
+    /// comparison). Read once per process; any other value is an error.
+    pub fn chosen_for(d: usize) -> Result<Self> {
+        static CHOSEN: std::sync::OnceLock<std::result::Result<(FlashKernel, bool), String>> =
+            std::sync::OnceLock::new();
+        let (k, named) = CHOSEN
+            .get_or_init(|| Self::parse(std::env::var("KVBENCH_FLASH_PREFILL").ok().as_deref()))
+            .clone()
+            .map_err(Error::Config)?;
+        Ok(if k == Self::Fa2 && d != 128 && !named {
+            Self::Mma
+        } else {
+            k
         })
+    }
+
+    /// The kernel a value of `KVBENCH_FLASH_PREFILL` asks for, and whether it named one.
+    fn parse(v: Option<&str>) -> std::result::Result<(Self, bool), String> {
+        match v.map(str::trim) {
+            None | Some("") => Ok((Self::default_kernel(), false)),
+            Some("mma") => Ok((Self::Mma, true)),
+            Some("wmma") => Ok((Self::Wmma, true)),
+            Some("fa2") => Ok((Self::Fa2, true)),
+            Some(v) => Err(format!(
+                "KVBENCH_FLASH_PREFILL={v}: expected mma, wmma or fa2 (or unset for {})",
+                Self::default_kernel().name()
+            )),
+        }
+    }
+
+    fn default_kernel() -> Self {
+        if cfg!(feature = "flash-attn") {
+            Self::Fa2
+        } else {
+            Self::Mma
+        }
+    }
+
+    /// The name `KVBENCH_FLASH_PREFILL` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Mma => "mma",
+            Self::Wmma => "wmma",
+            Self::Fa2 => "fa2",
+        }
     }
 
     /// The kernel of H2O's exact statistics pass that goes with this attention kernel.
@@ -931,6 +970,7 @@ pub fn flash_prefill(
     num_kv_heads: usize,
     block_size: usize,
 ) -> Result<Tensor> {
+    let kernel = FlashKernel::chosen_for(q.dims3()?.2)?;
     flash_prefill_with(
         cache,
         q,
@@ -939,7 +979,7 @@ pub fn flash_prefill(
         num_kv_heads,
         block_size,
         None,
-        FlashKernel::chosen(),
+        kernel,
     )
 }
 

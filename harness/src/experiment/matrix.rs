@@ -20,7 +20,9 @@ const IDENTITY_VERSION: u32 = 1;
 /// cell's own values (engine, parameters, axes, repeat, the SLO of its goodput, absent
 /// when none is set) and the settings the whole
 /// experiment shares (model, dtype, seed, device and memory, workload, warm-up,
-/// scheduler, the retention task's form, facts and turns) and the CPU worker threads.
+/// scheduler, the retention task's form, facts and turns), the CPU worker threads and
+/// the engines' kernel switches that are set (`kvbench_engines::KERNEL_SWITCHES`;
+/// none set adds nothing, so identities recorded before switches counted still hold).
 /// Left out: the cell's index, the experiment's name, the other cells (so adding an
 /// engine or an axis value keeps every other cell's identity) and where the data
 /// lives (a path differs between machines that share a sweep).
@@ -43,7 +45,7 @@ fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) ->
         // Buckets, budgets, limit, batch and attention are the cell's own values.
         serde_json::json!({"form": r.form, "facts": r.facts, "turns": r.turns})
     });
-    let all = serde_json::json!({
+    let mut all = serde_json::json!({
         "identity": IDENTITY_VERSION,
         "kind": exp.kind,
         "cell": own,
@@ -57,6 +59,10 @@ fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) ->
         "retention": retention,
         "threads": threads,
     });
+    let switches = kvbench_engines::kernel_switches();
+    if !switches.is_empty() {
+        all["switches"] = serde_json::json!(switches);
+    }
     format!("{:032x}", xxh3_128(all.to_string().as_bytes()))
 }
 

@@ -542,7 +542,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                 )?,
                 Some(ColumnStats::Exact) => {
                     // The statistics pass follows the attention pass's design.
-                    let kernel = FlashKernel::chosen();
+                    let kernel = FlashKernel::chosen_for(qs.dims3()?.2)?;
                     let mut lse = self.dev.alloc_zeros::<f32>(s.q_len * h)?;
                     let o = flash_prefill_with(
                         &self.layers[layer].kv,
