@@ -220,8 +220,7 @@ impl Eviction for H2o {
     fn prefill_keep(&self, c: Counts, n: usize, score: &[f32]) -> Vec<usize> {
         let recent = c.recent.min(c.capacity).min(n);
         let heavy = c.capacity - recent;
-        let mut old: Vec<usize> = (0..n - recent).collect();
-        old.sort_unstable_by(|&a, &b| {
+        let mut old = super::first_k((0..n - recent).collect(), heavy, |&a, &b| {
             if better(score[a], a, score[b], b) {
                 std::cmp::Ordering::Less
             } else if better(score[b], b, score[a], a) {
@@ -230,7 +229,6 @@ impl Eviction for H2o {
                 std::cmp::Ordering::Equal
             }
         });
-        old.truncate(heavy);
         old.extend(n - recent..n);
         old.sort_unstable();
         old
@@ -284,6 +282,32 @@ mod tests {
         let score = [0.5, 3.0, 1.0, 3.0, 9.0, 0.1, 0.2];
         // Window: 5, 6. Heavy: 4 (9.0), then 1 and 3 tie at 3.0 → the older (1).
         assert_eq!(rule.prefill_keep(c, 7, &score), vec![1, 4, 5, 6]);
+    }
+
+    /// The selection keeps exactly the set a full sort by (score, then the older)
+    /// keeps, at every capacity, with many ties among the scores.
+    #[test]
+    fn prefill_keep_by_selection_equals_the_sorted_choice() {
+        use rand::{Rng, SeedableRng};
+        let rule = H2o(H2oParams::default());
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for n in [1usize, 2, 17, 300] {
+            // Eight distinct values: most scores tie with others.
+            let score: Vec<f32> = (0..n).map(|_| rng.random_range(0..8) as f32).collect();
+            for capacity in 1..=n {
+                for recent in [0, 1, capacity / 2, capacity] {
+                    let c = Counts { capacity, recent };
+                    let recent = recent.min(capacity).min(n);
+                    let mut sorted: Vec<usize> = (0..n - recent).collect();
+                    sorted
+                        .sort_by(|&a, &b| score[b].partial_cmp(&score[a]).unwrap().then(a.cmp(&b)));
+                    sorted.truncate(capacity - recent);
+                    sorted.extend(n - recent..n);
+                    sorted.sort_unstable();
+                    assert_eq!(rule.prefill_keep(c, n, &score), sorted, "n {n} c {c:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -82,6 +82,24 @@ pub trait Eviction: Send + Sync + 'static {
     fn victim(&self, c: Counts, n: usize, pos: &[u32], score: &[f32]) -> usize;
 }
 
+/// The first `k` of `items` under `order`, a total order (ties broken, e.g. by
+/// position), in no particular order: the set a sort then truncation keeps, found by
+/// selection in O(n) rather than sorting (a 32K-token prompt is kept this way per
+/// layer and KV head, on the host, inside the prefill).
+pub(crate) fn first_k(
+    mut items: Vec<usize>,
+    k: usize,
+    order: impl FnMut(&usize, &usize) -> std::cmp::Ordering,
+) -> Vec<usize> {
+    if k == 0 {
+        items.clear();
+    } else if k < items.len() {
+        items.select_nth_unstable_by(k - 1, order);
+        items.truncate(k);
+    }
+    items
+}
+
 /// What an evicting policy knows of one sequence (shared with the CUDA storage).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct SeqState {

@@ -330,14 +330,12 @@ impl Eviction for Snapkv {
         let heavy = c.capacity - recent;
         let prefix = n - recent;
         let pooled = pool(&score[..prefix], self.0.kernel, self.0.pooling);
-        let mut old: Vec<usize> = (0..prefix).collect();
-        old.sort_unstable_by(|&a, &b| {
+        let mut old = super::first_k((0..prefix).collect(), heavy, |&a, &b| {
             pooled[b]
                 .partial_cmp(&pooled[a])
                 .unwrap_or(std::cmp::Ordering::Equal)
                 .then(a.cmp(&b))
         });
-        old.truncate(heavy);
         old.extend(prefix..n);
         old.sort_unstable();
         old
