@@ -5,7 +5,8 @@ layouts, the causal mask, the online softmax on the accumulators and P's registe
 for whole blocks, against causal attention computed directly. It checks the kernel's
 index arithmetic on a machine without a GPU; it does not run the CUDA code, and a change
 to the kernel must be made here too. The same for attn_colsum_mma (H2O's exact column
-statistics from each row's log-sum-exp). `python3 scripts/emulate/flash_mma.py` (NumPy).
+statistics from each row's log-sum-exp; 8 warps of 16 keys, the mask only on tiles that
+cross a warp's keys). `python3 scripts/emulate/flash_mma.py` (NumPy).
 """
 import sys
 
@@ -151,12 +152,19 @@ def run(D, T, ctx_before, blk, BM=64, BN=64):
     lerr = np.abs(lse - rlse).max()
     return err, lerr
 
-def run_colsum(D, T, ctx_before, G, kt_block, BM=64, BN=64):
-    """attn_colsum_mma for one block (64 keys, one KV head of G query heads)."""
+LOG2E = 1.4426950408889634
+
+def run_colsum(D, T, ctx_before, G, kt_block, BM=64, WARPS=8):
+    """attn_colsum_mma for one block (16 keys a warp, one KV head of G query heads):
+    lse stored times log2 e, exp as 2^(s * scale * log2 e - lse2), the mask skipped on
+    tiles whose rows all see all the warp's keys. Returns the relative error and how
+    many warp-tiles took the unmasked and the masked path."""
+    BN = WARPS * 16
     n_keys = ctx_before + T
     q = bf(rng.normal(size=(T, G, D)) * 2)
     k = bf(rng.normal(size=(n_keys, D)))
     scale = 1/np.sqrt(D)
+    sl2 = np.float32(scale * LOG2E)
     lse = np.zeros((T, G))
     for r in range(T):
         for gi in range(G):
@@ -169,7 +177,8 @@ def run_colsum(D, T, ctx_before, G, kt_block, BM=64, BN=64):
     first = max(0, kt - ctx_before) // BM * BM
     per_head = (T - first + BM - 1)//BM if T > first else 0
     got = np.full(BN, np.nan)
-    for warp in range(4):
+    paths = [0, 0]  # whole, masked
+    for warp in range(WARPS):
         wkey0 = kt + warp*16
         kf = []
         for kk in range(D//16):
@@ -181,9 +190,11 @@ def run_colsum(D, T, ctx_before, G, kt_block, BM=64, BN=64):
             row0 = first + (it % per_head)*BM
             rows = min(BM, T - row0)
             Qt = np.zeros((BM, D)); Qt[:rows] = q[row0:row0+rows, gi]
-            Lt = np.zeros(BM); Lt[:rows] = lse[row0:row0+rows, gi]
-            last_pos = ctx_before + min(row0 + BM, T) - 1
+            Lt = np.zeros(BM); Lt[:rows] = lse[row0:row0+rows, gi] * LOG2E
+            last_pos = ctx_before + row0 + rows - 1
             if not (wkey0 < n_keys and last_pos >= wkey0): continue
+            whole = rows == BM and ctx_before + row0 >= wkey0 + 15
+            paths[0 if whole else 1] += 1
             for np_ in range(BM//16):
                 s0 = [[0.0]*4 for _ in range(32)]; s1 = [[0.0]*4 for _ in range(32)]
                 for kk in range(D//16):
@@ -194,13 +205,19 @@ def run_colsum(D, T, ctx_before, G, kt_block, BM=64, BN=64):
                     mma(s1, ka, [r[t][2] for t in range(32)], [r[t][3] for t in range(32)])
                 for t in range(32):
                     g, tig = t >> 2, t & 3
-                    for e in range(8):
-                        x = s0[t][e] if e < 4 else s1[t][e-4]
-                        col = np_*16 + (e >> 2)*8 + tig*2 + (e & 1)
-                        key = wkey0 + g + ((e >> 1) & 1)*8
-                        pos = ctx_before + row0 + col
-                        if row0 + col < T and key <= pos and key < n_keys:
-                            acc[t][(e >> 1) & 1] += np.exp(x*scale - Lt[col])
+                    if whole:
+                        l = [Lt[np_*16 + (j >> 1)*8 + tig*2 + (j & 1)] for j in range(4)]
+                        for e in range(8):
+                            x = s0[t][e] if e < 4 else s1[t][e-4]
+                            acc[t][(e >> 1) & 1] += 2.0 ** (x*sl2 - l[((e >> 2) << 1) | (e & 1)])
+                    else:
+                        for e in range(8):
+                            x = s0[t][e] if e < 4 else s1[t][e-4]
+                            col = np_*16 + (e >> 2)*8 + tig*2 + (e & 1)
+                            key = wkey0 + g + ((e >> 1) & 1)*8
+                            pos = ctx_before + row0 + col
+                            if col < rows and key <= pos and key < n_keys:
+                                acc[t][(e >> 1) & 1] += 2.0 ** (x*sl2 - Lt[col])
         for t in range(32):
             g, tig = t >> 2, t & 3
             for hr in range(2):
@@ -216,7 +233,7 @@ def run_colsum(D, T, ctx_before, G, kt_block, BM=64, BN=64):
             for gi in range(G):
                 ref[j] += np.exp((k[key] @ q[r, gi])*scale - lse[r, gi])
     valid = min(BN, n_keys - kt)
-    return np.abs(got[:valid] - ref[:valid]).max() / np.abs(ref[:valid]).max()
+    return np.abs(got[:valid] - ref[:valid]).max() / np.abs(ref[:valid]).max(), paths
 
 # (D, T, ctx_before, block): partial blocks, a cached prefix, tiles across the diagonal.
 failed = 0
@@ -226,10 +243,17 @@ for D, T, cb, blk in [(64, 100, 0, 0), (64, 100, 0, 1), (128, 200, 37, 2), (128,
     failed += not ok
     print(f"D={D} T={T} ctx_before={cb} block={blk}: rel err {e:.2e}, lse err {le:.2e}", "ok" if ok else "FAIL")
 # H2O's column statistics (D, T, ctx_before, group, key block): keys of the prefix,
-# of the diagonal, and a partial last block.
-for D, T, cb, G, kb in [(64, 100, 0, 3, 0), (64, 100, 0, 3, 1), (128, 150, 70, 2, 1), (128, 130, 0, 4, 2)]:
-    e = run_colsum(D, T, cb, G, kb)
+# of the diagonal, a partial last block, and blocks with tiles on both paths.
+whole_seen = masked_seen = 0
+for D, T, cb, G, kb in [(64, 100, 0, 3, 0), (64, 200, 0, 3, 1), (128, 150, 70, 2, 1),
+                        (128, 130, 0, 4, 1), (64, 200, 500, 2, 0), (128, 300, 0, 1, 0)]:
+    e, (whole, masked) = run_colsum(D, T, cb, G, kb)
+    whole_seen += whole; masked_seen += masked
     ok = e < 1e-5  # f32 products on both sides; an indexing slip is of order 1
     failed += not ok
-    print(f"colsum D={D} T={T} ctx_before={cb} group={G} key block={kb}: rel err {e:.2e}", "ok" if ok else "FAIL")
+    print(f"colsum D={D} T={T} ctx_before={cb} group={G} key block={kb}: rel err {e:.2e} "
+          f"({whole} unmasked, {masked} masked warp-tiles)", "ok" if ok else "FAIL")
+if not (whole_seen and masked_seen):
+    failed += 1
+    print("colsum: the cases did not take both the unmasked and the masked path: FAIL")
 sys.exit(1 if failed else 0)

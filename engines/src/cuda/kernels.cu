@@ -561,12 +561,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 // One 64-row tile of head h's queries, rows row0.. (`rows` of them; the rest zeros), into
 // shared rows of D + 8 bf16, 16 bytes per cp.async.
-template <int D>
+template <int D, int NT = FM_THREADS>
 __device__ __forceinline__ void cp_async_q_tile(const __nv_bfloat16* __restrict__ q, int row0,
                                                 int rows, int num_heads, int h,
                                                 __nv_bfloat16* dst) {
     constexpr int CH = D / 8, LD = D + 8;
-    for (int i = threadIdx.x; i < FM_BM * CH; i += FM_THREADS) {
+    for (int i = threadIdx.x; i < FM_BM * CH; i += NT) {
         const int r = i / CH, c = (i % CH) * 8;
         const bool ok = r < rows;
         const __nv_bfloat16* src = ok ? q + ((int64_t)(row0 + r) * num_heads + h) * D + c : q;
@@ -577,7 +577,7 @@ __device__ __forceinline__ void cp_async_q_tile(const __nv_bfloat16* __restrict_
 // One 64-key tile of KV head kvh's cache, keys kt.. through the block table, into shared
 // rows of D + 8 bf16, 16 bytes per cp.async; keys at or past n_keys are zero-filled. V
 // too when WITH_V.
-template <int D, bool WITH_V>
+template <int D, bool WITH_V, int NT = FM_THREADS>
 __device__ __forceinline__ void cp_async_kv_tile(const __nv_bfloat16* __restrict__ k_cache,
                                                  const __nv_bfloat16* __restrict__ v_cache,
                                                  const int32_t* __restrict__ table, int kt,
@@ -585,7 +585,7 @@ __device__ __forceinline__ void cp_async_kv_tile(const __nv_bfloat16* __restrict
                                                  int kvh, __nv_bfloat16* k_dst,
                                                  __nv_bfloat16* v_dst) {
     constexpr int CH = D / 8, LD = D + 8;
-    for (int i = threadIdx.x; i < FM_BN * CH; i += FM_THREADS) {
+    for (int i = threadIdx.x; i < FM_BN * CH; i += NT) {
         const int j = i / CH, c = (i % CH) * 8;
         const int t = kt + j;
         const bool ok = t < n_keys;
@@ -1076,13 +1076,27 @@ __device__ void attn_colsum(const __nv_bfloat16* __restrict__ q,
     }
 }
 
-// attn_colsum on mma.sync, the same inputs, outputs and grid (ceil(n_keys / 64), KVH).
-// The block's 64 keys are the A operand (each warp keeps 16 keys' K fragments in
-// registers) and each 64-row query tile the B operand, so a warp computes S^T = K Q^T
-// (16 keys x 8 rows per mma) and adds exp(s * scale - lse_row) of the rows that see each
-// key; a key's four lanes reduce at the end and one lane writes it (no atomics, fixed
-// order). Query tiles of each head of the group go through two shared buffers with
-// cp.async, with their rows' log-sum-exp.
+// attn_colsum on mma.sync: the same inputs and outputs, grid (ceil(n_keys / 128), KVH),
+// block CS_THREADS (8 warps). The block's 128 keys are the A operand (each warp keeps
+// 16 keys' K fragments in registers) and each 64-row query tile the B operand, so a
+// warp computes S^T = K Q^T (16 keys x 8 rows per mma) and adds exp(s * scale - lse_row)
+// of the rows that see each key; a key's four lanes reduce at the end and one lane
+// writes it (no atomics, fixed order). Query tiles of each head of the group go through
+// two shared buffers with cp.async, with their rows' log-sum-exp (times log2 e, so the
+// exponential is one ex2 after one FMA). 128 keys per block (64 before) halve the
+// query traffic per key; tiles whose rows all see all the warp's keys (every tile off
+// the diagonal) skip the mask.
+#define CS_WARPS 8
+#define CS_THREADS (CS_WARPS * WARP)
+#define CS_BN (CS_WARPS * 16)
+#define LOG2E 1.4426950408889634f
+
+__device__ __forceinline__ float ex2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <int D>
 __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
                                 const __nv_bfloat16* __restrict__ k_cache,
@@ -1091,19 +1105,23 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
                                 int num_kv_heads, int block_size, float scale) {
     constexpr int LD = D + 8;
     extern __shared__ __align__(128) unsigned char fmsmem[];
-    __nv_bfloat16* Ks = (__nv_bfloat16*)fmsmem;                   // [BN, LD]
-    __nv_bfloat16* Qs = Ks + FM_BN * LD;                          // [2][BM, LD]
-    float* Lr = (float*)(fmsmem + (FM_BN + 2 * FM_BM) * LD * 2);  // [2][BM]
+    __nv_bfloat16* Ks = (__nv_bfloat16*)fmsmem;                   // [CS_BN, LD]
+    __nv_bfloat16* Qs = Ks + CS_BN * LD;                          // [2][BM, LD]
+    float* Lr = (float*)(fmsmem + (CS_BN + 2 * FM_BM) * LD * 2);  // [2][BM], lse * log2 e
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int g = lane >> 2, tig = lane & 3;
     const int kvh = blockIdx.y;
     const int group = num_heads / num_kv_heads;
     const int n_keys = ctx_before + T;
-    const int kt = blockIdx.x * FM_BN;
+    const int kt = blockIdx.x * CS_BN;
     const int wkey0 = kt + warp * 16;  // the warp's first key
+    const float sl2 = scale * LOG2E;
 
-    cp_async_kv_tile<D, false>(k_cache, nullptr, table, kt, n_keys, block_size, num_kv_heads, kvh, Ks,
-                        nullptr);
+#pragma unroll
+    for (int half = 0; half < CS_BN / FM_BN; ++half)
+        cp_async_kv_tile<D, false, CS_THREADS>(k_cache, nullptr, table, kt + half * FM_BN, n_keys,
+                                               block_size, num_kv_heads, kvh,
+                                               Ks + half * FM_BN * LD, nullptr);
     // Query tiles from the first whose last row can see key kt, for every head.
     const int first = max(0, kt - ctx_before) / FM_BM * FM_BM;
     const int per_head = T > first ? (T - first + FM_BM - 1) / FM_BM : 0;
@@ -1112,10 +1130,11 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
         const int h = kvh * group + it / per_head;
         const int row0 = first + (it % per_head) * FM_BM;
         const int rows = min(FM_BM, T - row0);
-        cp_async_q_tile<D>(q, row0, rows, num_heads, h, Qs + buf * FM_BM * LD);
+        cp_async_q_tile<D, CS_THREADS>(q, row0, rows, num_heads, h, Qs + buf * FM_BM * LD);
         if (threadIdx.x < FM_BM)
             Lr[buf * FM_BM + threadIdx.x] =
-                threadIdx.x < rows ? lse[(int64_t)(row0 + threadIdx.x) * num_heads + h] : 0.f;
+                threadIdx.x < rows ? lse[(int64_t)(row0 + threadIdx.x) * num_heads + h] * LOG2E
+                                   : 0.f;
     };
     if (tiles > 0) load_tile(0, 0);
     asm volatile("cp.async.commit_group;\n" ::);
@@ -1126,6 +1145,7 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
     for (int it = 0; it < tiles; ++it) {
         const int buf = it & 1;
         const int row0 = first + (it % per_head) * FM_BM;
+        const int rows = min(FM_BM, T - row0);
         if (it + 1 < tiles) load_tile(it + 1, buf ^ 1);
         cp_async_next(it + 1 < tiles);
         __syncthreads();
@@ -1134,10 +1154,14 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
             for (int kk = 0; kk < D / 16; ++kk) ldsm_a(Ks, LD, warp * 16, kk, kf[kk]);
         }
         // Rows whose positions are all before this warp's first key add nothing.
-        const int last_pos = ctx_before + min(row0 + FM_BM, T) - 1;
+        const int last_pos = ctx_before + row0 + rows - 1;
         if (wkey0 < n_keys && last_pos >= wkey0) {
             const __nv_bfloat16* Qt = Qs + buf * FM_BM * LD;
             const float* Lt = Lr + buf * FM_BM;
+            // Every row of the tile sees every key of the warp: no mask (positions
+            // ctx_before + row0.. are all at or past the warp's last key, which is
+            // then below n_keys).
+            const bool whole = rows == FM_BM && ctx_before + row0 >= wkey0 + 15;
 #pragma unroll
             for (int np = 0; np < FM_BM / 16; ++np) {
                 float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1148,14 +1172,27 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
                     mma_bf16(s0, kf[kk], b0, b1);
                     mma_bf16(s1, kf[kk], b2, b3);
                 }
+                // Element e: tile row np * 16 + (e >> 2) * 8 + tig * 2 + (e & 1), key
+                // wkey0 + g + ((e >> 1) & 1) * 8.
+                if (whole) {
+                    float l[4];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const float x = e < 4 ? s0[e] : s1[e - 4];
-                    const int col = np * 16 + (e >> 2) * 8 + tig * 2 + (e & 1);  // tile row
-                    const int key = wkey0 + g + ((e >> 1) & 1) * 8;
-                    const int pos = ctx_before + row0 + col;
-                    if (row0 + col < T && key <= pos && key < n_keys)
-                        acc[(e >> 1) & 1] += __expf(x * scale - Lt[col]);
+                    for (int j = 0; j < 4; ++j) l[j] = Lt[np * 16 + (j >> 1) * 8 + tig * 2 + (j & 1)];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float x = e < 4 ? s0[e] : s1[e - 4];
+                        acc[(e >> 1) & 1] += ex2_approx(fmaf(x, sl2, -l[((e >> 2) << 1) | (e & 1)]));
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const float x = e < 4 ? s0[e] : s1[e - 4];
+                        const int col = np * 16 + (e >> 2) * 8 + tig * 2 + (e & 1);
+                        const int key = wkey0 + g + ((e >> 1) & 1) * 8;
+                        const int pos = ctx_before + row0 + col;
+                        if (col < rows && key <= pos && key < n_keys)
+                            acc[(e >> 1) & 1] += ex2_approx(fmaf(x, sl2, -Lt[col]));
+                    }
                 }
             }
         }
@@ -1174,7 +1211,7 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(FM_THREADS) attn_colsum_mma_d64_bf16(
+extern "C" __global__ void __launch_bounds__(CS_THREADS) attn_colsum_mma_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
     const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
     int block_size, float scale) {
@@ -1182,7 +1219,7 @@ extern "C" __global__ void __launch_bounds__(FM_THREADS) attn_colsum_mma_d64_bf1
                         block_size, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(FM_THREADS) attn_colsum_mma_d128_bf16(
+extern "C" __global__ void __launch_bounds__(CS_THREADS) attn_colsum_mma_d128_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
     const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
     int block_size, float scale) {

@@ -845,10 +845,14 @@ pub fn colsum(
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
     let qv = crate::cuda::view(&qs, ql, "attn_colsum q")?;
-    let smem = match kernel {
-        // K, then two query tiles, 64 rows of D + 8 bf16 each, and two tiles' lse.
-        FlashKernel::Mma | FlashKernel::Fa2 => 3 * 64 * (d + 8) * 2 + 2 * 64 * 4,
-        FlashKernel::Wmma => flash_smem_bytes(d),
+    // Keys per block and threads (CS_BN and CS_THREADS in kernels.cu for the mma
+    // kernel: 8 warps of 16 keys; the WMMA one has 4 warps over 64 keys).
+    let (keys, threads, smem) = match kernel {
+        // 128 keys, then two query tiles of 64 rows, D + 8 bf16 a row, and two tiles' lse.
+        FlashKernel::Mma | FlashKernel::Fa2 => {
+            (128, 256, (128 + 2 * 64) * (d + 8) * 2 + 2 * 64 * 4)
+        }
+        FlashKernel::Wmma => (64, 128, flash_smem_bytes(d)),
     };
     let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
     f.set_attribute(
@@ -876,8 +880,12 @@ pub fn colsum(
         .arg(&bs_i)
         .arg(&scale);
     let cfg = LaunchConfig {
-        grid_dim: ((ctx_before + t).div_ceil(64) as u32, num_kv_heads as u32, 1),
-        block_dim: (128, 1, 1),
+        grid_dim: (
+            (ctx_before + t).div_ceil(keys) as u32,
+            num_kv_heads as u32,
+            1,
+        ),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     unsafe { b.launch(cfg) }.w()?;
