@@ -296,6 +296,9 @@ fn sections(
             gib(r.mem_kv_host_bytes),
         )?;
     }
+    if let Some(t) = against_full(&points(runs)) {
+        md.push_str(&t);
+    }
     writeln!(md, "\n## Figures\n")?;
     if figs.is_empty() {
         writeln!(
@@ -311,4 +314,92 @@ fn sections(
         writeln!(md, "### {stem}\n\n{}\n", img(f)?)?;
     }
     Ok(md)
+}
+
+/// Each engine beside `full` on the same workload and attention (points, repeats
+/// averaged): decode throughput and mean E2E as multiples of full's, and where its time
+/// went (the study's ratios and their reasons, from the walltime breakdown and the bytes
+/// moved). None when no engine has a full point to stand beside.
+pub(crate) fn against_full(points: &[Run]) -> Option<String> {
+    let ok: Vec<&Run> = points
+        .iter()
+        .filter(|r| r.is_performance() && r.ok())
+        .collect();
+    // The workload and attention (with its chunk): a point's fields but the strategy's.
+    let workload = |r: &Run| {
+        join(&r.fields(), |k| {
+            !is_strategy(k) || k == "attention" || k == "chunk_size"
+        })
+    };
+    let mut fulls: BTreeMap<String, &Run> = BTreeMap::new();
+    for r in ok.iter().filter(|r| r.engine == "full") {
+        fulls.entry(workload(r)).or_insert(r);
+    }
+    let mut groups: Vec<(&Run, Vec<&Run>)> = Vec::new();
+    for (w, f) in &fulls {
+        let others: Vec<&Run> = ok
+            .iter()
+            .filter(|r| r.engine != "full" && workload(r) == *w)
+            .copied()
+            .collect();
+        if !others.is_empty() {
+            groups.push((f, others));
+        }
+    }
+    if groups.is_empty() {
+        return None;
+    }
+    let key = |r: &Run| {
+        (
+            r.batch.unwrap_or(0.0),
+            r.prompt().unwrap_or(0.0),
+            r.output_len.unwrap_or(0.0),
+        )
+    };
+    groups.sort_by(|a, b| {
+        key(a.0)
+            .partial_cmp(&key(b.0))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let times = |x: Option<f64>, of: Option<f64>| match (x, of) {
+        (Some(x), Some(f)) if f > 0.0 => format!("{:.2}×", x / f),
+        _ => "–".into(),
+    };
+    let share = |part: Option<f64>, r: &Run| match (part, r.busy_s) {
+        (Some(p), Some(b)) if b > 0.0 => format!("{:.1}", 100.0 * p / b),
+        _ => "–".into(),
+    };
+    let mb_per_token = |r: &Run| match (r.h2d_bytes, r.output_tokens) {
+        (Some(b), Some(t)) if t > 0.0 => fmt(b / t / 1e6),
+        _ => "–".into(),
+    };
+    let num = |x: Option<f64>| x.map_or("–".into(), fmt);
+    let mut md = String::new();
+    let _ = writeln!(md, "\n## Against full\n");
+    let _ = writeln!(
+        md,
+        "Each engine beside `full` on the same workload and attention (repeats averaged): decode throughput and mean E2E as multiples of full's, the host-to-device bytes per output token, and the shares of the engine's time spent waiting for transfers and in cache operations (the walltime breakdown, docs/metrics.md).\n"
+    );
+    let _ = writeln!(md, "| batch | prompt | output | engine | decode tok/s | × full | E2E s | × full | H2D MB per output token | transfer wait % | cache ops % |");
+    let _ = writeln!(md, "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (f, others) in &groups {
+        for r in std::iter::once(f).chain(others.iter()) {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                num(r.batch),
+                r.prompt_len,
+                num(r.output_len),
+                r.variant(),
+                num(r.decode_tok_s),
+                times(r.decode_tok_s, f.decode_tok_s),
+                num(r.e2e_mean_s),
+                times(r.e2e_mean_s, f.e2e_mean_s),
+                mb_per_token(r),
+                share(r.transfer_s, r),
+                share(r.cache_ops_s, r),
+            );
+        }
+    }
+    Some(md)
 }

@@ -42,6 +42,16 @@ pub struct Run {
     pub slo_ttft_ms: Option<f64>,
     pub slo_tpot_ms: Option<f64>,
     pub slo_e2e_ms: Option<f64>,
+    /// Bytes copied host → device over the cell (InfiniGen's selected rows; 0 for
+    /// engines that move none).
+    pub h2d_bytes: Option<f64>,
+    /// Output tokens of the cell's measured requests.
+    pub output_tokens: Option<f64>,
+    /// The walltime breakdown: seconds the compute waited for transfers, in cache
+    /// operations, and in all six parts together (null unless every part is recorded).
+    pub transfer_s: Option<f64>,
+    pub cache_ops_s: Option<f64>,
+    pub busy_s: Option<f64>,
     /// The cell's identity columns (`cell_*` without the prefix; null as ""), less the
     /// repeat and the row's bookkeeping (index, id, key).
     pub cell: BTreeMap<String, String>,
@@ -257,10 +267,19 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
         "slo_ttft_ms",
         "slo_tpot_ms",
         "slo_e2e_ms",
+        "h2d_bytes",
+        "metrics_output_tokens",
+        "metrics_breakdown_transfer_s",
+        "metrics_breakdown_cache_ops_s",
     ]
     .iter()
     .map(|n| x(n))
     .collect();
+    // The breakdown's six parts, summed where all are recorded.
+    let parts: Vec<Vec<Option<f64>>> = BREAKDOWN.iter().map(|n| x(n)).collect();
+    let busy: Vec<Option<f64>> = (0..df.height())
+        .map(|i| parts.iter().map(|p| p[i]).sum::<Option<f64>>())
+        .collect();
     let identity: Vec<(String, Vec<Option<String>>)> = df
         .get_column_names()
         .iter()
@@ -297,6 +316,11 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
             slo_ttft_ms: cols[14][i],
             slo_tpot_ms: cols[15][i],
             slo_e2e_ms: cols[16][i],
+            h2d_bytes: cols[17][i],
+            output_tokens: cols[18][i],
+            transfer_s: cols[19][i],
+            cache_ops_s: cols[20][i],
+            busy_s: busy[i],
             cell: identity
                 .iter()
                 .map(|(k, v)| (k.clone(), v[i].clone().unwrap_or_default()))
@@ -305,6 +329,16 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
         })
         .collect()
 }
+
+/// The walltime breakdown's columns in runs.parquet (docs/metrics.md).
+const BREAKDOWN: [&str; 6] = [
+    "metrics_breakdown_prefill_s",
+    "metrics_breakdown_decode_compute_s",
+    "metrics_breakdown_cache_ops_s",
+    "metrics_breakdown_transfer_s",
+    "metrics_breakdown_sampling_s",
+    "metrics_breakdown_scheduling_s",
+];
 
 /// The points of `runs`: the rows of one cell but for their repeat merged into one, in
 /// the order of their first row. Each metric is the mean over the repeats that have it
@@ -358,6 +392,11 @@ pub(crate) fn merge(rs: &[&Run]) -> Run {
         mem_host_peak_bytes: mean(|r| r.mem_host_peak_bytes),
         mem_kv_device_used_peak_bytes: mean(|r| r.mem_kv_device_used_peak_bytes),
         goodput_req_s: mean(|r| r.goodput_req_s),
+        h2d_bytes: mean(|r| r.h2d_bytes),
+        output_tokens: mean(|r| r.output_tokens),
+        transfer_s: mean(|r| r.transfer_s),
+        cache_ops_s: mean(|r| r.cache_ops_s),
+        busy_s: mean(|r| r.busy_s),
         ..rs[0].clone()
     }
 }

@@ -1251,3 +1251,64 @@ fn a_claim_checked_in_part_without_a_verdict_is_partial() {
     assert_eq!(none.verdict, Verdict::CannotTell, "{}", none.evidence);
     assert!(!none.partial(), "{}", none.evidence);
 }
+
+#[test]
+fn against_full_sets_each_engine_beside_full_on_its_workload() {
+    use serde_json::json;
+    let row = |engine: &str, batch: u64, tok_s: f64, e2e: f64, h2d: f64, transfer: f64| {
+        json!({
+            "experiment": "p", "engine": engine, "attention": "flash", "batch": batch,
+            "prompt_len": 1000, "output_len": 512,
+            "budget": if engine == "full" { 1.0 } else { 0.3 }, "outcome": "ok",
+            "decode_tok_s": tok_s, "e2e_mean_s": e2e, "h2d_bytes": h2d,
+            "metrics_output_tokens": 1000.0,
+            "metrics_breakdown_prefill_s": 1.0, "metrics_breakdown_decode_compute_s": 6.0,
+            "metrics_breakdown_cache_ops_s": 2.0, "metrics_breakdown_transfer_s": transfer,
+            "metrics_breakdown_sampling_s": 0.5, "metrics_breakdown_scheduling_s": 0.5 - transfer,
+            "cell_engine": engine, "cell_batch": batch,
+        })
+        .as_object()
+        .unwrap()
+        .clone()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let md = |rows: &[serde_json::Map<String, serde_json::Value>]| {
+        let df = crate::recorder::frame(rows).unwrap();
+        render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
+    };
+    let out = md(&[
+        row("full", 16, 1000.0, 10.0, 0.0, 0.0),
+        row("infinigen", 16, 125.0, 52.0, 2.5e9, 0.5),
+        // No full at batch 32: nothing to stand beside.
+        row("h2o", 32, 900.0, 9.0, 0.0, 0.0),
+    ]);
+    let table: Vec<&str> = out
+        .lines()
+        .skip_while(|l| !l.starts_with("## Against full"))
+        .filter(|l| l.starts_with("| 16") || l.starts_with("| 32"))
+        .collect();
+    assert_eq!(table.len(), 2, "{out}");
+    assert!(
+        table[0].contains("| full flash | 1000 | 1.00× | 10 | 1.00× | 0 | 0.0 | 20.0 |"),
+        "{}",
+        table[0]
+    );
+    // 125 / 1000 tok/s, 52 / 10 s, 2.5 GB over 1000 tokens, 0.5 s and 2 s of 10 s.
+    assert!(
+        table[1]
+            .contains("| infinigen @0.3 flash | 125 | 0.12× | 52 | 5.20× | 2.50 | 5.0 | 20.0 |"),
+        "{}",
+        table[1]
+    );
+    // A workload with no other engine beside full, or with no full: no section.
+    let alone = md(&[
+        row("full", 16, 1000.0, 10.0, 0.0, 0.0),
+        row("h2o", 32, 900.0, 9.0, 0.0, 0.0),
+    ]);
+    assert!(!alone.contains("## Against full"), "{alone}");
+    // A full point that did not finish gives no ratio to stand on.
+    let mut failed = row("full", 16, 1000.0, 10.0, 0.0, 0.0);
+    failed.insert("outcome".into(), json!("oom"));
+    let oom = md(&[failed, row("infinigen", 16, 125.0, 52.0, 2.5e9, 0.5)]);
+    assert!(!oom.contains("## Against full"), "{oom}");
+}
