@@ -493,7 +493,8 @@ fn evicting_checks(
     use super::{paged_decode_with, prefill_attention_stats, DecodeScores};
     use crate::attention::prefill::ColumnStats;
     use crate::policy::evicting::cuda::{
-        colsum, compact_slots, decode_scores_accum, evict, scores_gather, slot_meta_init, SlotLayer,
+        colsum, compact_slots, decode_scores_accum, evict, h2o_prefill_keep, scores_gather,
+        slot_meta_init, SlotLayer,
     };
     use crate::policy::evicting::h2o::{H2o, H2oParams};
     use crate::policy::evicting::streaming::{Streaming, StreamingParams};
@@ -806,7 +807,8 @@ fn evicting_checks(
             keep.push(rule.prefill_keep(c, l, &meta[si].1[g * l..(g + 1) * l]));
         }
         let flat: Vec<i32> = keep.iter().flatten().map(|&x| x as i32).collect();
-        compact_slots(&cuda, &mut sl, &tables_d[si], &flat, kvh, d, bs)?;
+        let flat = super::upload_i32(&cuda, &flat)?;
+        compact_slots(&cuda, &mut sl, &tables_d[si], &flat, c.capacity, kvh, d, bs)?;
         let k_after = download(&tensor_from_k(&cuda, &sl, &lens, &tables, (bs, kvh, d))?)?;
         let (p, s) = download_meta(&sl, si, c.capacity)?;
         let mut ok = true;
@@ -821,6 +823,54 @@ fn evicting_checks(
         out.push(exact_check(
             "compact_slots",
             format!("KVH={kvh} D={d}, keep {} of {l}", c.capacity),
+            ok,
+        ));
+    }
+
+    // H2O's prefill keep on the device against the host rule: scores drawn from a few
+    // values (ties everywhere, so the tie order is checked), lengths across a block of
+    // threads, with and without a window, a capacity of the window alone.
+    {
+        let rule = H2o(H2oParams::default());
+        let mut ok = true;
+        let mut cases = Vec::new();
+        for &(n, capacity, recent) in &[
+            (10usize, 4usize, 2usize),
+            (700, 233, 70),
+            (3000, 1000, 0),
+            (2500, 300, 300),
+            (5000, 4999, 1),
+        ] {
+            let levels = [0.0f32, 0.25, 0.5, 1.0, 3.5];
+            let scores: Vec<f32> = (0..kvh * n)
+                .map(|_| levels[rng.random_range(0..levels.len())])
+                .collect();
+            let c = Counts { capacity, recent };
+            let scores_d = cuda
+                .cuda_stream()
+                .clone_htod(&scores)
+                .map_err(candle_core::Error::wrap)?;
+            let keep_d = h2o_prefill_keep(&cuda, &scores_d, n, c, kvh)?;
+            let got = cuda
+                .cuda_stream()
+                .clone_dtoh(&keep_d)
+                .map_err(candle_core::Error::wrap)?;
+            for g in 0..kvh {
+                let want: Vec<i32> = rule
+                    .prefill_keep(c, n, &scores[g * n..(g + 1) * n])
+                    .into_iter()
+                    .map(|x| x as i32)
+                    .collect();
+                ok &= got[g * capacity..(g + 1) * capacity] == want[..];
+            }
+            cases.push(format!("{capacity} of {n}"));
+        }
+        out.push(exact_check(
+            "h2o_prefill_keep",
+            format!(
+                "KVH={kvh}, keep {} (scores from 5 values)",
+                cases.join(", ")
+            ),
             ok,
         ));
     }

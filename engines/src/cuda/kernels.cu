@@ -1416,6 +1416,7 @@ extern "C" __global__ void compact_slots(__nv_bfloat16* __restrict__ k_cache,
     }
 }
 
+
 // ---------------------------------------------------------------------------------
 // InfiniGen (algorithms.md §4). The host tier is pinned host memory mapped into the
 // device's address space, allocated in chunks of `bpc` blocks; block b holds
@@ -1641,6 +1642,58 @@ __device__ __forceinline__ float group_est(const float* __restrict__ base, int g
     return e;
 }
 
+// The k largest of n keys (key_of(j), j < n; ties to the smaller j) written ascending
+// to out[0..k), 0 < k < n, by the whole block: radix select of the k-th largest key
+// (four 8-bit passes over a shared histogram), then one ordered pass that takes every
+// larger key and the first of those equal to it (block prefix sums). hist: 256 shared
+// counters, red: 32 shared ints, s_prefix / s_need: shared scalars.
+template <typename KeyFn>
+__device__ void top_k_ascending(KeyFn key_of, int n, int k, int32_t* __restrict__ out,
+                                unsigned int* hist, int* red, uint32_t* s_prefix,
+                                int* s_need) {
+    const int tid = threadIdx.x, bd = blockDim.x;
+    uint32_t prefix = 0, mask = 0;
+    int need = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = tid; i < 256; i += bd) hist[i] = 0;
+        __syncthreads();
+        for (int j = tid; j < n; j += bd) {
+            const uint32_t key = key_of(j);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int acc = 0, b = 255;
+            for (; b > 0; --b) {
+                if (acc + (int)hist[b] >= need) break;
+                acc += hist[b];
+            }
+            *s_prefix = prefix | ((uint32_t)b << shift);
+            *s_need = need - acc;
+        }
+        __syncthreads();
+        prefix = *s_prefix;
+        need = *s_need;
+        mask |= 255u << shift;
+    }
+    // prefix is the k-th largest key; take every larger key and the `need` oldest
+    // positions holding it, in position order.
+    int eq_before = 0, written = 0;
+    for (int j0 = 0; j0 < n; j0 += bd) {
+        const int j = j0 + tid;
+        const bool in = j < n;
+        const uint32_t key = in ? key_of(j) : 0u;
+        const int eq = in && key == prefix;
+        int eq_total, take_total;
+        const int eq_rank = block_exclusive_scan(eq, red, &eq_total);
+        const int take = in && (key > prefix || (eq && eq_before + eq_rank < need));
+        const int at = block_exclusive_scan(take, red, &take_total);
+        if (take) out[written + at] = j;
+        eq_before += eq_total;
+        written += take_total;
+    }
+}
+
 // The selection of one (decode row, KV head): k = min(max(floor(mean_h counts), 1),
 // kmax) (every position when n ≤ kmax), then the k positions with the largest group
 // estimate, ties to the older position, written ascending to sel[row, g, 0..k).
@@ -1669,52 +1722,41 @@ extern "C" __global__ void __launch_bounds__(IG_THREADS) ig_select(
         for (int i = 0; i < H; ++i) total += counts[row * H + i];
         k = (int)min((long long)km, max(1LL, total / H));
         const float* base = s + ((int64_t)row * H + g * G) * stride;
-        uint32_t prefix = 0, mask = 0;
-        int need = k;
-        for (int shift = 24; shift >= 0; shift -= 8) {
-            for (int i = tid; i < 256; i += bd) hist[i] = 0;
-            __syncthreads();
-            for (int j = tid; j < n; j += bd) {
-                const uint32_t key = order_key(group_est(base, G, stride, j));
-                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-            }
-            __syncthreads();
-            if (tid == 0) {
-                int acc = 0, b = 255;
-                for (; b > 0; --b) {
-                    if (acc + (int)hist[b] >= need) break;
-                    acc += hist[b];
-                }
-                s_prefix = prefix | ((uint32_t)b << shift);
-                s_need = need - acc;
-            }
-            __syncthreads();
-            prefix = s_prefix;
-            need = s_need;
-            mask |= 255u << shift;
-        }
-        // prefix is the k-th largest key; take every larger key and the `need` oldest
-        // positions holding it, in position order.
-        int eq_before = 0, written = 0;
-        for (int j0 = 0; j0 < n; j0 += bd) {
-            const int j = j0 + tid;
-            const bool in = j < n;
-            const uint32_t key = in ? order_key(group_est(base, G, stride, j)) : 0u;
-            const int eq = in && key == prefix;
-            int eq_total, take_total;
-            const int eq_rank = block_exclusive_scan(eq, red, &eq_total);
-            const int take = in && (key > prefix || (eq && eq_before + eq_rank < need));
-            const int at = block_exclusive_scan(take, red, &take_total);
-            if (take) out[written + at] = j;
-            eq_before += eq_total;
-            written += take_total;
-        }
+        top_k_ascending([&](int j) { return order_key(group_est(base, G, stride, j)); }, n, k, out,
+                        hist, red, &s_prefix, &s_need);
     }
     if (g == 0 && tid == 0) {
         ks[row] = k;
         stage_ctx[row] = k + 1;
         if (klog != nullptr) klog[row] = k;
     }
+}
+
+// H2O's prefill keep on the device, the host rule (`H2o::prefill_keep`) exactly: of the
+// first m = n - recent positions, the `heavy` with the highest scores (ties: the older),
+// then the recent window, ascending, for each KV head. score: [KVH, n] in position order
+// (scores_gather); keep: [KVH, heavy + recent]. grid KVH, block KEEP_THREADS. So no copy
+// to the host and back sits between a layer's statistics and its compaction. Scores
+// are sums of probabilities, never NaN (a NaN would rank highest).
+#define KEEP_THREADS 1024
+extern "C" __global__ void __launch_bounds__(KEEP_THREADS)
+    h2o_prefill_keep(const float* __restrict__ score, int32_t* __restrict__ keep, int n,
+                     int recent, int heavy) {
+    __shared__ unsigned int hist[256];
+    __shared__ int red[WARP];
+    __shared__ uint32_t s_prefix;
+    __shared__ int s_need;
+    const int g = blockIdx.x;
+    const float* sg = score + (int64_t)g * n;
+    int32_t* kg = keep + (int64_t)g * (heavy + recent);
+    const int m = n - recent;
+    if (heavy >= m) {
+        for (int j = threadIdx.x; j < m; j += blockDim.x) kg[j] = j;
+    } else if (heavy > 0) {
+        top_k_ascending([&](int j) { return order_key(sg[j]); }, m, heavy, kg, hist, red,
+                        &s_prefix, &s_need);
+    }
+    for (int i = threadIdx.x; i < recent; i += blockDim.x) kg[heavy + i] = m + i;
 }
 
 // The selected rows of offloaded layer li from the host tier into the staging slots

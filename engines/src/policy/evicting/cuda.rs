@@ -16,8 +16,9 @@
 //! device moves the last slot into the victim. Prefill rows attend with flash (H2O's
 //! exact statistics: a second tiled pass on the tensor cores with the rows'
 //! log-sum-exp) or cuBLAS (statistics from the materialized probabilities); when a
-//! prompt is complete its heads are compacted to their kept slots. Only the prefill
-//! keep decision runs on the host, over the scores copied back once per layer.
+//! prompt is complete its heads are compacted to their kept slots. The prefill keep
+//! decision runs on the device where the rule is H2O's top scores (`h2o_prefill_keep`),
+//! else on the host over the scores copied back once per layer (SnapKV's pooling).
 //!
 //! The pool (K/V bf16, scores, positions) is allocated once, like `full`'s: memory
 //! reports it as reserved and the blocks sequences hold as used.
@@ -456,6 +457,19 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let (_, kvh, d) = self.heads;
         let bs = self.block_size;
         let scores = scores_gather(&self.dev, &self.layers[layer], table, n, kvh, bs)?;
+        if self.rule.keeps_top_scores() {
+            let keep = h2o_prefill_keep(&self.dev, &scores, n, c, kvh)?;
+            return compact_slots(
+                &self.dev,
+                &mut self.layers[layer],
+                table,
+                &keep,
+                c.capacity,
+                kvh,
+                d,
+                bs,
+            );
+        }
         let host = self.dev.cuda_stream().clone_dtoh(&scores).w()?;
         let mut keep = Vec::with_capacity(kvh * c.capacity);
         for g in 0..kvh {
@@ -470,7 +484,17 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             }
             keep.extend(k.into_iter().map(|x| x as i32));
         }
-        compact_slots(&self.dev, &mut self.layers[layer], table, &keep, kvh, d, bs)
+        let keep = upload_i32(&self.dev, &keep)?;
+        compact_slots(
+            &self.dev,
+            &mut self.layers[layer],
+            table,
+            &keep,
+            c.capacity,
+            kvh,
+            d,
+            bs,
+        )
     }
 
     /// One prefill chunk of `s`: attention over its first `n` slots (= positions),
@@ -1053,22 +1077,65 @@ pub fn evict(
     Ok(())
 }
 
+/// H2O's prefill keep of one sequence on the device (`H2o::prefill_keep` exactly): from
+/// `scores` `[KVH, n]` in position order ([`scores_gather`]), each KV head's
+/// `capacity − recent` highest scores before the window (ties: the older), then the
+/// window, ascending, as `[KVH, capacity]` slots.
+pub fn h2o_prefill_keep(
+    dev: &CudaDevice,
+    scores: &CudaSlice<f32>,
+    n: usize,
+    c: Counts,
+    num_kv_heads: usize,
+) -> Result<CudaSlice<i32>> {
+    let recent = c.recent.min(c.capacity).min(n);
+    let heavy = c.capacity.min(n) - recent;
+    if scores.len() < num_kv_heads * n {
+        return Err(Error::Config(format!(
+            "h2o_prefill_keep: {} scores for {num_kv_heads} KV heads x {n} positions",
+            scores.len()
+        )));
+    }
+    let mut keep = dev.alloc_zeros::<i32>((num_kv_heads * (heavy + recent)).max(1))?;
+    let (n_i, r_i, h_i) = (
+        as_i32(n, "positions")?,
+        as_i32(recent, "recent")?,
+        as_i32(heavy, "heavy")?,
+    );
+    let f = dev.get_or_load_custom_func("h2o_prefill_keep", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(scores).arg(&mut keep).arg(&n_i).arg(&r_i).arg(&h_i);
+    let cfg = LaunchConfig {
+        grid_dim: (num_kv_heads as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(keep)
+}
+
 /// Keep slots `keep[g * C..(g + 1) * C]` (ascending) of each KV head `g` of a sequence,
 /// moved to slots `0..C` with their scores and positions.
+#[allow(clippy::too_many_arguments)]
 pub fn compact_slots(
     dev: &CudaDevice,
     sl: &mut SlotLayer,
     table: &CudaSlice<i32>,
-    keep: &[i32],
+    keep_d: &CudaSlice<i32>,
+    c: usize,
     num_kv_heads: usize,
     head_dim: usize,
     block_size: usize,
 ) -> Result<()> {
-    let c = keep.len() / num_kv_heads.max(1);
     if c == 0 {
         return Ok(());
     }
-    let keep_d = upload_i32(dev, keep)?;
+    if keep_d.len() < c * num_kv_heads {
+        return Err(Error::Config(format!(
+            "compact_slots: {} kept slots for {num_kv_heads} KV heads x {c}",
+            keep_d.len()
+        )));
+    }
     let (c_i, kvh_i) = (as_i32(c, "capacity")?, as_i32(num_kv_heads, "KV heads")?);
     let (d_i, bs_i) = (as_i32(head_dim, "D")?, as_i32(block_size, "block size")?);
     let f = dev.get_or_load_custom_func("compact_slots", MODULE, PTX)?;
@@ -1078,7 +1145,7 @@ pub fn compact_slots(
         .arg(&mut sl.score)
         .arg(&mut sl.pos)
         .arg(table)
-        .arg(&keep_d)
+        .arg(keep_d)
         .arg(&c_i)
         .arg(&kvh_i)
         .arg(&d_i)

@@ -217,6 +217,10 @@ impl Eviction for H2o {
         true
     }
 
+    fn keeps_top_scores(&self) -> bool {
+        true
+    }
+
     fn prefill_keep(&self, c: Counts, n: usize, score: &[f32]) -> Vec<usize> {
         let recent = c.recent.min(c.capacity).min(n);
         let heavy = c.capacity - recent;
@@ -290,6 +294,9 @@ mod tests {
     fn prefill_keep_by_selection_equals_the_sorted_choice() {
         use rand::{Rng, SeedableRng};
         let rule = H2o(H2oParams::default());
+        // The CUDA storage decides this rule on the device (`h2o_prefill_keep`) on the
+        // strength of the flag: the rule below is what that kernel implements.
+        assert!(rule.keeps_top_scores());
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         for n in [1usize, 2, 17, 300] {
             // Eight distinct values: most scores tie with others.

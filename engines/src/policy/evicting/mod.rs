@@ -77,6 +77,13 @@ pub trait Eviction: Send + Sync + 'static {
     /// Slots (= positions after a prefill) of one (layer, head) to keep after a
     /// prefill of `n > capacity` tokens, ascending; `score[j]` of position `j`.
     fn prefill_keep(&self, c: Counts, n: usize, score: &[f32]) -> Vec<usize>;
+    /// Whether [`Eviction::prefill_keep`] is the plain rule "the `capacity − recent`
+    /// highest scores before the window (ties: the older), then the window": the CUDA
+    /// storage then decides it on the device (`h2o_prefill_keep`), with no copy to the
+    /// host between a layer's statistics and its compaction.
+    fn keeps_top_scores(&self) -> bool {
+        false
+    }
     /// The slot to evict from `capacity + 1` slots (positions `pos`, scores `score`;
     /// the last slot is the new token) with `n` tokens of context including it.
     fn victim(&self, c: Counts, n: usize, pos: &[u32], score: &[f32]) -> usize;
