@@ -54,6 +54,10 @@ bench which="decode" *args: (fetch-model "smollm2")
 check-cuda:
     scripts/check-cuda.sh
 
+# The GPU machine's profile script run here with stand-ins for Nsight Compute, the CUDA kvbench and its libraries: kernels counted, raw CSVs kept, one decode step per pair summarized (seconds; no GPU).
+check-gpu-scripts:
+    scripts/check-gpu-scripts.sh
+
 # Build the CUDA kvbench (sm_90) here, without a GPU: target/cuda/kvbench-cuda.tar.xz (docs/cuda.md).
 build-cuda:
     scripts/build-cuda.sh
