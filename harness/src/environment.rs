@@ -34,11 +34,50 @@ pub struct Environment {
     pub prediction: Option<String>,
 }
 
+/// The processor a cell on `device` (`cpu`, `cuda`, `cuda:N`) runs on here, as its
+/// results record it: the GPU's name (NVML) on CUDA, the CPU's model otherwise; `None`
+/// when it cannot be read. A cell recorded on another processor is not this machine's
+/// result.
+pub fn processor(device: &str) -> Option<String> {
+    let cuda = device.strip_prefix("cuda").map(|i| {
+        i.strip_prefix(':')
+            .map_or(Some(0), |i| i.parse::<u32>().ok())
+    });
+    match cuda {
+        Some(index) => {
+            let n = nvml_wrapper::Nvml::init().ok()?;
+            n.device_by_index(index?).ok()?.name().ok()
+        }
+        None => cpu_model(),
+    }
+}
+
+/// The processor a recorded cell ran on (`env.gpu_name` for a CUDA cell, else
+/// `env.cpu_model`), as [`processor`] reads it here; `None` when not recorded.
+pub fn recorded_processor(cell: &serde_json::Value) -> Option<&str> {
+    let env = &cell["env"];
+    if env["device"]
+        .as_str()
+        .is_some_and(|d| d.starts_with("cuda"))
+    {
+        env["gpu_name"].as_str()
+    } else {
+        env["cpu_model"].as_str()
+    }
+}
+
+fn cpu_model() -> Option<String> {
+    use sysinfo::{CpuRefreshKind, RefreshKind, System};
+    let sys =
+        System::new_with_specifics(RefreshKind::nothing().with_cpu(CpuRefreshKind::nothing()));
+    sys.cpus()
+        .first()
+        .map(|c| c.brand().trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
 impl Environment {
     pub fn collect(device: &str, gpu: Option<u32>) -> Self {
-        use sysinfo::{CpuRefreshKind, RefreshKind, System};
-        let sys =
-            System::new_with_specifics(RefreshKind::nothing().with_cpu(CpuRefreshKind::nothing()));
         let (gpu_name, driver_version) = match gpu.and_then(|i| {
             let n = nvml_wrapper::Nvml::init().ok()?;
             let name = n.device_by_index(i).ok()?.name().ok();
@@ -58,14 +97,10 @@ impl Environment {
             device: device.to_string(),
             gpu_name,
             driver_version,
-            cpu_model: sys
-                .cpus()
-                .first()
-                .map(|c| c.brand().trim().to_string())
-                .filter(|s| !s.is_empty()),
+            cpu_model: cpu_model(),
             cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             host_memory_bytes: crate::setup::host_memory_bytes(),
-            hostname: System::host_name(),
+            hostname: sysinfo::System::host_name(),
             git_revision,
             build: Some(BUILD_ID.to_string()),
             kvbench_version: env!("CARGO_PKG_VERSION"),

@@ -369,10 +369,27 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let bars = Bars::new(cells.len());
     let bar = &bars.cells;
     let mut rows = Vec::new();
-    let (mut skipped, mut ran, mut retried, mut rebuilt) = (0, 0, 0, 0);
+    let (mut skipped, mut ran, mut retried, mut rebuilt, mut moved) = (0, 0, 0, 0, 0);
+    // The processor this sweep's cells run on; a cell recorded on another one (both
+    // known and different) is not this machine's result.
+    let here = (!a.keep_other_processors)
+        .then(|| crate::environment::processor(&plan.exp.device.name))
+        .flatten();
     for c in cells {
         if let Some(v) = recorded(&dir, c)?.filter(|_| !a.force) {
-            if !a.keep_other_builds && v["env"]["build"].as_str() != Some(BUILD_ID) {
+            let elsewhere = here
+                .as_deref()
+                .and_then(|h| crate::environment::recorded_processor(&v).filter(|r| *r != h));
+            if let Some(other) = elsewhere {
+                if moved == 0 {
+                    bars.println(&format!(
+                        "cells recorded on another processor ({other}, this one {}) are run \
+                         again; --keep-other-processors keeps them",
+                        here.as_deref().unwrap_or_default()
+                    ));
+                }
+                moved += 1;
+            } else if !a.keep_other_builds && v["env"]["build"].as_str() != Some(BUILD_ID) {
                 // Recorded by other code (or before builds were recorded): not this
                 // build's result, so it is measured again.
                 if rebuilt == 0 {
@@ -441,6 +458,7 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         [
             (retried > 0).then(|| format!("{retried} retried after an error")),
             (rebuilt > 0).then(|| format!("{rebuilt} recorded by another build, run again")),
+            (moved > 0).then(|| format!("{moved} recorded on another processor, run again")),
         ]
         .into_iter()
         .flatten()

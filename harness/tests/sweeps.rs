@@ -427,6 +427,53 @@ fn a_cell_recorded_with_a_kernel_switch_is_not_taken_for_one_without() {
     assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
 }
 
+/// A results directory carried to another machine: a cell recorded on another
+/// processor (here another CPU model) is measured again unless asked to keep it, so one
+/// card's or CPU's timings are never resumed as another's.
+#[test]
+fn a_cell_recorded_on_another_processor_is_run_again_unless_kept() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    let cells = results.join("edits/cells");
+    let plan = planned(dir.path(), &exp);
+    let id = plan[0]["id"].as_str().unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
+    let file = kvbench::cell_file::find(&cells, id).unwrap().unwrap();
+    let mut v = kvbench::cell_file::read(&file).unwrap();
+    let here = v["env"]["cpu_model"].clone();
+    assert_eq!(
+        here.as_str(),
+        kvbench::environment::processor("cpu").as_deref(),
+        "the record names this machine's processor"
+    );
+    assert!(
+        here.is_string(),
+        "this machine's CPU model is not readable, so the check has nothing to compare: {}",
+        v["env"]
+    );
+    v["env"]["cpu_model"] = "Another CPU 9000".into();
+    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &["--keep-other-processors"]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(
+        out.contains(
+            "1 cells run (1 recorded on another processor, run again), 0 already recorded"
+        ),
+        "{out}"
+    );
+    assert!(err.contains("Another CPU 9000"), "{err}");
+    let v = kvbench::cell_file::read(&file).unwrap();
+    assert_eq!(v["env"]["cpu_model"], here);
+    // A record without a processor (older, or unreadable there) is not taken for another.
+    let mut v = v;
+    v["env"].as_object_mut().unwrap().remove("cpu_model");
+    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
+    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+}
+
 #[test]
 fn a_crashed_cell_is_retried_unless_asked_not_to_and_an_oom_stays_a_result() {
     let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);

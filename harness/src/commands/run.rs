@@ -39,6 +39,13 @@ pub struct RunArgs {
     #[arg(long, conflicts_with = "force")]
     pub keep_other_builds: bool,
 
+    /// Keep cells recorded on another processor (another GPU model, or CPU model for a
+    /// CPU experiment: `env.gpu_name` / `env.cpu_model`) as this sweep's; by default
+    /// they are run again, so a results directory carried between machines never holds
+    /// one card's timings under another's.
+    #[arg(long, conflicts_with = "force")]
+    pub keep_other_processors: bool,
+
     /// Run nothing: rebuild the Parquet tables from the cells already recorded (after
     /// a sweep was stopped, or with cells gathered from several machines).
     #[arg(long, conflicts_with_all = ["dry_run", "force"])]
