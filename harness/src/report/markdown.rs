@@ -176,7 +176,20 @@ fn sections(
         ("kvbench", "env_kvbench_version"),
         ("git revision", "env_git_revision"),
     ] {
-        if let Some(v) = first(df, col) {
+        // Cells kept from other processors (`--keep-other-processors`) are named.
+        let distinct: BTreeSet<String> = if matches!(col, "env_gpu_name" | "env_cpu_model") {
+            strings(df, col).into_iter().flatten().collect()
+        } else {
+            BTreeSet::new()
+        };
+        if distinct.len() > 1 {
+            let list: Vec<&str> = distinct.iter().map(String::as_str).collect();
+            writeln!(
+                md,
+                "- {label}: {} (the cells ran on different processors)",
+                list.join(", ")
+            )?;
+        } else if let Some(v) = first(df, col) {
             writeln!(md, "- {label}: {v}")?;
         }
     }

@@ -1312,3 +1312,32 @@ fn against_full_sets_each_engine_beside_full_on_its_workload() {
     let oom = md(&[failed, row("infinigen", 16, 125.0, 52.0, 2.5e9, 0.5)]);
     assert!(!oom.contains("## Against full"), "{oom}");
 }
+
+#[test]
+fn the_environment_names_every_processor_when_cells_ran_on_several() {
+    use serde_json::json;
+    let row = |gpu: &str| {
+        json!({
+            "experiment": "g", "engine": "full", "attention": "flash", "batch": 1,
+            "prompt_len": 16, "output_len": 3, "budget": 1, "outcome": "ok",
+            "env_gpu_name": gpu,
+        })
+        .as_object()
+        .unwrap()
+        .clone()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let md = |rows: &[serde_json::Map<String, serde_json::Value>]| {
+        let df = crate::recorder::frame(rows).unwrap();
+        render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
+    };
+    let one = md(&[row("NVIDIA H100 80GB HBM3"), row("NVIDIA H100 80GB HBM3")]);
+    assert!(one.contains("- GPU: NVIDIA H100 80GB HBM3\n"), "{one}");
+    let two = md(&[row("NVIDIA H100 80GB HBM3"), row("NVIDIA H200")]);
+    assert!(
+        two.contains(
+            "- GPU: NVIDIA H100 80GB HBM3, NVIDIA H200 (the cells ran on different processors)"
+        ),
+        "{two}"
+    );
+}
