@@ -3,7 +3,8 @@
 in NumPy: D/8 lanes per key row, the shuffle reductions of the score and V passes, the
 warps' partial outputs, and paged_decode_reduce_bf16's combination of partitions, through
 a random block table, against attention computed directly (scores kept as H2O's `raw`
-too). It checks the kernel's index arithmetic on a machine without a GPU; it does not run
+too), each warp step taking several groups of keys (DECODE_UNROLL). It checks the
+kernel's index arithmetic on a machine without a GPU; it does not run
 the CUDA code, and a change to the kernel must be made here too. Rolling positions
 (StreamingLLM: keys rotated to their index as they are read, each lane taking its
 partner's half by a shuffle) too.
@@ -21,8 +22,11 @@ def shfl_xor_sum(vals, offsets):
 
 def run(D, G, KVH, ctx, part_size, bs=16, roll=None):
     """`roll` = (n, sinks): rolling positions, the cache holding the ctx kept keys of a
-    context of n (sinks, then the last ctx - sinks), each rotated to its index."""
+    context of n (sinks, then the last ctx - sinks), each rotated to its index. A warp
+    step takes U groups of RPW keys (DECODE_UNROLL; half as many for groups over 4)."""
     LPR, RPW, warps = D // 8, 32 // (D // 8), 4
+    U = 4 if G <= 4 else 2
+    seen = np.zeros((KVH, ctx), dtype=int)  # how often each key's score is written
     H = KVH * G
     nblocks = (ctx + bs - 1)//bs + 3
     table = rng.permutation(nblocks)[:(ctx + bs - 1)//bs]
@@ -47,8 +51,10 @@ def run(D, G, KVH, ctx, part_size, bs=16, roll=None):
             start = part*part_size; end = min(ctx, start+part_size); n = end-start
             ss = np.zeros((G, part_size))
             for warp in range(warps):
-                base = warp*RPW
-                while base < n:
+                step = warp*RPW*U
+                while step < n:
+                  for u in range(U):
+                    base = step + u*RPW
                     accs = {g: [0.0]*32 for g in range(G)}
                     lane_k = [None]*32
                     for lane in range(32):
@@ -86,23 +92,27 @@ def run(D, G, KVH, ctx, part_size, bs=16, roll=None):
                             j = base + sub
                             if j < n and sl == 0:
                                 ss[g, j] = red[lane]*scale; raw[kvh*G+g, start+j] = red[lane]*scale
-                    base += warps*RPW
+                                if g == 0: seen[kvh, start+j] += 1
+                  step += warps*RPW*U
             for g in range(G):
                 m = ss[g, :n].max(); p = np.exp(ss[g, :n]-m); ss[g, :n] = p
                 pm[kvh*G+g, part] = m; pl[kvh*G+g, part] = p.sum()
             sacc = np.zeros((warps, G, D))
             for warp in range(warps):
                 acc = np.zeros((32, G, 8))
-                base = warp*RPW
-                while base < n:
-                    for lane in range(32):
-                        sub, sl = lane // LPR, lane % LPR
-                        j = base + sub
-                        if j < n:
-                            t = start + j; slot = table[t//bs]*bs + t % bs
-                            v8 = vc[slot, kvh, sl*8:sl*8+8]
-                            for g in range(G): acc[lane, g] += ss[g, j]*v8
-                    base += warps*RPW
+                step = warp*RPW*U
+                while step < n:
+                    for u in range(U):
+                        base = step + u*RPW
+                        for lane in range(32):
+                            sub, sl = lane // LPR, lane % LPR
+                            j = base + sub
+                            if j < n:
+                                t = start + j; slot = table[t//bs]*bs + t % bs
+                                v8 = vc[slot, kvh, sl*8:sl*8+8]
+                                for g in range(G): acc[lane, g] += ss[g, j]*v8
+                                if sl == 0: seen[kvh, start+j] += 10
+                    step += warps*RPW*U
                 x = acc.copy(); o = LPR
                 while o < 32:
                     x = np.stack([x[l] + x[l ^ o] for l in range(32)]); o *= 2
@@ -127,11 +137,13 @@ def run(D, G, KVH, ctx, part_size, bs=16, roll=None):
         sc = keys @ q[h] * scale
         err_raw = max(err_raw, np.abs(sc - raw[h]).max())
         p = np.exp(sc - sc.max()); ref[h] = p @ vc[slots, kvh] / p.sum()
+    # Every key scored once and summed into the output once.
+    assert (seen == 11).all(), f"keys not taken exactly once: {np.unique(seen)}"
     return np.abs(out-ref).max()/np.abs(ref).max(), err_raw
 
 # (D, group, KV heads, context, partition): one key, partial warp steps and partitions.
 failed = 0
-for D, G, KVH, ctx, ps in [(128, 4, 2, 1, 64), (128, 4, 2, 300, 64), (64, 3, 3, 513, 128), (128, 8, 1, 130, 64), (64, 1, 2, 77, 64)]:
+for D, G, KVH, ctx, ps in [(128, 4, 2, 1, 64), (128, 4, 2, 300, 64), (64, 3, 3, 513, 128), (128, 8, 1, 130, 64), (64, 1, 2, 77, 64), (128, 4, 1, 700, 256), (128, 6, 1, 97, 512)]:
     e, er = run(D, G, KVH, ctx, ps)
     ok = e < 1e-9 and er < 1e-9  # f64 throughout: only the summation order differs
     failed += not ok

@@ -70,6 +70,8 @@ extern "C" __global__ void kv_gather_bf16(
 // params per row: m, n, capacity, recent; sinks = capacity - recent). cos/sin rows per
 // index, [indices, D/2]; halves rotated together (non-interleaved RoPE).
 #define DECODE_THREADS 128
+// Key rows each lane of the vector kernel loads before using any (paged_decode_part_vec).
+#define DECODE_UNROLL 4
 struct Rolling {
     const int32_t* pos;     // [slots, KVH]
     const int32_t* params;  // [rows, 4]
@@ -300,59 +302,80 @@ __device__ __forceinline__ void paged_decode_part_vec(
 
     const int32_t* table = tables + (int64_t)row * max_blocks;
     const int64_t row_elems = (int64_t)num_kv_heads * D;
+    // Each warp step takes DECODE_UNROLL groups of RPW keys: their rows are all loaded
+    // before any is used, so a lane keeps that many 16-byte loads in flight (with one,
+    // the kernel read K/V at about a third of the copy rate at batch 16 and up).
     // Every lane of a warp runs the same number of steps (the shuffles need them all);
     // lanes past the partition's last key load nothing and write nothing.
-    for (int base = warp * RPW; base < n; base += warps * RPW) {
-        const int j = base + sub;
-        const bool valid = j < n;
-        float k8[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        int64_t slot = 0;
-        if (valid) {
-            const int t = start + j;
-            slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const uint4 raw_k = *reinterpret_cast<const uint4*>(
-                k_cache + slot * row_elems + (int64_t)kvh * D + sl * 8);
-            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_k);
+    // (Half as many for groups of up to 8, whose queries and outputs take twice the
+    // registers: with four, ptxas spills.)
+    constexpr int U = MAXG <= 4 ? DECODE_UNROLL : DECODE_UNROLL / 2;
+    for (int base = warp * RPW * U; base < n; base += warps * RPW * U) {
+        uint4 raw_k[U];
+        int64_t slots[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * RPW + sub;
+            slots[u] = 0;
+            raw_k[u] = make_uint4(0, 0, 0, 0);
+            if (j < n) {
+                const int t = start + j;
+                slots[u] = (int64_t)table[t / block_size] * block_size + t % block_size;
+                raw_k[u] = *reinterpret_cast<const uint4*>(
+                    k_cache + slots[u] * row_elems + (int64_t)kvh * D + sl * 8);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * RPW + sub;
+            const bool valid = j < n;
+            const int64_t slot = slots[u];
+            float k8[8];
+            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_k[u]);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const float2 f = __bfloat1622float2(h2[i]);
                 k8[2 * i] = f.x;
                 k8[2 * i + 1] = f.y;
             }
-        }
-        if (ROLL) {
-            // Every lane shuffles (the partner of a lane past the last key holds zeros).
-            float other[8];
+            if (ROLL) {
+                // Every lane shuffles (the partner of a lane past the last key holds zeros).
+                float other[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) other[i] = __shfl_xor_sync(0xffffffffu, k8[i], LPR / 2);
-            if (valid) {
-                const int p = roll.pos[slot * num_kv_heads + kvh];
-                const int32_t* pr = roll.params + (int64_t)row * 4;
-                const int index = p < pr[2] - pr[3] ? p : p - (pr[1] - pr[0]);
-                const float* rc = roll.cos + (int64_t)index * (D / 2) + (sl % (LPR / 2)) * 8;
-                const float* rs = roll.sin + (int64_t)index * (D / 2) + (sl % (LPR / 2)) * 8;
-                const bool first_half = sl < LPR / 2;
+                for (int i = 0; i < 8; ++i)
+                    other[i] = __shfl_xor_sync(0xffffffffu, k8[i], LPR / 2);
+                if (valid) {
+                    const int p = roll.pos[slot * num_kv_heads + kvh];
+                    const int32_t* pr = roll.params + (int64_t)row * 4;
+                    const int index = p < pr[2] - pr[3] ? p : p - (pr[1] - pr[0]);
+                    const float* rc =
+                        roll.cos + (int64_t)index * (D / 2) + (sl % (LPR / 2)) * 8;
+                    const float* rs =
+                        roll.sin + (int64_t)index * (D / 2) + (sl % (LPR / 2)) * 8;
+                    const bool first_half = sl < LPR / 2;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    // (x0, x1) = (dimension i, dimension i + D/2) of the pair.
-                    const float c = rc[i], s_ = rs[i];
-                    k8[i] = first_half ? k8[i] * c - other[i] * s_ : other[i] * s_ + k8[i] * c;
+                    for (int i = 0; i < 8; ++i) {
+                        // (x0, x1) = (dimension i, dimension i + D/2) of the pair.
+                        const float c = rc[i], s_ = rs[i];
+                        k8[i] = first_half ? k8[i] * c - other[i] * s_
+                                           : other[i] * s_ + k8[i] * c;
+                    }
                 }
             }
-        }
 #pragma unroll
-        for (int g = 0; g < MAXG; ++g) {
-            if (g < group) {
-                float acc = 0.f;
+            for (int g = 0; g < MAXG; ++g) {
+                if (g < group) {
+                    float acc = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
+                    for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
 #pragma unroll
-                for (int o = LPR / 2; o > 0; o >>= 1)
-                    acc += __shfl_xor_sync(0xffffffffu, acc, o);
-                if (valid && sl == 0) {
-                    ss[g * part_size + j] = acc * scale;
-                    if (raw != nullptr)
-                        raw[(head0 + g) * raw_stride + start + j] = acc * scale;
+                    for (int o = LPR / 2; o > 0; o >>= 1)
+                        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                    if (valid && sl == 0) {
+                        ss[g * part_size + j] = acc * scale;
+                        if (raw != nullptr)
+                            raw[(head0 + g) * raw_stride + start + j] = acc * scale;
+                    }
                 }
             }
         }
@@ -367,27 +390,38 @@ __device__ __forceinline__ void paged_decode_part_vec(
     for (int g = 0; g < MAXG; ++g)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-    for (int base = warp * RPW; base < n; base += warps * RPW) {
-        const int j = base + sub;
-        if (j < n) {
-            const int t = start + j;
-            const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-            const uint4 raw_v = *reinterpret_cast<const uint4*>(
-                v_cache + slot * row_elems + (int64_t)kvh * D + sl * 8);
-            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_v);
-            float v8[8];
+    for (int base = warp * RPW * U; base < n; base += warps * RPW * U) {
+        uint4 raw_v[U];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __bfloat1622float2(h2[i]);
-                v8[2 * i] = f.x;
-                v8[2 * i + 1] = f.y;
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * RPW + sub;
+            raw_v[u] = make_uint4(0, 0, 0, 0);
+            if (j < n) {
+                const int t = start + j;
+                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                raw_v[u] = *reinterpret_cast<const uint4*>(
+                    v_cache + slot * row_elems + (int64_t)kvh * D + sl * 8);
             }
+        }
 #pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                if (g < group) {
-                    const float p = ss[g * part_size + j];
+        for (int u = 0; u < U; ++u) {
+            const int j = base + u * RPW + sub;
+            if (j < n) {
+                const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_v[u]);
+                float v8[8];
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(h2[i]);
+                    v8[2 * i] = f.x;
+                    v8[2 * i + 1] = f.y;
+                }
+#pragma unroll
+                for (int g = 0; g < MAXG; ++g) {
+                    if (g < group) {
+                        const float p = ss[g * part_size + j];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
+                    }
                 }
             }
         }
