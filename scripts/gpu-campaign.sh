@@ -42,6 +42,8 @@ steps=(
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
+  "decode-unroll|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec"
+  "decode-unroll-vec1|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec1|KVBENCH_PAGED_DECODE=vec1"
   "prefill-mma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/mma|KVBENCH_FLASH_PREFILL=mma"
   "prefill-wmma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/wmma|KVBENCH_FLASH_PREFILL=wmma"
   "anchors-kvbench|run experiments/gpu/anchors.yaml --results \$RES"

@@ -188,8 +188,15 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             part_size: part,
         };
         let last = lens.len() - 1;
+        // The vector kernel in the form the runs use (four rows in flight per lane, or
+        // one under KVBENCH_PAGED_DECODE=vec1).
+        let vector = if super::decode_choice()? == super::DecodeChoice::VectorOneRow {
+            "paged_decode (vector, 1 row)"
+        } else {
+            "paged_decode (vector)"
+        };
         for (kernel, name) in [
-            (DecodeKernel::Vector, "paged_decode (vector)"),
+            (DecodeKernel::Vector, vector),
             (DecodeKernel::Scalar, "paged_decode (scalar)"),
         ] {
             if !kernel.applies(d, h / kvh) {

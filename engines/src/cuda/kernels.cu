@@ -258,7 +258,7 @@ extern "C" __global__ void paged_decode_part_rolling_bf16(
 // Rolling positions (ROLL): the key is rotated to its index in the cache as the scalar
 // kernel does it; dimension i pairs with i + D/2, which lies in the lane D/16 further
 // on, so each lane takes its partner's 8 elements by a shuffle.
-template <int D, int MAXG, bool ROLL>
+template <int D, int MAXG, bool ROLL, int UNROLL>
 __device__ __forceinline__ void paged_decode_part_vec(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
     const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
@@ -308,8 +308,9 @@ __device__ __forceinline__ void paged_decode_part_vec(
     // Every lane of a warp runs the same number of steps (the shuffles need them all);
     // lanes past the partition's last key load nothing and write nothing.
     // (Half as many for groups of up to 8, whose queries and outputs take twice the
-    // registers: with four, ptxas spills.)
-    constexpr int U = MAXG <= 4 ? DECODE_UNROLL : DECODE_UNROLL / 2;
+    // registers: with four, ptxas spills. UNROLL = 1 is the form of earlier builds,
+    // one row in flight: KVBENCH_PAGED_DECODE=vec1.)
+    constexpr int U = UNROLL == 1 ? 1 : (MAXG <= 4 ? UNROLL : UNROLL / 2);
     for (int base = warp * RPW * U; base < n; base += warps * RPW * U) {
         uint4 raw_k[U];
         int64_t slots[U];
@@ -449,22 +450,22 @@ __device__ __forceinline__ void paged_decode_part_vec(
     }
 }
 
-#define PAGED_DECODE_VEC(D, MAXG)                                                            \
+#define PAGED_DECODE_VEC(D, MAXG, VEC, U)                                                    \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
-        paged_decode_part_vec_d##D##_g##MAXG##_bf16(                                         \
+        paged_decode_part_##VEC##_d##D##_g##MAXG##_bf16(                                     \
             const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,  \
             const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,   \
             const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
             float* __restrict__ part_l, float* __restrict__ part_acc,                        \
             float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
             int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
-        paged_decode_part_vec<D, MAXG, false>(q, k_cache, v_cache, tables, ctx_lens, part_m, \
-                                              part_l, part_acc, raw, raw_stride,             \
-                                              num_kv_heads, group, block_size, max_blocks,   \
-                                              part_size, scale, Rolling{});                  \
+        paged_decode_part_vec<D, MAXG, false, U>(q, k_cache, v_cache, tables, ctx_lens,      \
+                                                 part_m, part_l, part_acc, raw, raw_stride,  \
+                                                 num_kv_heads, group, block_size,            \
+                                                 max_blocks, part_size, scale, Rolling{});   \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
-        paged_decode_part_vec_rolling_d##D##_g##MAXG##_bf16(                                 \
+        paged_decode_part_##VEC##_rolling_d##D##_g##MAXG##_bf16(                             \
             const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,  \
             const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,   \
             const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
@@ -473,16 +474,20 @@ __device__ __forceinline__ void paged_decode_part_vec(
             int head_dim, int block_size, int max_blocks, int part_size, float scale,        \
             const int32_t* __restrict__ pos, const int32_t* __restrict__ params,             \
             const float* __restrict__ rope_cos, const float* __restrict__ rope_sin) {        \
-        paged_decode_part_vec<D, MAXG, true>(q, k_cache, v_cache, tables, ctx_lens, part_m,  \
-                                             part_l, part_acc, raw, raw_stride,              \
-                                             num_kv_heads, group, block_size, max_blocks,    \
-                                             part_size, scale,                               \
-                                             Rolling{pos, params, rope_cos, rope_sin});      \
+        paged_decode_part_vec<D, MAXG, true, U>(q, k_cache, v_cache, tables, ctx_lens,       \
+                                                part_m, part_l, part_acc, raw, raw_stride,   \
+                                                num_kv_heads, group, block_size, max_blocks, \
+                                                part_size, scale,                            \
+                                                Rolling{pos, params, rope_cos, rope_sin});   \
     }
-PAGED_DECODE_VEC(64, 4)
-PAGED_DECODE_VEC(64, 8)
-PAGED_DECODE_VEC(128, 4)
-PAGED_DECODE_VEC(128, 8)
+PAGED_DECODE_VEC(64, 4, vec, DECODE_UNROLL)
+PAGED_DECODE_VEC(64, 8, vec, DECODE_UNROLL)
+PAGED_DECODE_VEC(128, 4, vec, DECODE_UNROLL)
+PAGED_DECODE_VEC(128, 8, vec, DECODE_UNROLL)
+PAGED_DECODE_VEC(64, 4, vec1, 1)
+PAGED_DECODE_VEC(64, 8, vec1, 1)
+PAGED_DECODE_VEC(128, 4, vec1, 1)
+PAGED_DECODE_VEC(128, 8, vec1, 1)
 
 // Reduction pass: grid (rows, H), block >= D threads. out = sum_p acc_p e^{m_p - M} /
 // sum_p l_p e^{m_p - M}; lse (optional, may be null) = M + log(L) in natural log of

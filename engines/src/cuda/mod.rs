@@ -416,9 +416,9 @@ pub enum DecodeKernel {
 }
 
 impl DecodeKernel {
-    /// The vector kernel where it applies, unless [`scalar_forced`].
-    fn choose(head_dim: usize, group: usize) -> Self {
-        if !scalar_forced() && Self::Vector.applies(head_dim, group) {
+    /// The vector kernel where it applies, unless `KVBENCH_PAGED_DECODE=scalar`.
+    fn choose(head_dim: usize, group: usize, choice: DecodeChoice) -> Self {
+        if choice != DecodeChoice::Scalar && Self::Vector.applies(head_dim, group) {
             Self::Vector
         } else {
             Self::Scalar
@@ -433,13 +433,40 @@ impl DecodeKernel {
     }
 }
 
-/// `KVBENCH_PAGED_DECODE=scalar`: the decode of earlier builds, the scalar kernel with
-/// the callers' fixed partitions (a fallback should the vector kernel fail on a card,
-/// and the "before" of a comparison in one sitting).
-/// Read once per process: every layer of every decode step asks.
-pub fn scalar_forced() -> bool {
-    static FORCED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FORCED.get_or_init(|| std::env::var("KVBENCH_PAGED_DECODE").is_ok_and(|v| v == "scalar"))
+/// What `KVBENCH_PAGED_DECODE` asks for: unset, the vector kernel with four K/V rows in
+/// flight per lane; `vec1`, the vector kernel with one (earlier builds' form); `scalar`,
+/// the scalar kernel with the callers' fixed partitions. The other two are fallbacks
+/// should the default fail on a card, and the "before" of a comparison in one sitting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeChoice {
+    Default,
+    VectorOneRow,
+    Scalar,
+}
+
+/// [`DecodeChoice`] from the environment, read once per process (every layer of every
+/// decode step asks); any other value is an error naming it.
+pub fn decode_choice() -> Result<DecodeChoice> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<DecodeChoice, String>> =
+        std::sync::OnceLock::new();
+    CHOICE
+        .get_or_init(|| {
+            match std::env::var("KVBENCH_PAGED_DECODE")
+                .ok()
+                .as_deref()
+                .map(str::trim)
+            {
+                None | Some("") => Ok(DecodeChoice::Default),
+                Some("vec1") => Ok(DecodeChoice::VectorOneRow),
+                Some("scalar") => Ok(DecodeChoice::Scalar),
+                Some(v) => Err(format!(
+                    "KVBENCH_PAGED_DECODE={v}: expected vec1 or scalar (or unset for the \
+                     vector kernel with four rows in flight per lane)"
+                )),
+            }
+        })
+        .clone()
+        .map_err(Error::Config)
 }
 
 /// Blocks a decode launch aims for: two per SM of a 132-SM H100 or H200. With few rows
@@ -586,13 +613,14 @@ pub(crate) fn paged_decode_impl(
     }
     let max_blocks = t.max_blocks;
     let group = h / kvh;
-    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group));
+    let choice = decode_choice()?;
+    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group, choice));
     if !kernel.applies(d, group) {
         return Err(Error::Config(format!(
             "paged_decode: the {kernel:?} kernel does not take head dim {d}, group {group}"
         )));
     }
-    let part_size = if scalar_forced() {
+    let part_size = if choice == DecodeChoice::Scalar {
         s.part_size
     } else {
         partition_size(s.part_size, rows * kvh, t.max_ctx)
@@ -642,19 +670,22 @@ pub(crate) fn paged_decode_impl(
         ),
         None => (None, None, 0),
     };
-    let name = match (kernel, roll.is_some(), d, group) {
-        (DecodeKernel::Scalar, true, ..) => "paged_decode_part_rolling_bf16",
-        (DecodeKernel::Scalar, false, ..) => "paged_decode_part_bf16",
-        (DecodeKernel::Vector, false, 64, ..=4) => "paged_decode_part_vec_d64_g4_bf16",
-        (DecodeKernel::Vector, false, 64, _) => "paged_decode_part_vec_d64_g8_bf16",
-        (DecodeKernel::Vector, false, _, ..=4) => "paged_decode_part_vec_d128_g4_bf16",
-        (DecodeKernel::Vector, false, ..) => "paged_decode_part_vec_d128_g8_bf16",
-        (DecodeKernel::Vector, true, 64, ..=4) => "paged_decode_part_vec_rolling_d64_g4_bf16",
-        (DecodeKernel::Vector, true, 64, _) => "paged_decode_part_vec_rolling_d64_g8_bf16",
-        (DecodeKernel::Vector, true, _, ..=4) => "paged_decode_part_vec_rolling_d128_g4_bf16",
-        (DecodeKernel::Vector, true, ..) => "paged_decode_part_vec_rolling_d128_g8_bf16",
+    let name = match kernel {
+        DecodeKernel::Scalar if roll.is_some() => "paged_decode_part_rolling_bf16".to_string(),
+        DecodeKernel::Scalar => "paged_decode_part_bf16".to_string(),
+        DecodeKernel::Vector => format!(
+            "paged_decode_part_{}{}_d{}_g{}_bf16",
+            if choice == DecodeChoice::VectorOneRow {
+                "vec1"
+            } else {
+                "vec"
+            },
+            if roll.is_some() { "_rolling" } else { "" },
+            if d == 64 { 64 } else { 128 },
+            if group <= 4 { 4 } else { 8 },
+        ),
     };
-    let f = dev.get_or_load_custom_func(name, MODULE, PTX)?;
+    let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = f.builder();
     b.arg(&qv)
         .arg(&cache.k)
