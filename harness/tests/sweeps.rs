@@ -343,18 +343,51 @@ fn record(cell: &serde_json::Value, outcome: &str) -> String {
     .to_string()
 }
 
-#[test]
-fn a_cell_recorded_by_another_build_is_run_again_unless_kept() {
+/// ONE_CELL swept once into a fresh directory, with its one cell's record.
+struct Swept {
+    dir: tempfile::TempDir,
+    exp: PathBuf,
+    results: PathBuf,
+    cells: PathBuf,
+    id: String,
+    file: PathBuf,
+    record: serde_json::Value,
+}
+
+fn swept_once() -> Swept {
     let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
     let results = dir.path().join("results");
     let cells = results.join("edits/cells");
     let plan = planned(dir.path(), &exp);
-    let id = plan[0]["id"].as_str().unwrap();
-    // A real run records this build.
+    let id = plan[0]["id"].as_str().unwrap().to_string();
     let (out, _) = sweep(dir.path(), &exp, &results, &[]);
     assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
-    let file = kvbench::cell_file::find(&cells, id).unwrap().unwrap();
-    let mut v = kvbench::cell_file::read(&file).unwrap();
+    let file = kvbench::cell_file::find(&cells, &id).unwrap().unwrap();
+    let record = kvbench::cell_file::read(&file).unwrap();
+    Swept {
+        dir,
+        exp,
+        results,
+        cells,
+        id,
+        file,
+        record,
+    }
+}
+
+#[test]
+fn a_cell_recorded_by_another_build_is_run_again_unless_kept() {
+    // A real run records this build.
+    let Swept {
+        dir,
+        exp,
+        results,
+        cells,
+        id,
+        file,
+        record: mut v,
+    } = swept_once();
+    let id = id.as_str();
     assert_eq!(v["env"]["build"], kvbench::environment::BUILD_ID);
     assert_eq!(kvbench::environment::BUILD_ID.len(), 16);
     let (out, _) = sweep(dir.path(), &exp, &results, &[]);
@@ -432,15 +465,16 @@ fn a_cell_recorded_with_a_kernel_switch_is_not_taken_for_one_without() {
 /// card's or CPU's timings are never resumed as another's.
 #[test]
 fn a_cell_recorded_on_another_processor_is_run_again_unless_kept() {
-    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
-    let results = dir.path().join("results");
-    let cells = results.join("edits/cells");
-    let plan = planned(dir.path(), &exp);
-    let id = plan[0]["id"].as_str().unwrap();
-    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
-    assert!(out.contains("1 cells run, 0 already recorded"), "{out}");
-    let file = kvbench::cell_file::find(&cells, id).unwrap().unwrap();
-    let mut v = kvbench::cell_file::read(&file).unwrap();
+    let Swept {
+        dir,
+        exp,
+        results,
+        cells,
+        id,
+        file,
+        record: mut v,
+    } = swept_once();
+    let id = id.as_str();
     let here = v["env"]["cpu_model"].clone();
     assert_eq!(
         here.as_str(),

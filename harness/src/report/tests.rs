@@ -22,6 +22,13 @@ fn pt(engine: &str) -> Run {
     }
 }
 
+/// report.md of a runs table made of `rows` (runs.parquet's columns as JSON).
+fn report_of(rows: &[serde_json::Map<String, serde_json::Value>]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let df = crate::recorder::frame(rows).unwrap();
+    render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
+}
+
 fn claim(runs: &[Run], id: &str) -> (Verdict, String) {
     let c = judge(runs).into_iter().find(|c| c.id == id).unwrap();
     (c.verdict, c.evidence)
@@ -909,12 +916,7 @@ fn the_cells_table_shows_goodput_only_when_the_sweep_set_slos() {
         .unwrap()
         .clone()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let md = |rows: &[serde_json::Map<String, serde_json::Value>]| {
-        let df = crate::recorder::frame(rows).unwrap();
-        render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
-    };
-    let with = md(&[row(Some(2.5), Some(500.0)), row(Some(0.0), Some(500.0))]);
+    let with = report_of(&[row(Some(2.5), Some(500.0)), row(Some(0.0), Some(500.0))]);
     assert!(
         with.contains("- SLOs for goodput (requests meeting every one, per second): TTFT ≤ 500 ms, E2E ≤ 2000 ms"),
         "{with}"
@@ -926,10 +928,10 @@ fn the_cells_table_shows_goodput_only_when_the_sweep_set_slos() {
     assert!(table[1].ends_with("| 0 |"), "{}", table[1]);
     assert!(with.contains("| host KV GiB | goodput req/s |"), "{with}");
     // No SLO: no goodput column, no SLO line.
-    let without = md(&[row(None, None)]);
+    let without = report_of(&[row(None, None)]);
     assert!(!without.contains("goodput"), "{without}");
     // A cell without SLO beside cells with one: its goodput is –, not 0.
-    let mixed = md(&[row(Some(1.0), Some(500.0)), row(None, None)]);
+    let mixed = report_of(&[row(Some(1.0), Some(500.0)), row(None, None)]);
     assert!(
         mixed.contains("TTFT ≤ 500 ms, E2E ≤ 2000 ms, none"),
         "{mixed}"
@@ -1271,12 +1273,7 @@ fn against_full_sets_each_engine_beside_full_on_its_workload() {
         .unwrap()
         .clone()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let md = |rows: &[serde_json::Map<String, serde_json::Value>]| {
-        let df = crate::recorder::frame(rows).unwrap();
-        render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
-    };
-    let out = md(&[
+    let out = report_of(&[
         row("full", 16, 1000.0, 10.0, 0.0, 0.0),
         row("infinigen", 16, 125.0, 52.0, 2.5e9, 0.5),
         // No full at batch 32: nothing to stand beside.
@@ -1301,7 +1298,7 @@ fn against_full_sets_each_engine_beside_full_on_its_workload() {
         table[1]
     );
     // A workload with no other engine beside full, or with no full: no section.
-    let alone = md(&[
+    let alone = report_of(&[
         row("full", 16, 1000.0, 10.0, 0.0, 0.0),
         row("h2o", 32, 900.0, 9.0, 0.0, 0.0),
     ]);
@@ -1309,7 +1306,7 @@ fn against_full_sets_each_engine_beside_full_on_its_workload() {
     // A full point that did not finish gives no ratio to stand on.
     let mut failed = row("full", 16, 1000.0, 10.0, 0.0, 0.0);
     failed.insert("outcome".into(), json!("oom"));
-    let oom = md(&[failed, row("infinigen", 16, 125.0, 52.0, 2.5e9, 0.5)]);
+    let oom = report_of(&[failed, row("infinigen", 16, 125.0, 52.0, 2.5e9, 0.5)]);
     assert!(!oom.contains("## Against full"), "{oom}");
 }
 
@@ -1326,14 +1323,9 @@ fn the_environment_names_every_processor_when_cells_ran_on_several() {
         .unwrap()
         .clone()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let md = |rows: &[serde_json::Map<String, serde_json::Value>]| {
-        let df = crate::recorder::frame(rows).unwrap();
-        render(dir.path(), &df, &runs_of(&df), &[], &|_| Ok(String::new())).unwrap()
-    };
-    let one = md(&[row("NVIDIA H100 80GB HBM3"), row("NVIDIA H100 80GB HBM3")]);
+    let one = report_of(&[row("NVIDIA H100 80GB HBM3"), row("NVIDIA H100 80GB HBM3")]);
     assert!(one.contains("- GPU: NVIDIA H100 80GB HBM3\n"), "{one}");
-    let two = md(&[row("NVIDIA H100 80GB HBM3"), row("NVIDIA H200")]);
+    let two = report_of(&[row("NVIDIA H100 80GB HBM3"), row("NVIDIA H200")]);
     assert!(
         two.contains(
             "- GPU: NVIDIA H100 80GB HBM3, NVIDIA H200 (the cells ran on different processors)"

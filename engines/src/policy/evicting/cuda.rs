@@ -457,34 +457,25 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let (_, kvh, d) = self.heads;
         let bs = self.block_size;
         let scores = scores_gather(&self.dev, &self.layers[layer], table, n, kvh, bs)?;
-        if self.rule.keeps_top_scores() {
-            let keep = h2o_prefill_keep(&self.dev, &scores, n, c, kvh)?;
-            return compact_slots(
-                &self.dev,
-                &mut self.layers[layer],
-                table,
-                &keep,
-                c.capacity,
-                kvh,
-                d,
-                bs,
-            );
-        }
-        let host = self.dev.cuda_stream().clone_dtoh(&scores).w()?;
-        let mut keep = Vec::with_capacity(kvh * c.capacity);
-        for g in 0..kvh {
-            let k = self.rule.prefill_keep(c, n, &host[g * n..(g + 1) * n]);
-            if k.len() != c.capacity {
-                return Err(Error::Config(format!(
-                    "sequence {seq}: `{}` kept {} of {n} tokens for capacity {}",
-                    self.rule.name(),
-                    k.len(),
-                    c.capacity
-                )));
+        let keep = if self.rule.keeps_top_scores() {
+            h2o_prefill_keep(&self.dev, &scores, n, c, kvh)?
+        } else {
+            let host = self.dev.cuda_stream().clone_dtoh(&scores).w()?;
+            let mut keep = Vec::with_capacity(kvh * c.capacity);
+            for g in 0..kvh {
+                let k = self.rule.prefill_keep(c, n, &host[g * n..(g + 1) * n]);
+                if k.len() != c.capacity {
+                    return Err(Error::Config(format!(
+                        "sequence {seq}: `{}` kept {} of {n} tokens for capacity {}",
+                        self.rule.name(),
+                        k.len(),
+                        c.capacity
+                    )));
+                }
+                keep.extend(k.into_iter().map(|x| x as i32));
             }
-            keep.extend(k.into_iter().map(|x| x as i32));
-        }
-        let keep = upload_i32(&self.dev, &keep)?;
+            upload_i32(&self.dev, &keep)?
+        };
         compact_slots(
             &self.dev,
             &mut self.layers[layer],
