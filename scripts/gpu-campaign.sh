@@ -58,6 +58,7 @@ steps=(
   "fused-kernels-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/kernels-off|KVBENCH_FUSED_KERNELS=0"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"
+  "prefill-stats64|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/stats64|KVBENCH_H2O_STATS=mma64"
   "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
   "ttft|run experiments/gpu/ttft.yaml --results \$RES --adopt-legacy"

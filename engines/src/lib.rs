@@ -24,12 +24,13 @@ pub use error::{Error, Result};
 
 /// Environment variables that choose among an engine's interchangeable kernels and
 /// code paths (the same results within the checks' tolerances, not the same speed):
-/// the flash prefill kernel, the paged decode kernel, the fused projections and the
-/// fused elementwise kernels (docs/cuda.md). A result depends on them, so a cell's
-/// identity includes the ones that are set.
-pub const KERNEL_SWITCHES: [&str; 4] = [
+/// the flash prefill kernel, the paged decode kernel, H2O's exact-statistics kernel,
+/// the fused projections and the fused elementwise kernels (docs/cuda.md). A result
+/// depends on them, so a cell's identity includes the ones that are set.
+pub const KERNEL_SWITCHES: [&str; 5] = [
     "KVBENCH_FLASH_PREFILL",
     "KVBENCH_PAGED_DECODE",
+    "KVBENCH_H2O_STATS",
     "KVBENCH_FUSED_PROJECTIONS",
     "KVBENCH_FUSED_KERNELS",
 ];

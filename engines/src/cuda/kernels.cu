@@ -1115,19 +1115,18 @@ __device__ void attn_colsum(const __nv_bfloat16* __restrict__ q,
     }
 }
 
-// attn_colsum on mma.sync: the same inputs and outputs, grid (ceil(n_keys / 128), KVH),
-// block CS_THREADS (8 warps). The block's 128 keys are the A operand (each warp keeps
+// attn_colsum on mma.sync: the same inputs and outputs, grid (ceil(n_keys / (16 *
+// WARPS)), KVH), block WARPS warps. The block's keys are the A operand (each warp keeps
 // 16 keys' K fragments in registers) and each 64-row query tile the B operand, so a
 // warp computes S^T = K Q^T (16 keys x 8 rows per mma) and adds exp(s * scale - lse_row)
 // of the rows that see each key; a key's four lanes reduce at the end and one lane
 // writes it (no atomics, fixed order). Query tiles of each head of the group go through
 // two shared buffers with cp.async, with their rows' log-sum-exp (times log2 e, so the
-// exponential is one ex2 after one FMA). 128 keys per block (64 before) halve the
-// query traffic per key; tiles whose rows all see all the warp's keys (every tile off
-// the diagonal) skip the mask.
-#define CS_WARPS 8
-#define CS_THREADS (CS_WARPS * WARP)
-#define CS_BN (CS_WARPS * 16)
+// exponential is one ex2 after one FMA). The default form (attn_colsum_mma_*) has 8
+// warps, 128 keys a block (half the query traffic per key of 64), and skips the mask
+// on tiles whose rows all see all the warp's keys (every tile off the diagonal); the
+// form of earlier builds (attn_colsum_mma64_*: 4 warps, every tile masked) stays as
+// KVBENCH_H2O_STATS=mma64.
 #define LOG2E 1.4426950408889634f
 
 __device__ __forceinline__ float ex2_approx(float x) {
@@ -1136,13 +1135,14 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
-template <int D>
+template <int D, int WARPS, bool SKIP_MASK>
 __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
                                 const __nv_bfloat16* __restrict__ k_cache,
                                 const int32_t* __restrict__ table, const float* __restrict__ lse,
                                 float* __restrict__ score, int T, int ctx_before, int num_heads,
                                 int num_kv_heads, int block_size, float scale) {
     constexpr int LD = D + 8;
+    constexpr int CS_THREADS = WARPS * WARP, CS_BN = WARPS * 16;
     extern __shared__ __align__(128) unsigned char fmsmem[];
     __nv_bfloat16* Ks = (__nv_bfloat16*)fmsmem;                   // [CS_BN, LD]
     __nv_bfloat16* Qs = Ks + CS_BN * LD;                          // [2][BM, LD]
@@ -1200,7 +1200,7 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
             // Every row of the tile sees every key of the warp: no mask (positions
             // ctx_before + row0.. are all at or past the warp's last key, which is
             // then below n_keys).
-            const bool whole = rows == FM_BM && ctx_before + row0 >= wkey0 + 15;
+            const bool whole = SKIP_MASK && rows == FM_BM && ctx_before + row0 >= wkey0 + 15;
 #pragma unroll
             for (int np = 0; np < FM_BM / 16; ++np) {
                 float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1250,21 +1250,18 @@ __device__ void attn_colsum_mma(const __nv_bfloat16* __restrict__ q,
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CS_THREADS) attn_colsum_mma_d64_bf16(
-    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
-    const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
-    int block_size, float scale) {
-    attn_colsum_mma<64>(q, k_cache, table, lse, score, T, ctx_before, num_heads, num_kv_heads,
-                        block_size, scale);
-}
-
-extern "C" __global__ void __launch_bounds__(CS_THREADS) attn_colsum_mma_d128_bf16(
-    const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,
-    const float* lse, float* score, int T, int ctx_before, int num_heads, int num_kv_heads,
-    int block_size, float scale) {
-    attn_colsum_mma<128>(q, k_cache, table, lse, score, T, ctx_before, num_heads, num_kv_heads,
-                         block_size, scale);
-}
+#define ATTN_COLSUM_MMA(NAME, D, WARPS, SKIP)                                                \
+    extern "C" __global__ void __launch_bounds__(WARPS * WARP) NAME(                         \
+        const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,          \
+        const float* lse, float* score, int T, int ctx_before, int num_heads,                \
+        int num_kv_heads, int block_size, float scale) {                                     \
+        attn_colsum_mma<D, WARPS, SKIP>(q, k_cache, table, lse, score, T, ctx_before,        \
+                                        num_heads, num_kv_heads, block_size, scale);         \
+    }
+ATTN_COLSUM_MMA(attn_colsum_mma_d64_bf16, 64, 8, true)
+ATTN_COLSUM_MMA(attn_colsum_mma_d128_bf16, 128, 8, true)
+ATTN_COLSUM_MMA(attn_colsum_mma64_d64_bf16, 64, 4, false)
+ATTN_COLSUM_MMA(attn_colsum_mma64_d128_bf16, 128, 4, false)
 
 extern "C" __global__ void __launch_bounds__(128) attn_colsum_d64_bf16(
     const __nv_bfloat16* q, const __nv_bfloat16* k_cache, const int32_t* table,

@@ -827,6 +827,39 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 }
 
+/// Which form of the `mma.sync` exact-statistics kernel `KVBENCH_H2O_STATS` asks for:
+/// unset, 128 keys a block over 8 warps with the mask skipped off the diagonal; `mma64`,
+/// the form of earlier builds (64 keys over 4 warps, every tile masked), a fallback
+/// should the default fail on a card and its "before" in one sitting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatsChoice {
+    Default,
+    Keys64,
+}
+
+/// [`StatsChoice`] from the environment, read once per process; any other value is an
+/// error naming it.
+pub fn stats_choice() -> Result<StatsChoice> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<StatsChoice, String>> =
+        std::sync::OnceLock::new();
+    CHOICE
+        .get_or_init(|| {
+            match std::env::var("KVBENCH_H2O_STATS")
+                .ok()
+                .as_deref()
+                .map(str::trim)
+            {
+                None | Some("") => Ok(StatsChoice::Default),
+                Some("mma64") => Ok(StatsChoice::Keys64),
+                Some(v) => Err(format!(
+                    "KVBENCH_H2O_STATS={v}: expected mma64 (or unset for 128 keys a block)"
+                )),
+            }
+        })
+        .clone()
+        .map_err(Error::Config)
+}
+
 /// Column statistics of one prefill chunk, second pass: `q` `[T, H, D]` at positions
 /// `ctx_before..` with its rows' log-sum-exp `lse` `[T, H]`; the sum over rows and each
 /// group's heads of the probabilities is added to the scores of keys `0..ctx_before+T`,
@@ -845,7 +878,10 @@ pub fn colsum(
 ) -> Result<()> {
     let (t, h, d) = q.dims3()?;
     let kernel = kernel.stats();
+    let keys64 = stats_choice()? == StatsChoice::Keys64;
     let name = match (kernel, d) {
+        (FlashKernel::Mma, 64) if keys64 => "attn_colsum_mma64_d64_bf16",
+        (FlashKernel::Mma, 128) if keys64 => "attn_colsum_mma64_d128_bf16",
         (FlashKernel::Mma, 64) => "attn_colsum_mma_d64_bf16",
         (FlashKernel::Mma, 128) => "attn_colsum_mma_d128_bf16",
         (FlashKernel::Wmma, 64) => "attn_colsum_d64_bf16",
@@ -860,12 +896,18 @@ pub fn colsum(
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
     let qv = crate::cuda::view(&qs, ql, "attn_colsum q")?;
-    // Keys per block and threads (CS_BN and CS_THREADS in kernels.cu for the mma
-    // kernel: 8 warps of 16 keys; the WMMA one has 4 warps over 64 keys).
+    // Keys per block and threads (the mma kernel's WARPS in kernels.cu: 8 warps of 16
+    // keys, 4 in its earlier form; the WMMA one has 4 warps over 64 keys).
     let (keys, threads, smem) = match kernel {
-        // 128 keys, then two query tiles of 64 rows, D + 8 bf16 a row, and two tiles' lse.
+        // The block's keys, then two query tiles of 64 rows, D + 8 bf16 a row, and two
+        // tiles' lse.
         FlashKernel::Mma | FlashKernel::Fa2 => {
-            (128, 256, (128 + 2 * 64) * (d + 8) * 2 + 2 * 64 * 4)
+            let keys = if keys64 { 64 } else { 128 };
+            (
+                keys,
+                2 * keys as u32,
+                (keys + 2 * 64) * (d + 8) * 2 + 2 * 64 * 4,
+            )
         }
         FlashKernel::Wmma => (64, 128, flash_smem_bytes(d)),
     };
