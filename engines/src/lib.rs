@@ -45,3 +45,56 @@ pub fn kernel_switches() -> std::collections::BTreeMap<String, String> {
         })
         .collect()
 }
+
+/// The value of kernel switch `var` in `value` (the environment's, `None` when unset)
+/// among `options` (name, choice), and whether it was named: unset or blank gives
+/// `unset` (described as `unset_is` in the error), any other value an error that names
+/// the variable, the value and what it takes. The CUDA paths read their switches
+/// through it once per process.
+pub fn parse_switch<T: Copy>(
+    var: &str,
+    value: Option<&str>,
+    options: &[(&str, T)],
+    unset: T,
+    unset_is: &str,
+) -> std::result::Result<(T, bool), String> {
+    // A switch read here changes results, so it must be part of cell identities.
+    debug_assert!(
+        KERNEL_SWITCHES.contains(&var),
+        "{var} is not in KERNEL_SWITCHES"
+    );
+    match value.map(str::trim) {
+        None | Some("") => Ok((unset, false)),
+        Some(v) => options
+            .iter()
+            .find(|(name, _)| *name == v)
+            .map(|&(_, t)| (t, true))
+            .ok_or_else(|| {
+                let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+                format!(
+                    "{var}={v}: expected {} (or unset for {unset_is})",
+                    names.join(", ")
+                )
+            }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_switch;
+
+    #[test]
+    fn a_switch_takes_its_names_or_unset_and_refuses_anything_else_by_name() {
+        let opts = [("vec1", 1), ("scalar", 2)];
+        let p = |v| parse_switch("KVBENCH_PAGED_DECODE", v, &opts, 0, "the default");
+        assert_eq!(p(None), Ok((0, false)));
+        assert_eq!(p(Some("  ")), Ok((0, false)));
+        assert_eq!(p(Some("vec1")), Ok((1, true)));
+        assert_eq!(p(Some(" scalar ")), Ok((2, true)));
+        let e = p(Some("vec4")).unwrap_err();
+        assert_eq!(
+            e,
+            "KVBENCH_PAGED_DECODE=vec4: expected vec1, scalar (or unset for the default)"
+        );
+    }
+}

@@ -451,19 +451,17 @@ pub fn decode_choice() -> Result<DecodeChoice> {
         std::sync::OnceLock::new();
     CHOICE
         .get_or_init(|| {
-            match std::env::var("KVBENCH_PAGED_DECODE")
-                .ok()
-                .as_deref()
-                .map(str::trim)
-            {
-                None | Some("") => Ok(DecodeChoice::Default),
-                Some("vec1") => Ok(DecodeChoice::VectorOneRow),
-                Some("scalar") => Ok(DecodeChoice::Scalar),
-                Some(v) => Err(format!(
-                    "KVBENCH_PAGED_DECODE={v}: expected vec1 or scalar (or unset for the \
-                     vector kernel with four rows in flight per lane)"
-                )),
-            }
+            crate::parse_switch(
+                "KVBENCH_PAGED_DECODE",
+                std::env::var("KVBENCH_PAGED_DECODE").ok().as_deref(),
+                &[
+                    ("vec1", DecodeChoice::VectorOneRow),
+                    ("scalar", DecodeChoice::Scalar),
+                ],
+                DecodeChoice::Default,
+                "the vector kernel with four rows in flight per lane",
+            )
+            .map(|(c, _)| c)
         })
         .clone()
         .map_err(Error::Config)
@@ -941,33 +939,18 @@ impl FlashKernel {
 
     /// The kernel a value of `KVBENCH_FLASH_PREFILL` asks for, and whether it named one.
     fn parse(v: Option<&str>) -> std::result::Result<(Self, bool), String> {
-        match v.map(str::trim) {
-            None | Some("") => Ok((Self::default_kernel(), false)),
-            Some("mma") => Ok((Self::Mma, true)),
-            Some("wmma") => Ok((Self::Wmma, true)),
-            Some("fa2") => Ok((Self::Fa2, true)),
-            Some(v) => Err(format!(
-                "KVBENCH_FLASH_PREFILL={v}: expected mma, wmma or fa2 (or unset for {})",
-                Self::default_kernel().name()
-            )),
-        }
-    }
-
-    fn default_kernel() -> Self {
-        if cfg!(feature = "flash-attn") {
-            Self::Fa2
+        let (unset, unset_is) = if cfg!(feature = "flash-attn") {
+            (Self::Fa2, "fa2")
         } else {
-            Self::Mma
-        }
-    }
-
-    /// The name `KVBENCH_FLASH_PREFILL` takes.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Mma => "mma",
-            Self::Wmma => "wmma",
-            Self::Fa2 => "fa2",
-        }
+            (Self::Mma, "mma")
+        };
+        crate::parse_switch(
+            "KVBENCH_FLASH_PREFILL",
+            v,
+            &[("mma", Self::Mma), ("wmma", Self::Wmma), ("fa2", Self::Fa2)],
+            unset,
+            unset_is,
+        )
     }
 
     /// The kernel of H2O's exact statistics pass that goes with this attention kernel.

@@ -844,17 +844,14 @@ pub fn stats_choice() -> Result<StatsChoice> {
         std::sync::OnceLock::new();
     CHOICE
         .get_or_init(|| {
-            match std::env::var("KVBENCH_H2O_STATS")
-                .ok()
-                .as_deref()
-                .map(str::trim)
-            {
-                None | Some("") => Ok(StatsChoice::Default),
-                Some("mma64") => Ok(StatsChoice::Keys64),
-                Some(v) => Err(format!(
-                    "KVBENCH_H2O_STATS={v}: expected mma64 (or unset for 128 keys a block)"
-                )),
-            }
+            crate::parse_switch(
+                "KVBENCH_H2O_STATS",
+                std::env::var("KVBENCH_H2O_STATS").ok().as_deref(),
+                &[("mma64", StatsChoice::Keys64)],
+                StatsChoice::Default,
+                "128 keys a block",
+            )
+            .map(|(c, _)| c)
         })
         .clone()
         .map_err(Error::Config)
