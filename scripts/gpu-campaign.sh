@@ -56,6 +56,9 @@ steps=(
   "fused-on|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/on"
   "fused-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/off|KVBENCH_FUSED_PROJECTIONS=0"
   "fused-kernels-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/kernels-off|KVBENCH_FUSED_KERNELS=0"
+  "verify-graph|verify --device cuda --model preset:llama-3.1-8b|KVBENCH_CUDA_GRAPH=on"
+  "decode-graph-off|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/off"
+  "decode-graph|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/on|KVBENCH_CUDA_GRAPH=on"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"
   "prefill-stats64|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/stats64|KVBENCH_H2O_STATS=mma64"
@@ -71,9 +74,14 @@ steps=(
 # its time on a step the limit then kills (sweeps resume by cell and start whenever
 # 30 s are left).
 declare -A need=(
-  [verify-smollm2]=60 [verify-llama]=75 [profile-decode]=240
+  [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=75 [profile-decode]=240
   [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
 )
+
+# Steps measured only once another has passed for this archive (an opt-in path checked
+# first), and steps whose failure stops only those (the plan's other steps go on).
+declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph)
+declare -A optional=([verify-graph]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"
@@ -83,6 +91,8 @@ if [ "$dry" = 1 ]; then
     if [[ "$args" == *"|"* ]]; then envs="${args#*|}"; args="${args%%|*}"; fi
     [ -n "$envs" ] && echo "== $name: with $envs"
     [ -n "${need[$name]:-}" ] && echo "== $name: started only with ${need[$name]} s left"
+    [ -n "${after[$name]:-}" ] && echo "== $name: only once ${after[$name]} passed for the archive"
+    [ -n "${optional[$name]:-}" ] && echo "== $name: a failure skips only the steps after it that need it"
     if [[ "$args" == py:* ]]; then
       echo "== $name: python3 ${args#py:}" | sed 's|\$RES|results/baselines/<card>|g'
       script="$(awk '{print $1}' <<<"${args#py:}")"
@@ -147,6 +157,11 @@ for s in "${steps[@]}"; do
     esac
   fi
   if [ -n "${KVBENCH_CAMPAIGN_STEPS:-}" ] && [[ "$only" != *" $name "* ]]; then continue; fi
+  dep="${after[$name]:-}"
+  if [ -n "$dep" ] && ! grep -qs "archive $build" "$res/campaign/$dep.done"; then
+    echo "== $name skipped: $dep has not passed for this archive"
+    continue
+  fi
   left=$(( deadline - $(date +%s) ))
   if [ "$left" -lt "${need[$name]:-30}" ]; then
     echo "== out of time before $name ($left s left, it needs about ${need[$name]:-30})"
@@ -195,9 +210,9 @@ for s in "${steps[@]}"; do
   elif [ "$rc" = 137 ] || [ "$rc" = 124 ]; then
     echo "== $name stopped at the time limit; the next call resumes it"
     break
-  elif [[ "$args" == py:* || "$args" == sh:* ]]; then
-    # A peer's measurement or the profile failing says nothing of kvbench's sweeps: the
-    # steps after it go on.
+  elif [[ "$args" == py:* || "$args" == sh:* || -n "${optional[$name]:-}" ]]; then
+    # A peer's measurement, the profile or an opt-in path failing says nothing of
+    # kvbench's other sweeps: the steps after it go on (those that need it are skipped).
     echo "== $name failed (exit $rc): see $log; the steps after it go on" >&2
     status=1
   else

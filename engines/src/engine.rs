@@ -57,6 +57,9 @@ pub struct EngineConfig {
     /// Fail a step whose decode rows attend or hold more than the nominal budget
     /// (see `policy::audit`).
     pub audit: bool,
+    /// Run decode steps from CUDA graphs where the strategy can (`crate::decode_graphs`;
+    /// `None`: as `KVBENCH_CUDA_GRAPH` says, off when unset). Ignored on the CPU.
+    pub cuda_graphs: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +82,7 @@ impl Default for EngineConfig {
             chunk_size: 512,
             host_memory: None,
             audit: true,
+            cuda_graphs: None,
         }
     }
 }
@@ -174,6 +178,9 @@ pub struct Engine {
     events: Vec<RequestEvent>,
     traces: Vec<StepTrace>,
     finished: Vec<RequestOutput>,
+    /// Decode steps replayed from CUDA graphs (`None`: every step launched as it is).
+    #[cfg(feature = "cuda")]
+    graphs: Option<crate::cuda::graph::DecodeGraphs>,
 }
 
 impl Engine {
@@ -292,7 +299,17 @@ impl Engine {
         ledger: MemoryLedger,
         max_model_len: usize,
     ) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let graphs = {
+            let on = match cfg.cuda_graphs {
+                Some(on) => on,
+                None => model.device().is_cuda() && crate::cuda::graph::graphs_chosen()?,
+            };
+            (on && model.device().is_cuda()).then(crate::cuda::graph::DecodeGraphs::new)
+        };
         Ok(Self {
+            #[cfg(feature = "cuda")]
+            graphs,
             model,
             policy,
             sched: Scheduler::new(cfg.scheduler),
@@ -310,6 +327,15 @@ impl Engine {
 
     pub fn model(&self) -> &Llama {
         &self.model
+    }
+
+    /// How many decode steps ran from CUDA graphs (zero on the CPU and with graphs off).
+    pub fn graph_stats(&self) -> crate::decode_graphs::GraphStats {
+        #[cfg(feature = "cuda")]
+        if let Some(g) = &self.graphs {
+            return g.stats();
+        }
+        crate::decode_graphs::GraphStats::default()
     }
 
     pub fn policy(&self) -> &dyn KvPolicy {
@@ -574,7 +600,25 @@ impl Engine {
         let logits = if model.device().is_cpu() {
             rayon::scope(|_| model.forward(&tokens, &positions, &batch, &sample_rows, policy))
         } else {
-            model.forward(&tokens, &positions, &batch, &sample_rows, policy)
+            // A decode step whose every row is sampled may replay a CUDA graph.
+            let every_row = counts.1 == tokens.len()
+                && sample_rows.len() == tokens.len()
+                && sample_rows.iter().zip(0u32..).all(|(&r, i)| r == i);
+            #[cfg(feature = "cuda")]
+            let replayed = match (every_row, &mut self.graphs) {
+                (true, Some(g)) => g.forward(model, &mut *policy, &tokens, &positions, &batch),
+                _ => Ok(None),
+            };
+            #[cfg(not(feature = "cuda"))]
+            let replayed: Result<Option<candle_core::Tensor>> = {
+                let _ = every_row;
+                Ok(None)
+            };
+            match replayed {
+                Ok(Some(l)) => Ok(l),
+                Ok(None) => model.forward(&tokens, &positions, &batch, &sample_rows, policy),
+                Err(e) => Err(e),
+            }
         };
         self.ledger.release(Component::Activations, act);
         let logits = logits.map_err(|e| self.name_oom(e))?;

@@ -8,6 +8,7 @@ pub mod config;
 pub mod cost;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decode_graphs;
 pub mod device;
 pub mod engine;
 pub mod error;
@@ -25,14 +26,16 @@ pub use error::{Error, Result};
 /// Environment variables that choose among an engine's interchangeable kernels and
 /// code paths (the same results within the checks' tolerances, not the same speed):
 /// the flash prefill kernel, the paged decode kernel, H2O's exact-statistics kernel,
-/// the fused projections and the fused elementwise kernels (docs/cuda.md). A result
-/// depends on them, so a cell's identity includes the ones that are set.
-pub const KERNEL_SWITCHES: [&str; 5] = [
+/// the fused projections, the fused elementwise kernels and CUDA graphs of decode
+/// steps (docs/cuda.md). A result depends on them, so a cell's identity includes the
+/// ones that are set.
+pub const KERNEL_SWITCHES: [&str; 6] = [
     "KVBENCH_FLASH_PREFILL",
     "KVBENCH_PAGED_DECODE",
     "KVBENCH_H2O_STATS",
     "KVBENCH_FUSED_PROJECTIONS",
     "KVBENCH_FUSED_KERNELS",
+    "KVBENCH_CUDA_GRAPH",
 ];
 
 /// The [`KERNEL_SWITCHES`] set in this process's environment (non-empty), by name.

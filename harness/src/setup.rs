@@ -383,6 +383,8 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
         audit: !e.no_audit,
         reservation: opts.reservation,
         kv_codec: opts.kv_codec,
+        // KVBENCH_CUDA_GRAPH decides (a kernel switch: part of a cell's identity).
+        cuda_graphs: None,
     };
     Engine::new(setup.loaded.model.clone(), cfg).context("starting the engine")
 }

@@ -6,6 +6,7 @@
 pub mod check;
 #[cfg(feature = "flash-attn")]
 pub mod flash_attn;
+pub mod graph;
 
 use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
@@ -524,6 +525,49 @@ impl DecodeTables {
             max_blocks,
             max_ctx,
         })
+    }
+}
+
+impl DecodeTables {
+    /// Tables of `rows` rows and `max_blocks` blocks each for contexts up to `max_ctx`,
+    /// zeroed: the fixed buffers a CUDA graph's decode step reads, filled by
+    /// [`DecodeTables::write`] before each replay.
+    pub fn fixed(dev: &CudaDevice, rows: usize, max_blocks: usize, max_ctx: usize) -> Result<Self> {
+        Ok(Self {
+            tables: dev.alloc_zeros::<i32>(rows.max(1) * max_blocks.max(1))?,
+            ctx: dev.alloc_zeros::<i32>(rows.max(1))?,
+            rows,
+            max_blocks: max_blocks.max(1),
+            max_ctx,
+        })
+    }
+
+    /// Overwrite the tables and context lengths in place (stream-ordered: kernels
+    /// queued before read the old values). Each row's table is cut to the width, which
+    /// must hold its context.
+    pub fn write(
+        &mut self,
+        dev: &CudaDevice,
+        tables: &[Vec<i32>],
+        ctx: &[usize],
+        block_size: usize,
+    ) -> Result<()> {
+        let flat = crate::decode_graphs::fixed_width_tables(
+            tables,
+            ctx,
+            self.rows,
+            self.max_blocks,
+            self.max_ctx,
+            block_size,
+        )?;
+        let ctx_i: Vec<i32> = ctx
+            .iter()
+            .map(|&c| as_i32(c, "context length"))
+            .collect::<Result<_>>()?;
+        let stream = dev.cuda_stream();
+        stream.memcpy_htod(&flat, &mut self.tables).w()?;
+        stream.memcpy_htod(&ctx_i, &mut self.ctx).w()?;
+        Ok(())
     }
 }
 

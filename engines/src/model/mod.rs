@@ -698,12 +698,47 @@ impl Llama {
         sample_rows: &[u32],
         attend: &mut AttendFn<'_>,
     ) -> Result<Tensor> {
-        let c = &self.cfg;
-        let t = tokens.len();
-        let eps = c.rms_norm_eps as f32;
         let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
         let (cos, sin) = self.rope_tables(positions)?;
+        self.forward_inputs(&ids, &cos, &sin, positions, sample_rows, attend)
+    }
+
+    /// [`Llama::forward`] from inputs already on the model's device: token ids `ids`
+    /// (`[T]` u32) and their RoPE rows `cos`/`sin` (`[T, dh/2]` in the model's dtype),
+    /// every row's logits returned (`[T, vocab]` f32). Nothing is read from the host
+    /// (`positions` only reaches the policy's `attend`), so a CUDA graph can capture it
+    /// and replay it over new values in the same buffers.
+    pub fn forward_device(
+        &self,
+        ids: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        positions: &[u32],
+        attend: &mut AttendFn<'_>,
+    ) -> Result<Tensor> {
+        let all: Vec<u32> = (0..ids.dim(0)? as u32).collect();
+        self.forward_inputs(ids, cos, sin, positions, &all, attend)
+    }
+
+    /// The f32 cos and sin rows of `positions` (`[T, dh/2]` each, row-major).
+    pub fn rope_rows(&self, positions: &[u32]) -> (Vec<f32>, Vec<f32>) {
+        Rope::tables(self, positions)
+    }
+
+    fn forward_inputs(
+        &self,
+        ids: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        positions: &[u32],
+        sample_rows: &[u32],
+        attend: &mut AttendFn<'_>,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let t = ids.dim(0)?;
+        let eps = c.rms_norm_eps as f32;
+        let mut x = self.embed.index_select(ids, 0)?;
+        let (cos, sin) = (cos.clone(), sin.clone());
         // The previous layer's MLP output, added to the residual together with the
         // next norm (one kernel where `add_norm` fuses them).
         let mut pending: Option<Tensor> = None;
@@ -754,8 +789,15 @@ impl Llama {
         if let Some(m) = pending {
             x = (x + m)?;
         }
-        let rows = Tensor::new(sample_rows, &self.device)?;
-        let x = x.index_select(&rows, 0)?;
+        // Every row sampled in order (a decode step): no gather, and no upload of the
+        // row list (which a CUDA graph could not capture).
+        let every_row =
+            sample_rows.len() == t && sample_rows.iter().zip(0u32..).all(|(&r, i)| r == i);
+        let x = if every_row {
+            x
+        } else {
+            x.index_select(&Tensor::new(sample_rows, &self.device)?, 0)?
+        };
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
         Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
     }
@@ -852,6 +894,56 @@ mod tests {
                 .max_all()
                 .unwrap();
             assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+        }
+    }
+
+    /// The forward from device inputs (what a CUDA graph captures: ids and RoPE rows
+    /// already in tensors, every row sampled without a gather) gives the forward's
+    /// logits exactly, and sampling a subset still gathers those rows.
+    #[test]
+    fn forward_from_device_inputs_is_the_forward() {
+        use crate::model::load::load_preset;
+        for wd in [WeightDtype::F32, WeightDtype::Bf16] {
+            let cfg = crate::config::preset("tiny").unwrap();
+            let m = load_preset(cfg, wd, 5, &Device::Cpu).unwrap();
+            let tokens = [7u32, 3, 9, 1, 4];
+            let positions: Vec<u32> = (0..tokens.len() as u32).collect();
+            let dense = m.forward_dense(&tokens).unwrap();
+            let ids = Tensor::new(&tokens[..], &Device::Cpu).unwrap();
+            let (c, s) = m.rope_rows(&positions);
+            let half = c.len() / tokens.len();
+            let table = |v: Vec<f32>| {
+                Tensor::from_vec(v, (tokens.len(), half), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(m.dtype())
+                    .unwrap()
+            };
+            let (cos, sin) = (table(c), table(s));
+            let mut causal = |i: &LayerInput<'_>| Ok(causal_attention(i.q, i.k, i.v)?);
+            let out = m
+                .forward_device(&ids, &cos, &sin, &positions, &mut causal)
+                .unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(out.dims(), dense.dims());
+            assert!(
+                flat(&out) == flat(&dense),
+                "{wd:?}: not the forward's logits"
+            );
+            let some = m
+                .forward_with(&tokens, &positions, &[1, 4], &mut causal)
+                .unwrap();
+            // Two rows take another product path than five (the CPU's matrix-vector
+            // form), so the sums round differently: equal within rounding.
+            let tol = if wd == WeightDtype::F32 { 1e-5 } else { 2e-2 };
+            for (i, r) in [(0, 1), (1, 4)] {
+                let (a, b) = (flat(&some.get(i).unwrap()), flat(&dense.get(r).unwrap()));
+                let d = a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(a.len() == b.len() && d <= tol, "{wd:?} row {r}: {d}");
+            }
         }
     }
 

@@ -7,6 +7,7 @@ use crate::setup::{host_memory_bytes, load_model, seeded_ids, skewing, ModelArgs
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_engines::attention::prefill::AttentionImpl;
+use kvbench_engines::decode_graphs::GraphStats;
 use kvbench_engines::device::DeviceKind;
 use kvbench_engines::engine::{Engine, EngineConfig, Request};
 use kvbench_engines::model::WeightDtype;
@@ -90,6 +91,7 @@ struct Outcome {
     logits: Vec<Vec<Vec<f32>>>,
     outputs: Vec<Vec<u32>>,
     kv_device_bytes: Option<u64>,
+    graphs: GraphStats,
 }
 
 pub fn run(mut a: VerifyArgs) -> Result<()> {
@@ -157,11 +159,8 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         check_invariants: true,
         ..Default::default()
     };
-    let run_one = |policy: PolicySpec,
-                   attention: AttentionImpl,
-                   forced: Option<&[Vec<u32>]>|
-     -> Result<Outcome> {
-        let mut e = Engine::new(model.clone(), engine_cfg(policy, attention))?;
+    let run_cfg = |cfg: EngineConfig, forced: Option<&[Vec<u32>]>| -> Result<Outcome> {
+        let mut e = Engine::new(model.clone(), cfg)?;
         for (i, p) in prompts.iter().enumerate() {
             e.add_request(Request {
                 forced_output: forced.map_or(Vec::new(), |f| f[i].clone()),
@@ -173,10 +172,14 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         let mut out = e.finished().to_vec();
         out.sort_by_key(|r| r.id);
         Ok(Outcome {
+            graphs: e.graph_stats(),
             kv_device_bytes: out.first().map(|r| r.kv_device_bytes),
             outputs: out.iter().map(|r| r.output.clone()).collect(),
             logits: out.into_iter().map(|r| r.logits).collect(),
         })
+    };
+    let run_one = |policy: PolicySpec, attention: AttentionImpl, forced: Option<&[Vec<u32>]>| {
+        run_cfg(engine_cfg(policy, attention), forced)
     };
 
     let kernels = kernel_checks(model.device())?;
@@ -283,6 +286,54 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
             Err(e) => Row {
                 engine,
                 attention: imp.to_string(),
+                budget: 1.0,
+                params,
+                max_abs_logit_diff: None,
+                kv_device_bytes: None,
+                kv_device_allowed_bytes: None,
+                pass: false,
+                error: Some(format!("{e:#}")),
+            },
+        };
+        rows.push(row);
+    }
+
+    // With KVBENCH_CUDA_GRAPH=on (graphs are opt-in until they have run on a GPU):
+    // `full` with its decode steps replayed from CUDA graphs (captured per row count and
+    // context bucket) against the same reference. A run in which no step was replayed
+    // fails: it would have checked nothing.
+    let graphs_asked = std::env::var("KVBENCH_CUDA_GRAPH").is_ok_and(|v| v.trim() == "on");
+    if on_cuda && graphs_asked {
+        let cfg = EngineConfig {
+            cuda_graphs: Some(true),
+            ..engine_cfg(PolicySpec::full(), AttentionImpl::Flash)
+        };
+        // Short keys: the table shows 28 characters of them.
+        let params = serde_json::json!({ "graphs": "on" });
+        let row = match run_cfg(cfg, Some(&forced)) {
+            Ok(o) => {
+                let d = max_abs_diff(&reference.logits, &o.logits);
+                let complete = o.logits.iter().map(Vec::len).sum::<usize>()
+                    == reference.logits.iter().map(Vec::len).sum::<usize>();
+                Row {
+                    engine: "full",
+                    attention: AttentionImpl::Flash.to_string(),
+                    budget: 1.0,
+                    params: serde_json::json!({
+                        "graphs": o.graphs.captured,
+                        "replays": o.graphs.replayed,
+                    }),
+                    max_abs_logit_diff: Some(d),
+                    kv_device_bytes: o.kv_device_bytes,
+                    kv_device_allowed_bytes: None,
+                    pass: complete && o.graphs.replayed > 0 && passes(d, tolerance),
+                    error: (o.graphs.replayed == 0)
+                        .then(|| "no decode step ran from a CUDA graph".to_string()),
+                }
+            }
+            Err(e) => Row {
+                engine: "full",
+                attention: AttentionImpl::Flash.to_string(),
                 budget: 1.0,
                 params,
                 max_abs_logit_diff: None,

@@ -8,10 +8,10 @@
 use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
 use crate::cuda::{
-    device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
+    as_i32, device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
     paged_decode, upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv::SeqTables;
 use crate::policy::full::FullOptions;
 use crate::policy::spec::Reservation;
@@ -23,6 +23,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Tensor};
+use std::collections::HashMap;
 
 /// Keys per partition of the decode kernel: long contexts split over more blocks.
 const PART_SIZE: usize = 512;
@@ -49,7 +50,25 @@ pub struct CudaFullPolicy {
     decode_tables: Option<DecodeTables>,
     /// The step's K/V write slots, likewise.
     write_slots: Option<CudaSlice<i32>>,
+    /// Fixed device inputs of decode steps replayed from CUDA graphs, by (rows, table
+    /// width); they live as long as the graphs that read them (see `graph_epoch`).
+    graph_inputs: HashMap<(usize, usize), GraphInputs>,
+    /// The inputs `attend` reads this step instead of uploading its own.
+    bound: Option<(usize, usize)>,
+    /// Changes whenever the K/V buffers or the graph inputs move (a pool grown, the
+    /// inputs cleared): graphs of another epoch are dropped, not replayed.
+    graph_epoch: u64,
 }
+
+/// A graph step's write slots and decode tables, written in place each step.
+struct GraphInputs {
+    slots: CudaSlice<i32>,
+    tables: DecodeTables,
+}
+
+/// Graph input sets kept at once: past this they are all dropped together with the
+/// graphs that read them (a new epoch), so that they cannot grow without bound.
+const MAX_GRAPH_INPUTS: usize = 64;
 
 impl CudaFullPolicy {
     /// A pool of `num_blocks` blocks, allocated up front under `fraction`; under
@@ -89,6 +108,9 @@ impl CudaFullPolicy {
             event_errors: 0,
             decode_tables: None,
             write_slots: None,
+            graph_inputs: HashMap::new(),
+            bound: None,
+            graph_epoch: 0,
         })
     }
 
@@ -112,6 +134,34 @@ impl CudaFullPolicy {
 
     fn table_i32(&self, seq: SeqId) -> Vec<i32> {
         self.tables.table(seq).iter().map(|&b| b as i32).collect()
+    }
+
+    fn shape(&self) -> DecodeShape {
+        let (h, kvh, d) = self.cfg_heads;
+        DecodeShape {
+            num_heads: h,
+            num_kv_heads: kvh,
+            head_dim: d,
+            block_size: self.opts.block_size,
+            part_size: PART_SIZE,
+        }
+    }
+
+    /// A decode layer of a graph step: the cache write and the paged decode from the
+    /// bound inputs, nothing uploaded, recorded or timed (the graph replays exactly this).
+    fn attend_bound(&mut self, key: (usize, usize), input: &LayerInput<'_>) -> Result<Tensor> {
+        let inputs = self
+            .graph_inputs
+            .get(&key)
+            .ok_or_else(|| Error::Config("graph step bound to inputs that were dropped".into()))?;
+        let q = input.q.to_dtype(DType::BF16)?;
+        let k = input.k.to_dtype(DType::BF16)?;
+        let v = input.v.to_dtype(DType::BF16)?;
+        let shape = self.shape();
+        let layer = &mut self.layers[input.layer];
+        kv_write_at(layer, &k, &v, &inputs.slots)?;
+        let o = paged_decode(layer, &q, &inputs.tables, shape)?;
+        Ok(o.to_dtype(input.q.dtype())?)
     }
 }
 
@@ -138,6 +188,9 @@ impl KvPolicy for CudaFullPolicy {
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
+        if let Some(key) = self.bound {
+            return self.attend_bound(key, input);
+        }
         let (h, kvh, d) = self.cfg_heads;
         let bs = self.opts.block_size;
         let layer = input.layer;
@@ -285,7 +338,63 @@ impl KvPolicy for CudaFullPolicy {
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
         self.decode_tables = None;
         self.write_slots = None;
+        self.bound = None;
         Ok(())
+    }
+
+    fn bind_graph_step(&mut self, batch: &StepBatch, max_ctx: usize) -> Result<Option<u64>> {
+        if batch.seqs.is_empty() || batch.seqs.iter().any(|s| s.q_len != 1) {
+            return Ok(None);
+        }
+        let bs = self.opts.block_size;
+        let before = self.alloc_blocks;
+        self.grow_device()?;
+        if self.alloc_blocks != before {
+            self.graph_epoch += 1;
+        }
+        let rows = batch.seqs.len();
+        let key = (rows, max_ctx.div_ceil(bs));
+        if !self.graph_inputs.contains_key(&key) && self.graph_inputs.len() >= MAX_GRAPH_INPUTS {
+            self.graph_inputs.clear();
+            self.graph_epoch += 1;
+        }
+        // What `attend` does over the layers, done once: write slots, lengths, records.
+        let mut slots = Vec::with_capacity(rows);
+        let mut tables = Vec::with_capacity(rows);
+        let mut ctx = Vec::with_capacity(rows);
+        for s in &batch.seqs {
+            slots.push(as_i32(self.tables.slot(s.id, s.ctx_before), "slot")?);
+            tables.push(self.table_i32(s.id));
+            ctx.push(s.ctx_before + 1);
+        }
+        if !self.graph_inputs.contains_key(&key) {
+            let inputs = GraphInputs {
+                slots: self.dev.alloc_zeros::<i32>(rows)?,
+                tables: DecodeTables::fixed(&self.dev, rows, key.1, max_ctx)?,
+            };
+            self.graph_inputs.insert(key, inputs);
+        }
+        let inputs = self.graph_inputs.get_mut(&key).expect("inserted above");
+        self.dev
+            .cuda_stream()
+            .memcpy_htod(&slots, &mut inputs.slots)
+            .w()?;
+        inputs.tables.write(&self.dev, &tables, &ctx, bs)?;
+        for layer in 0..self.layers.len() {
+            for s in &batch.seqs {
+                self.attended.push(AttendRecord {
+                    seq: s.id,
+                    layer,
+                    attended: s.ctx_before + 1,
+                    context: s.ctx_before + 1,
+                });
+            }
+        }
+        for s in &batch.seqs {
+            self.tables.set_len(s.id, s.ctx_before + 1);
+        }
+        self.bound = Some(key);
+        Ok(Some(self.graph_epoch))
     }
 
     fn take_stats(&mut self) -> PolicyStats {

@@ -1,0 +1,224 @@
+//! CUDA graphs of decode steps (`KVBENCH_CUDA_GRAPH=on`). A decode step launches some
+//! fifteen kernels a layer, each a few microseconds of host time, and at batch 1 the
+//! host barely keeps ahead of the card (docs/cuda.md, `launch_s`). A graph records the
+//! step's kernels once and replays them in one launch.
+//!
+//! What a replay may not do, and how it is avoided: read anything from the host (the
+//! token ids, RoPE rows, write slots, block tables and context lengths live in fixed
+//! device buffers, written before each replay: [`KvPolicy::bind_graph_step`] and the
+//! ids and rows here), change a grid or an argument (one graph per row count and context
+//! bucket, [`crate::decode_graphs`]: the paged decode's grid is sized for the bucket and
+//! shorter rows leave partitions empty), allocate outside the stream (candle allocates
+//! stream-ordered, so the step's temporaries become the graph's own allocations, freed
+//! inside it), or upload kernel parameters (a warm-up run fills candle's cache of them
+//! before capture). The logits are copied into a buffer of the graph's; the argmax
+//! after it runs as for any other step.
+//!
+//! Off by default: it has not yet run on a GPU. `kvbench verify --device cuda` checks a
+//! graph-replayed `full` against the reference like every other combination.
+
+use crate::cuda::{device_of, view_of};
+use crate::decode_graphs::{ctx_bucket, GraphCache, GraphKey, GraphStats, MAX_GRAPHS};
+use crate::error::{Error, Result};
+use crate::model::Llama;
+use crate::policy::{KvPolicy, StepBatch};
+use candle_core::cuda_backend::cudarc::driver::sys::{
+    CUgraphInstantiate_flags, CUstreamCaptureMode,
+};
+use candle_core::cuda_backend::cudarc::driver::{result, CudaGraph, DevicePtr, DeviceRepr};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{DType, Tensor};
+use half::bf16;
+
+/// Whether decode steps run from CUDA graphs: `KVBENCH_CUDA_GRAPH=on` (unset or `off`:
+/// launched kernel by kernel), read once per process.
+pub fn graphs_chosen() -> Result<bool> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<bool, String>> =
+        std::sync::OnceLock::new();
+    CHOICE
+        .get_or_init(|| {
+            crate::parse_switch(
+                "KVBENCH_CUDA_GRAPH",
+                std::env::var("KVBENCH_CUDA_GRAPH").ok().as_deref(),
+                &[("on", true), ("off", false)],
+                false,
+                "decode steps launched kernel by kernel",
+            )
+            .map(|(c, _)| c)
+        })
+        .clone()
+        .map_err(Error::Config)
+}
+
+/// One captured decode step and the buffers it reads and writes.
+struct Captured {
+    graph: CudaGraph,
+    ids: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    /// The logits, `[rows, vocab]` f32.
+    out: Tensor,
+}
+
+/// The decode graphs of one engine.
+pub struct DecodeGraphs {
+    cache: GraphCache<Captured>,
+    stats: GraphStats,
+}
+
+impl Default for DecodeGraphs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl DecodeGraphs {
+    pub fn new() -> Self {
+        Self {
+            cache: GraphCache::new(MAX_GRAPHS),
+            stats: GraphStats::default(),
+        }
+    }
+
+    pub fn stats(&self) -> GraphStats {
+        self.stats
+    }
+
+    /// The logits of a decode step (every row one new token, every row sampled) run
+    /// from a graph, captured first if none has its shape; `None` where the step runs
+    /// as usual (a policy without decode graphs, other weights than bf16, streams that
+    /// synchronize through events, which a capture cannot take).
+    pub fn forward(
+        &mut self,
+        model: &Llama,
+        policy: &mut dyn KvPolicy,
+        tokens: &[u32],
+        positions: &[u32],
+        batch: &StepBatch,
+    ) -> Result<Option<Tensor>> {
+        if tokens.is_empty() || model.dtype() != DType::BF16 || batch.num_tokens != tokens.len() {
+            return Ok(None);
+        }
+        let dev = device_of(model.device())?;
+        if dev
+            .cuda_stream()
+            .context()
+            .is_managing_stream_synchronization()
+        {
+            return Ok(None);
+        }
+        let max_ctx = batch
+            .seqs
+            .iter()
+            .map(|s| s.ctx_before + s.q_len)
+            .max()
+            .unwrap_or(1);
+        let key = GraphKey {
+            rows: tokens.len(),
+            ctx_bucket: ctx_bucket(max_ctx),
+        };
+        let Some(epoch) = policy.bind_graph_step(batch, key.ctx_bucket)? else {
+            return Ok(None);
+        };
+        self.cache.set_epoch(epoch);
+        let (c, s) = model.rope_rows(positions);
+        let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
+        let (cos, sin) = (to_bf16(c), to_bf16(s));
+        if let Some(g) = self.cache.get(key) {
+            write_tensor(&g.ids, tokens)?;
+            write_tensor(&g.cos, &cos)?;
+            write_tensor(&g.sin, &sin)?;
+        } else {
+            let g = capture(model, policy, batch, positions, tokens, &cos, &sin).map_err(|e| {
+                Error::Config(format!(
+                    "CUDA graph of a decode step ({} rows, contexts up to {}): {e} \
+                     (KVBENCH_CUDA_GRAPH=off runs without graphs)",
+                    key.rows, key.ctx_bucket
+                ))
+            })?;
+            self.stats.captured += 1;
+            self.cache.insert(key, g);
+        }
+        let g = self.cache.get(key).expect("present or inserted above");
+        g.graph.launch().w()?;
+        self.stats.replayed += 1;
+        Ok(Some(g.out.clone()))
+    }
+}
+
+/// Capture the step: fixed input buffers filled with this step's values, a warm-up run
+/// (it loads every kernel and fills candle's cache of kernel parameters; its K/V writes
+/// are the ones the replay repeats), then the same forward under stream capture.
+fn capture(
+    model: &Llama,
+    policy: &mut dyn KvPolicy,
+    batch: &StepBatch,
+    positions: &[u32],
+    tokens: &[u32],
+    cos: &[bf16],
+    sin: &[bf16],
+) -> Result<Captured> {
+    let d = model.device();
+    let dev = device_of(d)?;
+    let rows = tokens.len();
+    let half = cos.len() / rows;
+    let ids_t = Tensor::zeros(rows, DType::U32, d)?;
+    let cos_t = Tensor::zeros((rows, half), DType::BF16, d)?;
+    let sin_t = Tensor::zeros((rows, half), DType::BF16, d)?;
+    let out = Tensor::zeros((rows, model.cfg.vocab_size), DType::F32, d)?;
+    write_tensor(&ids_t, tokens)?;
+    write_tensor(&cos_t, cos)?;
+    write_tensor(&sin_t, sin)?;
+    let _params = dev.enable_cuda_graph_htod_cache();
+    let mut run = || -> Result<()> {
+        let logits = model.forward_device(&ids_t, &cos_t, &sin_t, positions, &mut |i| {
+            policy.attend(batch, i)
+        })?;
+        out.slice_set(&logits, 0, 0)?;
+        Ok(())
+    };
+    run()?;
+    let stream = dev.cuda_stream();
+    stream.synchronize().w()?;
+    // Relaxed: other threads' allocations (the host's own work) do not end the capture.
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .w()?;
+    let recorded = run();
+    // Always end the capture, so that a failure leaves the stream usable.
+    let ended = stream
+        .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
+    recorded?;
+    let graph = ended
+        .w()?
+        .ok_or_else(|| Error::Config("the capture recorded no graph".into()))?;
+    graph.upload().w()?;
+    Ok(Captured {
+        graph,
+        ids: ids_t,
+        cos: cos_t,
+        sin: sin_t,
+        out,
+    })
+}
+
+/// Overwrite the contiguous device tensor `t` with `src` (same element type and count),
+/// in stream order: kernels queued before it read the old values.
+fn write_tensor<T: CudaDType + DeviceRepr>(t: &Tensor, src: &[T]) -> Result<()> {
+    if !t.is_contiguous() || t.elem_count() != src.len() {
+        return Err(Error::Config(format!(
+            "graph input of {} elements written with {}",
+            t.elem_count(),
+            src.len()
+        )));
+    }
+    let dev = device_of(t.device())?;
+    let stream = dev.cuda_stream();
+    let (s, l) = t.storage_and_layout();
+    let v = view_of::<T>(&s, l, "graph input")?;
+    let (ptr, _record) = v.device_ptr(&stream);
+    // SAFETY: `ptr` addresses `src.len()` elements of T inside `t`'s buffer (checked
+    // above); a pageable copy has taken `src` by the time the call returns.
+    unsafe { result::memcpy_htod_async(ptr, src, stream.cu_stream()) }.w()?;
+    Ok(())
+}

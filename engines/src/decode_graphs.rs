@@ -1,0 +1,201 @@
+//! Which captured decode step serves a step. A CUDA graph replays a decode step with its
+//! kernels' grids and buffer addresses baked in, so one graph serves only steps of its
+//! shape: the same number of rows and the same context bucket (the paged decode's
+//! partition grid is sized for the bucket's longest context; shorter rows leave
+//! partitions empty, which the kernels already handle). Graphs of an earlier device
+//! state (a pool that grew, input buffers replaced: the policy's epoch) are dropped, and
+//! the least recently used one goes when the cache is full. Device-independent and
+//! tested on the CPU; capture and replay are `cuda::graph`'s.
+
+/// A graph serves contexts up to a multiple of this many tokens: a new graph every 512
+/// decode steps of a batch, and at most 511 keys' worth of empty partitions per row.
+pub const CTX_BUCKET: usize = 512;
+
+use crate::error::{Error, Result};
+
+/// Graphs kept at once (each holds its kernels' parameters and its input buffers).
+pub const MAX_GRAPHS: usize = 8;
+
+/// The bucket of a step whose longest context (its new token included) is `max_ctx`.
+pub fn ctx_bucket(max_ctx: usize) -> usize {
+    max_ctx.max(1).next_multiple_of(CTX_BUCKET)
+}
+
+/// The shape a graph was captured for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphKey {
+    pub rows: usize,
+    pub ctx_bucket: usize,
+}
+
+/// How often decode steps ran from graphs: steps captured (each also replayed) and
+/// steps replayed. Zero where no graphs run (the CPU, the switch off).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub captured: u64,
+    pub replayed: u64,
+}
+
+/// Graphs by key, for one device-state epoch, least recently used evicted first.
+pub struct GraphCache<G> {
+    entries: Vec<(GraphKey, G, u64)>,
+    epoch: Option<u64>,
+    tick: u64,
+    cap: usize,
+}
+
+impl<G> GraphCache<G> {
+    pub fn new(cap: usize) -> Self {
+        Self {
+            entries: Vec::new(),
+            epoch: None,
+            tick: 0,
+            cap: cap.max(1),
+        }
+    }
+
+    /// Enter the device state `epoch`: graphs of any other are dropped (what they
+    /// baked in may no longer exist).
+    pub fn set_epoch(&mut self, epoch: u64) {
+        if self.epoch != Some(epoch) {
+            self.entries.clear();
+            self.epoch = Some(epoch);
+        }
+    }
+
+    /// The graph for `key`, marked as just used.
+    pub fn get(&mut self, key: GraphKey) -> Option<&mut G> {
+        self.tick += 1;
+        let tick = self.tick;
+        self.entries
+            .iter_mut()
+            .find(|(k, _, _)| *k == key)
+            .map(|(_, g, used)| {
+                *used = tick;
+                g
+            })
+    }
+
+    /// Keep `g` for `key` (replacing one of the same key), evicting the least recently
+    /// used graph when the cache is full.
+    pub fn insert(&mut self, key: GraphKey, g: G) -> &mut G {
+        self.tick += 1;
+        self.entries.retain(|(k, _, _)| *k != key);
+        if self.entries.len() >= self.cap {
+            if let Some(oldest) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].2) {
+                self.entries.swap_remove(oldest);
+            }
+        }
+        self.entries.push((key, g, self.tick));
+        &mut self.entries.last_mut().expect("pushed above").1
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// `rows` block tables as one `[rows, width]` array, each cut to `width` blocks (zeros
+/// past its end); an error when a row's context exceeds `max_ctx` or its blocks.
+pub fn fixed_width_tables(
+    tables: &[Vec<i32>],
+    ctx: &[usize],
+    rows: usize,
+    width: usize,
+    max_ctx: usize,
+    block_size: usize,
+) -> Result<Vec<i32>> {
+    if tables.len() != rows || ctx.len() != rows {
+        return Err(Error::Config(format!(
+            "decode tables for {rows} rows given {} tables and {} context lengths",
+            tables.len(),
+            ctx.len()
+        )));
+    }
+    let mut flat = vec![0i32; rows.max(1) * width];
+    for (r, (t, &c)) in tables.iter().zip(ctx).enumerate() {
+        let need = c.div_ceil(block_size.max(1));
+        if c > max_ctx || need > width || need > t.len() {
+            return Err(Error::Config(format!(
+                "decode row {r}: context {c} needs {need} blocks of {block_size}; the \
+                 table has {} and the fixed buffers {width} (contexts up to {max_ctx})",
+                t.len()
+            )));
+        }
+        let n = t.len().min(width);
+        flat[r * width..r * width + n].copy_from_slice(&t[..n]);
+    }
+    Ok(flat)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(rows: usize, ctx: usize) -> GraphKey {
+        GraphKey {
+            rows,
+            ctx_bucket: ctx_bucket(ctx),
+        }
+    }
+
+    #[test]
+    fn tables_are_cut_to_the_fixed_width_and_must_hold_their_context() {
+        let t = vec![vec![4, 9, 2, 7], vec![1]];
+        // Block size 16: contexts 40 (3 blocks) and 5 (1 block) in width 3.
+        let flat = fixed_width_tables(&t, &[40, 5], 2, 3, 48, 16).unwrap();
+        assert_eq!(flat, vec![4, 9, 2, 1, 0, 0]);
+        // A context past the bucket, past the width, past the table; rows miscounted.
+        assert!(fixed_width_tables(&t, &[49, 5], 2, 3, 48, 16).is_err());
+        assert!(fixed_width_tables(&t, &[40, 5], 2, 2, 48, 16).is_err());
+        assert!(fixed_width_tables(&t, &[40, 17], 2, 3, 48, 16).is_err());
+        assert!(fixed_width_tables(&t, &[40], 2, 3, 48, 16).is_err());
+    }
+
+    #[test]
+    fn buckets_round_up_to_whole_buckets() {
+        assert_eq!(ctx_bucket(0), CTX_BUCKET);
+        assert_eq!(ctx_bucket(1), CTX_BUCKET);
+        assert_eq!(ctx_bucket(CTX_BUCKET), CTX_BUCKET);
+        assert_eq!(ctx_bucket(CTX_BUCKET + 1), 2 * CTX_BUCKET);
+        assert_eq!(key(16, 1025), key(16, 1536));
+        assert_ne!(key(16, 1536), key(16, 1537));
+        assert_ne!(key(16, 1025), key(15, 1025));
+    }
+
+    #[test]
+    fn the_least_recently_used_graph_goes_first() {
+        let mut c = GraphCache::new(2);
+        c.set_epoch(0);
+        c.insert(key(1, 10), "a");
+        c.insert(key(2, 10), "b");
+        // Using "a" makes "b" the oldest.
+        assert_eq!(c.get(key(1, 10)).copied(), Some("a"));
+        c.insert(key(3, 10), "c");
+        assert_eq!(c.len(), 2);
+        assert!(c.get(key(2, 10)).is_none());
+        assert_eq!(c.get(key(1, 10)).copied(), Some("a"));
+        assert_eq!(c.get(key(3, 10)).copied(), Some("c"));
+        // The same key replaces its graph without evicting another.
+        c.insert(key(3, 10), "c2");
+        assert_eq!(c.len(), 2);
+        assert_eq!(c.get(key(3, 10)).copied(), Some("c2"));
+        assert_eq!(c.get(key(1, 10)).copied(), Some("a"));
+    }
+
+    #[test]
+    fn another_epoch_drops_every_graph_and_the_same_keeps_them() {
+        let mut c = GraphCache::new(4);
+        c.set_epoch(7);
+        c.insert(key(1, 10), 1);
+        c.set_epoch(7);
+        assert_eq!(c.get(key(1, 10)).copied(), Some(1));
+        c.set_epoch(8);
+        assert!(c.is_empty());
+        assert!(c.get(key(1, 10)).is_none());
+    }
+}
