@@ -402,6 +402,22 @@ pub fn dot_with(avx: bool, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// One row of a matrix-vector product: `w · x` with exactly the arithmetic of one row
+/// of [`dot4_with`] (the same accumulators and order of sums, so the same result to the
+/// bit), but reading the row alone. Rows taken one after another make one sequential
+/// stream per thread, which the prefetchers follow closer to the memory's rate than
+/// four rows read side by side (docs/correctness-and-performance.md).
+#[inline]
+pub fn dot_row_with(avx: bool, w: &[f32], x: &[f32]) -> f32 {
+    debug_assert!(w.len() >= x.len());
+    #[cfg(target_arch = "x86_64")]
+    if avx && has_avx2_fma() {
+        // SAFETY: AVX2 and FMA checked just above.
+        return unsafe { simd::dot_row(w, x) };
+    }
+    dot(&w[..x.len()], x)
+}
+
 /// Dot products of four rows of `w` (`[4, x.len()]`, contiguous) with `x`: one pass
 /// that loads each chunk of `x` once for the four rows and reduces the four sums
 /// together (a matrix-vector product's inner loop), AVX2+FMA when `avx`.
@@ -542,6 +558,43 @@ mod simd {
         out
     }
 
+    /// One row as [`dot4`] computes each of its four: two accumulators over chunks of
+    /// 16, then the same tree of horizontal sums (hadd pairs, then the two halves).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_row(w: &[f32], x: &[f32]) -> f32 {
+        let k = x.len();
+        assert!(w.len() >= k);
+        let (pw, px) = (w.as_ptr(), x.as_ptr());
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= k {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(pw.add(i)), _mm256_loadu_ps(px.add(i)), a0);
+            a1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pw.add(i + 8)),
+                _mm256_loadu_ps(px.add(i + 8)),
+                a1,
+            );
+            i += 16;
+        }
+        if i + 8 <= k {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(pw.add(i)), _mm256_loadu_ps(px.add(i)), a0);
+            i += 8;
+        }
+        // dot4's reduction for its first row: lanes (0+1)+(2+3) and (4+5)+(6+7), then
+        // the low half plus the high half.
+        let s = _mm256_add_ps(a0, a1);
+        let h = _mm256_hadd_ps(s, s);
+        let h = _mm256_hadd_ps(h, h);
+        let sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        let mut out = _mm_cvtss_f32(sum);
+        while i < k {
+            out += *pw.add(i) * x[i];
+            i += 1;
+        }
+        out
+    }
+
     /// `out += Σ_t p[t] · vb[t]` with `out.len() = 8·N` held in N registers.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn accumulate<const N: usize>(p: &[f32], vb: &[f32], out: &mut [f32]) {
@@ -587,6 +640,25 @@ mod tests {
                         .map(|(a, b)| *a as f64 * *b as f64)
                         .sum();
                     assert!((*g as f64 - want).abs() < 1e-4, "k {k} avx {avx} row {r}");
+                }
+            }
+        }
+    }
+
+    /// One row alone gives the bits its four-row pass gives it (the matrix-vector
+    /// product's results do not depend on which kernel ran), with and without AVX2.
+    #[test]
+    fn one_row_dots_are_the_four_row_dots_to_the_bit() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for k in [1, 7, 8, 15, 16, 17, 24, 40, 64, 100, 576, 1536] {
+            let w: Vec<f32> = (0..4 * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let x: Vec<f32> = (0..k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for avx in [false, has_avx2_fma()] {
+                let four = dot4_with(avx, &w, &x);
+                for (r, f) in four.iter().enumerate() {
+                    let one = dot_row_with(avx, &w[r * k..], &x);
+                    assert_eq!(one.to_bits(), f.to_bits(), "k {k} avx {avx} row {r}");
                 }
             }
         }

@@ -149,15 +149,18 @@ fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         .map(|w| w.dim(0))
         .collect::<candle_core::Result<_>>()?;
     let avx = crate::attention::paged::has_avx2_fma();
-    // Output-major ([n, rows]) so each work item writes one contiguous run; blocks of
-    // 64 weight rows keep the work coarse enough for the thread pool.
-    const BLOCK: usize = 64;
+    // Output-major ([n, rows]) so each work item writes one contiguous run. Each matrix
+    // goes in blocks of about 64 rows, as many as a multiple of the pool's threads so
+    // that they end together (a block left over keeps one thread busy while the others
+    // wait, once per product).
+    let threads = rayon::current_num_threads().max(1);
     let mut outs: Vec<Vec<f32>> = ns.iter().map(|&n| vec![0f32; n * rows]).collect();
     let mut items: Vec<(&mut [f32], &[f32])> = Vec::new();
     for ((y, wd), &n) in outs.iter_mut().zip(&datas).zip(&ns) {
+        let block = n.div_ceil(n.div_ceil(64).next_multiple_of(threads)).max(1);
         items.extend(
-            y.chunks_mut(BLOCK * rows)
-                .zip(wd[..n * k].chunks(BLOCK * k)),
+            y.chunks_mut(block * rows)
+                .zip(wd[..n * k].chunks(block * k)),
         );
     }
     items
@@ -177,30 +180,13 @@ fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
 }
 
 /// Rows of `w` (`[m, k]`) dotted with each of the `rows` input rows `xs`, into `ys`
-/// (`[m, rows]`). Four weight rows at a time: each chunk of an input row is loaded once
-/// for the four and their sums reduced together; the block stays in cache for the
-/// other input rows.
+/// (`[m, rows]`). One weight row at a time, so that a block is read as one sequential
+/// stream (four rows side by side read slower: docs/correctness-and-performance.md);
+/// the row stays in cache for the other input rows.
 fn gemv_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut [f32]) {
-    let quads = w.len() / (4 * k);
-    for (yq, wq) in ys
-        .chunks_exact_mut(4 * rows)
-        .zip(w.chunks_exact(4 * k))
-        .take(quads)
-    {
-        for (j, xr) in xs.chunks_exact(k).enumerate() {
-            let d = crate::attention::paged::dot4_with(avx, wq, xr);
-            for (r, v) in d.into_iter().enumerate() {
-                yq[r * rows + j] = v;
-            }
-        }
-    }
-    for (yr, wr) in ys
-        .chunks_exact_mut(rows)
-        .zip(w.chunks_exact(k))
-        .skip(4 * quads)
-    {
+    for (yr, wr) in ys.chunks_exact_mut(rows).zip(w.chunks_exact(k)) {
         for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
-            *y = crate::attention::paged::dot_with(avx, wr, xr);
+            *y = crate::attention::paged::dot_row_with(avx, wr, xr);
         }
     }
 }
