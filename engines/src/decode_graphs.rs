@@ -25,7 +25,21 @@ pub fn ctx_bucket(max_ctx: usize) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphKey {
     pub rows: usize,
+    /// The longest context the step's decode grid is sized for ([`ctx_bucket`] of the
+    /// keys a row attends: all of its context for `full`, its kept slots for H2O).
     pub ctx_bucket: usize,
+    /// The policy's kind of step (H2O: whether it evicts, whether it accumulates
+    /// probabilities): another set of kernels.
+    pub variant: u8,
+}
+
+/// What a policy's decode step bakes into a graph (`KvPolicy::bind_graph_step`): the
+/// device-state epoch, and the bucket and variant that key the graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphBinding {
+    pub epoch: u64,
+    pub ctx_bucket: usize,
+    pub variant: u8,
 }
 
 /// How often decode steps ran from graphs: steps captured (each also replayed) and
@@ -140,6 +154,7 @@ mod tests {
         GraphKey {
             rows,
             ctx_bucket: ctx_bucket(ctx),
+            variant: 0,
         }
     }
 
@@ -165,6 +180,13 @@ mod tests {
         assert_eq!(key(16, 1025), key(16, 1536));
         assert_ne!(key(16, 1536), key(16, 1537));
         assert_ne!(key(16, 1025), key(15, 1025));
+        assert_ne!(
+            key(16, 1025),
+            GraphKey {
+                variant: 1,
+                ..key(16, 1025)
+            }
+        );
     }
 
     #[test]

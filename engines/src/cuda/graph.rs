@@ -18,7 +18,7 @@
 //! graph-replayed `full` against the reference like every other combination.
 
 use crate::cuda::{device_of, view_of};
-use crate::decode_graphs::{ctx_bucket, GraphCache, GraphKey, GraphStats, MAX_GRAPHS};
+use crate::decode_graphs::{GraphCache, GraphKey, GraphStats, MAX_GRAPHS};
 use crate::error::{Error, Result};
 use crate::model::Llama;
 use crate::policy::{KvPolicy, StepBatch};
@@ -107,20 +107,15 @@ impl DecodeGraphs {
         {
             return Ok(None);
         }
-        let max_ctx = batch
-            .seqs
-            .iter()
-            .map(|s| s.ctx_before + s.q_len)
-            .max()
-            .unwrap_or(1);
-        let key = GraphKey {
-            rows: tokens.len(),
-            ctx_bucket: ctx_bucket(max_ctx),
-        };
-        let Some(epoch) = policy.bind_graph_step(batch, key.ctx_bucket)? else {
+        let Some(bound) = policy.bind_graph_step(batch)? else {
             return Ok(None);
         };
-        self.cache.set_epoch(epoch);
+        let key = GraphKey {
+            rows: tokens.len(),
+            ctx_bucket: bound.ctx_bucket,
+            variant: bound.variant,
+        };
+        self.cache.set_epoch(bound.epoch);
         let (c, s) = model.rope_rows(positions);
         let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
         let (cos, sin) = (to_bf16(c), to_bf16(s));
@@ -131,9 +126,9 @@ impl DecodeGraphs {
         } else {
             let g = capture(model, policy, batch, positions, tokens, &cos, &sin).map_err(|e| {
                 Error::Config(format!(
-                    "CUDA graph of a decode step ({} rows, contexts up to {}): {e} \
-                     (KVBENCH_CUDA_GRAPH=off runs without graphs)",
-                    key.rows, key.ctx_bucket
+                    "CUDA graph of a decode step ({} rows, contexts up to {}, variant {}): \
+                     {e} (KVBENCH_CUDA_GRAPH=off runs without graphs)",
+                    key.rows, key.ctx_bucket, key.variant
                 ))
             })?;
             self.stats.captured += 1;

@@ -252,13 +252,16 @@ pub trait KvPolicy: Send {
     /// Prepare a decode step (every row one new token) to run from a CUDA graph
     /// (`crate::decode_graphs`): do now the step's bookkeeping that `attend` would do
     /// over its layers, write what the rows' attention needs on the device (write slots,
-    /// block tables, context lengths, for contexts up to `max_ctx`) into buffers that
-    /// stay where they are, and have `attend` read those and record nothing until
-    /// `end_step`, so that a captured forward replays the step. Returns the epoch of
-    /// the device state a graph bakes in (the K/V and input buffers' addresses), which
-    /// changes whenever any of it moves; `None` where this policy runs no decode graph
-    /// (the step then runs as usual).
-    fn bind_graph_step(&mut self, _batch: &StepBatch, _max_ctx: usize) -> Result<Option<u64>> {
+    /// block tables, context lengths, eviction parameters) into buffers that stay where
+    /// they are, sized for the returned context bucket, and have `attend` read those and
+    /// record nothing until `end_step`, so that a captured forward replays the step.
+    /// The binding names the epoch of the device state a graph bakes in (the K/V and
+    /// input buffers' addresses), which changes whenever any of it moves; `None` where
+    /// this policy runs no graph for this step (it then runs as usual).
+    fn bind_graph_step(
+        &mut self,
+        _batch: &StepBatch,
+    ) -> Result<Option<crate::decode_graphs::GraphBinding>> {
         Ok(None)
     }
 

@@ -298,52 +298,67 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         rows.push(row);
     }
 
-    // With KVBENCH_CUDA_GRAPH=on (graphs are opt-in until they have run on a GPU):
-    // `full` with its decode steps replayed from CUDA graphs (captured per row count and
-    // context bucket) against the same reference. A run in which no step was replayed
-    // fails: it would have checked nothing.
+    // With KVBENCH_CUDA_GRAPH=on (graphs are opt-in until they have run on a GPU): the
+    // strategies with decode graphs, their decode steps replayed from CUDA graphs
+    // (captured per row count, context bucket and kind of step). At budget 1.0 against
+    // the reference; H2O at the audit's budget, where it evicts every step, against
+    // itself without graphs. A run in which no step was replayed fails: it would have
+    // checked nothing.
     let graphs_asked = std::env::var("KVBENCH_CUDA_GRAPH").is_ok_and(|v| v.trim() == "on");
     if on_cuda && graphs_asked {
-        let cfg = EngineConfig {
-            cuda_graphs: Some(true),
-            ..engine_cfg(PolicySpec::full(), AttentionImpl::Flash)
-        };
-        // Short keys: the table shows 28 characters of them.
-        let params = serde_json::json!({ "graphs": "on" });
-        let row = match run_cfg(cfg, Some(&forced)) {
-            Ok(o) => {
-                let d = max_abs_diff(&reference.logits, &o.logits);
-                let complete = o.logits.iter().map(Vec::len).sum::<usize>()
-                    == reference.logits.iter().map(Vec::len).sum::<usize>();
-                Row {
-                    engine: "full",
-                    attention: AttentionImpl::Flash.to_string(),
-                    budget: 1.0,
-                    params: serde_json::json!({
-                        "graphs": o.graphs.captured,
-                        "replays": o.graphs.replayed,
-                    }),
-                    max_abs_logit_diff: Some(d),
-                    kv_device_bytes: o.kv_device_bytes,
-                    kv_device_allowed_bytes: None,
-                    pass: complete && o.graphs.replayed > 0 && passes(d, tolerance),
-                    error: (o.graphs.replayed == 0)
-                        .then(|| "no decode step ran from a CUDA graph".to_string()),
+        eprintln!(
+            "graph rows: at budget 1.0 against full + eager; h2o at {} against h2o without graphs",
+            a.audit_budget
+        );
+        for (name, budget) in [("full", 1.0), ("h2o", 1.0), ("h2o", a.audit_budget)] {
+            let spec = make(name, budget, &[])?;
+            let with_graphs = |on: bool| EngineConfig {
+                cuda_graphs: Some(on),
+                ..engine_cfg(spec.clone(), AttentionImpl::Flash)
+            };
+            let against = if budget == 1.0 {
+                Ok(reference.logits.clone())
+            } else {
+                run_cfg(with_graphs(false), Some(&forced)).map(|o| o.logits)
+            };
+            let ran =
+                against.and_then(|want| Ok((want, run_cfg(with_graphs(true), Some(&forced))?)));
+            // Short keys: the table shows 28 characters of them.
+            let row = match ran {
+                Ok((want, o)) => {
+                    let d = max_abs_diff(&want, &o.logits);
+                    let complete = o.logits.iter().map(Vec::len).sum::<usize>()
+                        == want.iter().map(Vec::len).sum::<usize>();
+                    Row {
+                        engine: spec.name(),
+                        attention: AttentionImpl::Flash.to_string(),
+                        budget,
+                        params: serde_json::json!({
+                            "graphs": o.graphs.captured,
+                            "replays": o.graphs.replayed,
+                        }),
+                        max_abs_logit_diff: Some(d),
+                        kv_device_bytes: o.kv_device_bytes,
+                        kv_device_allowed_bytes: None,
+                        pass: complete && o.graphs.replayed > 0 && passes(d, tolerance),
+                        error: (o.graphs.replayed == 0)
+                            .then(|| "no decode step ran from a CUDA graph".to_string()),
+                    }
                 }
-            }
-            Err(e) => Row {
-                engine: "full",
-                attention: AttentionImpl::Flash.to_string(),
-                budget: 1.0,
-                params,
-                max_abs_logit_diff: None,
-                kv_device_bytes: None,
-                kv_device_allowed_bytes: None,
-                pass: false,
-                error: Some(format!("{e:#}")),
-            },
-        };
-        rows.push(row);
+                Err(e) => Row {
+                    engine: spec.name(),
+                    attention: AttentionImpl::Flash.to_string(),
+                    budget,
+                    params: serde_json::json!({ "graphs": "on" }),
+                    max_abs_logit_diff: None,
+                    kv_device_bytes: None,
+                    kv_device_allowed_bytes: None,
+                    pass: false,
+                    error: Some(format!("{e:#}")),
+                },
+            };
+            rows.push(row);
+        }
     }
 
     // The audit at a small budget: the engine fails the run on any step that attends

@@ -31,6 +31,7 @@ use crate::cuda::{
     kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32,
     DecodeScores, DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys, MODULE, PTX,
 };
+use crate::decode_graphs::{ctx_bucket, GraphBinding};
 use crate::error::{Error, Result};
 use crate::policy::evicting::book::SlotBook;
 use crate::policy::evicting::{Counts, Eviction, VictimKind};
@@ -134,6 +135,29 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     rope: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
     /// SnapKV: the observation window's queries of sequences in prefill, per layer.
     window_q: HashMap<SeqId, Vec<Vec<Tensor>>>,
+    /// Fixed step buffers of decode steps replayed from CUDA graphs, by (rows, context
+    /// bucket, variant); a bound step's buffers are `step` until `end_step`.
+    graph_steps: HashMap<GraphStepKey, StepDecode>,
+    bound: Option<GraphStepKey>,
+    /// Changes whenever the slot buffers or the graph buffers move (see `full`'s).
+    graph_epoch: u64,
+}
+
+type GraphStepKey = (usize, usize, u8);
+
+/// Graph step buffers kept at once: past this they are all dropped (a new epoch).
+const MAX_GRAPH_STEPS: usize = 64;
+
+/// A step's plan on the host, before it is put on the device.
+struct StepValues {
+    slots: Vec<i32>,
+    positions: Vec<i32>,
+    rows: Vec<usize>,
+    tables: Vec<Vec<i32>>,
+    kept: Vec<usize>,
+    params: Vec<i32>,
+    evicts: bool,
+    probs: bool,
 }
 
 impl<E: Eviction> CudaEvictingPolicy<E> {
@@ -184,6 +208,9 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             step: None,
             rope: None,
             window_q: HashMap::new(),
+            graph_steps: HashMap::new(),
+            bound: None,
+            graph_epoch: 0,
         })
     }
 
@@ -227,6 +254,28 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
     /// probability buffers.
     fn step_plan(&self, batch: &StepBatch) -> Result<StepDecode> {
         let h = self.heads.0;
+        let v = self.step_values(batch)?;
+        let stride = v.kept.iter().copied().max().unwrap_or(1).max(1);
+        let n = v.rows.len().max(1);
+        Ok(StepDecode {
+            write_slots: upload_i32(&self.dev, &v.slots)?,
+            write_pos: upload_i32(&self.dev, &v.positions)?,
+            tables: DecodeTables::new(&self.dev, &v.tables, &v.kept)?,
+            params: upload_i32(&self.dev, &v.params)?,
+            evicts: v.evicts,
+            probs: v.probs,
+            lse: self.dev.alloc_zeros::<f32>(n * h)?,
+            raw: self
+                .dev
+                .alloc_zeros::<f32>(if v.probs { n * h * stride } else { 1 })?,
+            stride,
+            kept: v.kept,
+            rows: v.rows,
+        })
+    }
+
+    /// [`Self::step_plan`]'s values on the host.
+    fn step_values(&self, batch: &StepBatch) -> Result<StepValues> {
         let mut slots = Vec::with_capacity(batch.num_tokens);
         let mut positions = Vec::with_capacity(batch.num_tokens);
         for s in &batch.seqs {
@@ -267,22 +316,36 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             ]);
         }
         let probs = counted && self.rule.decode_probs();
-        let stride = ctx.iter().copied().max().unwrap_or(1).max(1);
-        let n = rows.len().max(1);
-        Ok(StepDecode {
-            write_slots: upload_i32(&self.dev, &slots)?,
-            write_pos: upload_i32(&self.dev, &positions)?,
-            tables: DecodeTables::new(&self.dev, &tables, &ctx)?,
-            params: upload_i32(&self.dev, &params)?,
+        Ok(StepValues {
+            slots,
+            positions,
+            rows,
+            tables,
+            kept: ctx,
+            params,
             evicts,
+            probs,
+        })
+    }
+
+    /// Fixed step buffers for `rows` decode rows attending up to `bucket` slots.
+    fn graph_step_buffers(&self, rows: usize, bucket: usize, probs: bool) -> Result<StepDecode> {
+        let h = self.heads.0;
+        let n = rows.max(1);
+        Ok(StepDecode {
+            write_slots: self.dev.alloc_zeros::<i32>(n)?,
+            write_pos: self.dev.alloc_zeros::<i32>(n)?,
+            tables: DecodeTables::fixed(&self.dev, rows, bucket.div_ceil(self.block_size), bucket)?,
+            params: self.dev.alloc_zeros::<i32>(4 * n)?,
+            evicts: false,
             probs,
             lse: self.dev.alloc_zeros::<f32>(n * h)?,
             raw: self
                 .dev
-                .alloc_zeros::<f32>(if probs { n * h * stride } else { 1 })?,
-            stride,
-            kept: ctx,
-            rows,
+                .alloc_zeros::<f32>(if probs { n * h * bucket } else { 1 })?,
+            stride: bucket,
+            kept: Vec::new(),
+            rows: Vec::new(),
         })
     }
 
@@ -407,9 +470,14 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         } else {
             paged_decode_with(&self.layers[layer].kv, &qd, &step.tables, shape, None)?
         };
-        self.decoded(layer, batch, &step);
+        // A graph step's records were made when it was bound; nothing is timed inside
+        // a capture.
+        let bound = self.bound.is_some();
+        if !bound {
+            self.decoded(layer, batch, &step);
+        }
         if step.probs || step.evicts {
-            let start = self.begin()?;
+            let start = if bound { None } else { Some(self.begin()?) };
             let sl = &mut self.layers[layer];
             if step.probs {
                 let scores = DecodeScores {
@@ -438,7 +506,9 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
                     mode,
                 )?;
             }
-            self.end(start)?;
+            if let Some(start) = start {
+                self.end(start)?;
+            }
         }
         self.step = Some(step);
         Ok(Some(out))
@@ -743,6 +813,26 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         .to_dtype(DType::BF16)?;
         let v = input.v.to_dtype(DType::BF16)?;
 
+        if self.bound.is_some() {
+            // A graph step: every row decodes, its plan is bound, nothing recorded.
+            let step = self
+                .step
+                .as_ref()
+                .ok_or_else(|| Error::Config("graph step bound without its buffers".into()))?;
+            let sl = &mut self.layers[layer];
+            kv_write_at(&mut sl.kv, &k, &v, &step.write_slots)?;
+            slot_meta_init(
+                &self.dev,
+                sl,
+                &step.write_slots,
+                &step.write_pos,
+                batch.num_tokens,
+            )?;
+            let out = self
+                .decode(layer, &q, batch, input)?
+                .ok_or_else(|| Error::Config("graph step without decode rows".into()))?;
+            return Ok(out.to_dtype(input.q.dtype())?);
+        }
         if layer == 0 || self.step.is_none() {
             self.grow_device()?;
             self.step = Some(self.step_plan(batch)?);
@@ -780,8 +870,70 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
-        self.step = None;
+        let step = self.step.take();
+        // A graph step's buffers go back to their key: its graph reads them again.
+        if let (Some(key), Some(step)) = (self.bound.take(), step) {
+            self.graph_steps.insert(key, step);
+        }
         Ok(())
+    }
+
+    fn bind_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
+        // Rolling positions rotate the query on the host each step (not capturable);
+        // prefill rows and rows finishing their prompt run as usual.
+        if batch.seqs.is_empty()
+            || self.rule.rolling_positions()
+            || batch
+                .seqs
+                .iter()
+                .any(|s| s.q_len != 1 || !self.book.prefilled(s.id))
+        {
+            return Ok(None);
+        }
+        let before = self.alloc_blocks;
+        self.grow_device()?;
+        if self.alloc_blocks != before {
+            self.graph_epoch += 1;
+        }
+        let v = self.step_values(batch)?;
+        let rows = v.rows.len();
+        let bucket = ctx_bucket(v.kept.iter().copied().max().unwrap_or(1));
+        let variant = u8::from(v.evicts) | (u8::from(v.probs) << 1);
+        let key = (rows, bucket, variant);
+        if !self.graph_steps.contains_key(&key) && self.graph_steps.len() >= MAX_GRAPH_STEPS {
+            self.graph_steps.clear();
+            self.graph_epoch += 1;
+        }
+        let mut step = match self.graph_steps.remove(&key) {
+            Some(s) => s,
+            None => self.graph_step_buffers(rows, bucket, v.probs)?,
+        };
+        let stream = self.dev.cuda_stream();
+        stream.memcpy_htod(&v.slots, &mut step.write_slots).w()?;
+        stream.memcpy_htod(&v.positions, &mut step.write_pos).w()?;
+        stream.memcpy_htod(&v.params, &mut step.params).w()?;
+        step.tables
+            .write(&self.dev, &v.tables, &v.kept, self.block_size)?;
+        // As a planned step's: probabilities start from zero.
+        stream.memset_zeros(&mut step.lse).w()?;
+        stream.memset_zeros(&mut step.raw).w()?;
+        step.evicts = v.evicts;
+        step.rows = v.rows;
+        step.kept = v.kept;
+        // What `attend` records over the layers and does after the last one.
+        for layer in 0..self.layers.len() {
+            self.decoded(layer, batch, &step);
+        }
+        for s in &batch.seqs {
+            self.book.end_step(&self.rule, s.id, s.ctx_before + s.q_len);
+        }
+        self.step = Some(step);
+        self.bound = Some(key);
+        Ok(Some(GraphBinding {
+            epoch: self.graph_epoch,
+            ctx_bucket: bucket,
+            variant,
+        }))
     }
 
     fn memory(&self) -> PolicyMemory {

@@ -11,6 +11,7 @@ use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
     paged_decode, upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
+use crate::decode_graphs::{ctx_bucket, GraphBinding};
 use crate::error::{Error, Result};
 use crate::kv::SeqTables;
 use crate::policy::full::FullOptions;
@@ -342,10 +343,18 @@ impl KvPolicy for CudaFullPolicy {
         Ok(())
     }
 
-    fn bind_graph_step(&mut self, batch: &StepBatch, max_ctx: usize) -> Result<Option<u64>> {
+    fn bind_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
         if batch.seqs.is_empty() || batch.seqs.iter().any(|s| s.q_len != 1) {
             return Ok(None);
         }
+        let max_ctx = ctx_bucket(
+            batch
+                .seqs
+                .iter()
+                .map(|s| s.ctx_before + 1)
+                .max()
+                .unwrap_or(1),
+        );
         let bs = self.opts.block_size;
         let before = self.alloc_blocks;
         self.grow_device()?;
@@ -394,7 +403,11 @@ impl KvPolicy for CudaFullPolicy {
             self.tables.set_len(s.id, s.ctx_before + 1);
         }
         self.bound = Some(key);
-        Ok(Some(self.graph_epoch))
+        Ok(Some(GraphBinding {
+            epoch: self.graph_epoch,
+            ctx_bucket: max_ctx,
+            variant: 0,
+        }))
     }
 
     fn take_stats(&mut self) -> PolicyStats {
