@@ -74,7 +74,7 @@ steps=(
 # its time on a step the limit then kills (sweeps resume by cell and start whenever
 # 30 s are left).
 declare -A need=(
-  [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=75 [profile-decode]=240
+  [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [profile-decode]=240
   [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
 )
 
