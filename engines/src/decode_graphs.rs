@@ -42,8 +42,9 @@ pub struct GraphBinding {
     pub variant: u8,
 }
 
-/// How often decode steps ran from graphs: steps captured (each also replayed) and
-/// steps replayed. Zero where no graphs run (the CPU, the switch off).
+/// How often decode steps ran from graphs: steps that captured one (each run once as
+/// it was recorded) and steps replayed from one. Zero where no graphs run (the CPU, the
+/// switch off).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GraphStats {
     pub captured: u64,

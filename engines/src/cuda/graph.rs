@@ -123,27 +123,31 @@ impl DecodeGraphs {
             write_tensor(&g.ids, tokens)?;
             write_tensor(&g.cos, &cos)?;
             write_tensor(&g.sin, &sin)?;
-        } else {
-            let g = capture(model, policy, batch, positions, tokens, &cos, &sin).map_err(|e| {
-                Error::Config(format!(
-                    "CUDA graph of a decode step ({} rows, contexts up to {}, variant {}): \
-                     {e} (KVBENCH_CUDA_GRAPH=off runs without graphs)",
-                    key.rows, key.ctx_bucket, key.variant
-                ))
-            })?;
-            self.stats.captured += 1;
-            self.cache.insert(key, g);
+            g.graph.launch().w()?;
+            self.stats.replayed += 1;
+            return Ok(Some(g.out.clone()));
         }
-        let g = self.cache.get(key).expect("present or inserted above");
-        g.graph.launch().w()?;
-        self.stats.replayed += 1;
-        Ok(Some(g.out.clone()))
+        // The step that captures is the warm-up run: it is not replayed, since a step
+        // that evicts is not idempotent (its probabilities would be added twice and its
+        // victims moved again).
+        let g = capture(model, policy, batch, positions, tokens, &cos, &sin).map_err(|e| {
+            Error::Config(format!(
+                "CUDA graph of a decode step ({} rows, contexts up to {}, variant {}): \
+                 {e} (KVBENCH_CUDA_GRAPH=off runs without graphs)",
+                key.rows, key.ctx_bucket, key.variant
+            ))
+        })?;
+        self.stats.captured += 1;
+        let out = g.out.clone();
+        self.cache.insert(key, g);
+        Ok(Some(out))
     }
 }
 
 /// Capture the step: fixed input buffers filled with this step's values, a warm-up run
-/// (it loads every kernel and fills candle's cache of kernel parameters; its K/V writes
-/// are the ones the replay repeats), then the same forward under stream capture.
+/// that is the step itself (it also loads every kernel and fills candle's cache of
+/// kernel parameters; its logits land in the graph's buffer), then the same forward
+/// under stream capture, which records kernels without running them.
 fn capture(
     model: &Llama,
     policy: &mut dyn KvPolicy,
