@@ -54,7 +54,7 @@ bench which="decode" *args: (fetch-model "smollm2")
 check-cuda:
     scripts/check-cuda.sh
 
-# The GPU machine's profile script run here with stand-ins for Nsight Compute, the CUDA kvbench and its libraries: kernels counted, raw CSVs kept, one decode step per pair summarized (seconds; no GPU).
+# The GPU machine's scripts run here with stand-ins (Nsight Compute, the card, the CUDA kvbench and its libraries): the profile's kernels counted, raw CSVs kept, one decode step per pair summarized; the campaign's opt-in graph steps skipped alone while their verify fails (seconds; no GPU).
 check-gpu-scripts:
     scripts/check-gpu-scripts.sh
 

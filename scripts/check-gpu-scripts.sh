@@ -5,6 +5,8 @@
 # the CUDA libraries gpu-run.sh looks for; the check is that every cell's kernels are
 # counted, the raw CSVs are kept, and the summary gives one decode step per pair. A
 # failure here on a GPU lease loses the profile (it did once), so it is caught here.
+# Then scripts/gpu-campaign.sh with a stand-in card: an opt-in step that fails (the
+# CUDA graphs' verify) stops only the steps that need it.
 #   scripts/check-gpu-scripts.sh
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -70,3 +72,48 @@ if [ "$fail" != 0 ]; then
   exit 1
 fi
 echo "check-gpu-scripts: gpu-profile-decode.sh counts, keeps and summarizes a stand-in profile"
+
+# The campaign's opt-in steps: a failing verify-graph skips only the steps that need it,
+# and once it passes they run. The stand-in card is an H100; the stand-in kvbench fails
+# a verify run with graphs when $tmp/graph-fails exists.
+cat > "$tmp/bin/nvidia-smi" <<'STUB'
+#!/usr/bin/env bash
+echo "NVIDIA H100 80GB HBM3"
+STUB
+cat > "$tmp/gpu/kvbench" <<STUB
+#!/usr/bin/env bash
+if [ "\$1" = verify ] && [ "\${KVBENCH_CUDA_GRAPH:-}" = on ] && [ -e "$tmp/graph-fails" ]; then
+  echo "stand-in verify: a graph row failed"; exit 1
+fi
+echo "stand-in kvbench \$*"
+STUB
+chmod +x "$tmp/bin/nvidia-smi" "$tmp/gpu/kvbench"
+mkdir -p "$tmp/repo/results/baselines/h100"
+echo '{"h2d_pinned": 1}' > "$tmp/repo/results/baselines/h100/ceilings.json"
+campaign() {
+  (cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
+    KVBENCH_CAMPAIGN_STEPS="verify-graph decode-graph-off decode-graph prefill-fa2" \
+    bash scripts/gpu-campaign.sh "$tmp/out-$1" > "$tmp/campaign-$1.log" 2>&1)
+}
+done_dir="$tmp/repo/results/baselines/h100/campaign"
+touch "$tmp/graph-fails"
+if campaign fails; then
+  check "false" "a failing verify-graph makes the call exit non-zero"
+fi
+check "grep -q '^== verify-graph failed' '$tmp/campaign-fails.log'" "verify-graph's failure reported"
+check "grep -q '^== decode-graph-off skipped' '$tmp/campaign-fails.log'" "decode-graph-off skipped without verify-graph"
+check "grep -q '^== decode-graph skipped' '$tmp/campaign-fails.log'" "decode-graph skipped without verify-graph"
+check "[ -e '$done_dir/prefill-fa2.done' ]" "a step after the failing one still ran"
+check "[ ! -e '$done_dir/verify-graph.done' ] && [ ! -e '$done_dir/decode-graph.done' ]" \
+  "nothing of the graphs marked done"
+rm "$tmp/graph-fails"
+campaign passes || check "false" "the second call passes (see $tmp/campaign-passes.log)"
+for s in verify-graph decode-graph-off decode-graph; do
+  check "[ -e '$done_dir/$s.done' ]" "$s done once verify-graph passed"
+done
+if [ "$fail" != 0 ]; then
+  echo "--- campaign, verify-graph failing"; cat "$tmp/campaign-fails.log"
+  echo "--- campaign, verify-graph passing"; cat "$tmp/campaign-passes.log"
+  exit 1
+fi
+echo "check-gpu-scripts: gpu-campaign.sh skips only the graph steps while verify-graph fails"
