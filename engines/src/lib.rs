@@ -82,6 +82,30 @@ pub fn parse_switch<T: Copy>(
     }
 }
 
+/// A switch's value from the environment by [`parse_switch`], read once per process
+/// into `cell` (the CUDA paths ask at every layer of every step); an unknown value is a
+/// configuration error naming it, every time it is asked.
+pub fn switch_once<T: Copy + Send + Sync>(
+    cell: &'static std::sync::OnceLock<std::result::Result<T, String>>,
+    var: &str,
+    options: &[(&str, T)],
+    unset: T,
+    unset_is: &str,
+) -> Result<T> {
+    cell.get_or_init(|| {
+        parse_switch(
+            var,
+            std::env::var(var).ok().as_deref(),
+            options,
+            unset,
+            unset_is,
+        )
+        .map(|(c, _)| c)
+    })
+    .clone()
+    .map_err(Error::Config)
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_switch;

@@ -35,19 +35,13 @@ use half::bf16;
 pub fn graphs_chosen() -> Result<bool> {
     static CHOICE: std::sync::OnceLock<std::result::Result<bool, String>> =
         std::sync::OnceLock::new();
-    CHOICE
-        .get_or_init(|| {
-            crate::parse_switch(
-                "KVBENCH_CUDA_GRAPH",
-                std::env::var("KVBENCH_CUDA_GRAPH").ok().as_deref(),
-                &[("on", true), ("off", false)],
-                false,
-                "decode steps launched kernel by kernel",
-            )
-            .map(|(c, _)| c)
-        })
-        .clone()
-        .map_err(Error::Config)
+    crate::switch_once(
+        &CHOICE,
+        "KVBENCH_CUDA_GRAPH",
+        &[("on", true), ("off", false)],
+        false,
+        "decode steps launched kernel by kernel",
+    )
 }
 
 /// One captured decode step and the buffers it reads and writes.

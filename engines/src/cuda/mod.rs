@@ -450,22 +450,16 @@ pub enum DecodeChoice {
 pub fn decode_choice() -> Result<DecodeChoice> {
     static CHOICE: std::sync::OnceLock<std::result::Result<DecodeChoice, String>> =
         std::sync::OnceLock::new();
-    CHOICE
-        .get_or_init(|| {
-            crate::parse_switch(
-                "KVBENCH_PAGED_DECODE",
-                std::env::var("KVBENCH_PAGED_DECODE").ok().as_deref(),
-                &[
-                    ("vec1", DecodeChoice::VectorOneRow),
-                    ("scalar", DecodeChoice::Scalar),
-                ],
-                DecodeChoice::Default,
-                "the vector kernel with four rows in flight per lane",
-            )
-            .map(|(c, _)| c)
-        })
-        .clone()
-        .map_err(Error::Config)
+    crate::switch_once(
+        &CHOICE,
+        "KVBENCH_PAGED_DECODE",
+        &[
+            ("vec1", DecodeChoice::VectorOneRow),
+            ("scalar", DecodeChoice::Scalar),
+        ],
+        DecodeChoice::Default,
+        "the vector kernel with four rows in flight per lane",
+    )
 }
 
 /// Blocks a decode launch aims for: two per SM of a 132-SM H100 or H200. With few rows

@@ -544,12 +544,8 @@ impl KvPolicy for KiviPolicy {
             out[start * h * dh..(start + 1) * h * dh].copy_from_slice(&o);
         }
         for s in &rows {
-            self.attended.push(AttendRecord {
-                seq: s.id,
-                layer,
-                attended: s.ctx_before + 1,
-                context: s.ctx_before + 1,
-            });
+            self.attended
+                .push(AttendRecord::whole(s.id, layer, s.ctx_before + 1));
         }
         // Quantize what the rules say once the prompt is in (every layer alike).
         for s in &batch.seqs {

@@ -193,6 +193,18 @@ pub struct AttendRecord {
     pub context: usize,
 }
 
+impl AttendRecord {
+    /// A decode row that read every key of its context (`context` with the token).
+    pub fn whole(seq: SeqId, layer: usize, context: usize) -> Self {
+        Self {
+            seq,
+            layer,
+            attended: context,
+            context,
+        }
+    }
+}
+
 pub trait KvPolicy: Send {
     /// Strategy name as used on the command line (`full`, `h2o`, ...).
     fn name(&self) -> &'static str;

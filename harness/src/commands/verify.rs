@@ -283,17 +283,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
                     error: None,
                 }
             }
-            Err(e) => Row {
-                engine,
-                attention: imp.to_string(),
-                budget: 1.0,
-                params,
-                max_abs_logit_diff: None,
-                kv_device_bytes: None,
-                kv_device_allowed_bytes: None,
-                pass: false,
-                error: Some(format!("{e:#}")),
-            },
+            Err(e) => Row::failed(engine, imp, 1.0, params, None, &e),
         };
         rows.push(row);
     }
@@ -345,17 +335,14 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
                             .then(|| "no decode step ran from a CUDA graph".to_string()),
                     }
                 }
-                Err(e) => Row {
-                    engine: spec.name(),
-                    attention: AttentionImpl::Flash.to_string(),
+                Err(e) => Row::failed(
+                    spec.name(),
+                    AttentionImpl::Flash,
                     budget,
-                    params: serde_json::json!({ "graphs": "on" }),
-                    max_abs_logit_diff: None,
-                    kv_device_bytes: None,
-                    kv_device_allowed_bytes: None,
-                    pass: false,
-                    error: Some(format!("{e:#}")),
-                },
+                    serde_json::json!({ "graphs": "on" }),
+                    None,
+                    &e,
+                ),
             };
             rows.push(row);
         }
@@ -404,17 +391,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
                 pass: o.kv_device_bytes.is_some_and(|k| k > 0 && k <= allowed),
                 error: None,
             },
-            Err(e) => Row {
-                engine: spec.name(),
-                attention: imp.to_string(),
-                budget: b,
-                params,
-                max_abs_logit_diff: None,
-                kv_device_bytes: None,
-                kv_device_allowed_bytes: Some(allowed),
-                pass: false,
-                error: Some(format!("{e:#}")),
-            },
+            Err(e) => Row::failed(spec.name(), imp, b, params, Some(allowed), &e),
         };
         rows.push(row);
     }
@@ -534,6 +511,28 @@ fn dense_logits(
 /// Whether a difference passes: finite and within a finite tolerance (a NaN logit
 /// makes the difference +∞, which no tolerance admits).
 impl Row {
+    /// A combination whose run ended in an error: nothing measured, a failure.
+    fn failed(
+        engine: &'static str,
+        attention: AttentionImpl,
+        budget: f64,
+        params: serde_json::Value,
+        kv_device_allowed_bytes: Option<u64>,
+        e: &anyhow::Error,
+    ) -> Self {
+        Row {
+            engine,
+            attention: attention.to_string(),
+            budget,
+            params,
+            max_abs_logit_diff: None,
+            kv_device_bytes: None,
+            kv_device_allowed_bytes,
+            pass: false,
+            error: Some(format!("{e:#}")),
+        }
+    }
+
     /// A comparison of two cache-free forwards (no strategy, no KV bytes).
     fn forward(engine: &'static str, d: f32, pass: bool) -> Self {
         Row {

@@ -328,6 +328,18 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         })
     }
 
+    /// The step's new K/V into its next slots of `layer`, with their positions (until a
+    /// prompt is complete) and zero scores: `tokens` rows of the planned step.
+    fn write_new(&mut self, layer: usize, k: &Tensor, v: &Tensor, tokens: usize) -> Result<()> {
+        let step = self
+            .step
+            .as_ref()
+            .ok_or_else(|| Error::Config("a step's K/V written before its plan".into()))?;
+        let sl = &mut self.layers[layer];
+        kv_write_at(&mut sl.kv, k, v, &step.write_slots)?;
+        slot_meta_init(&self.dev, sl, &step.write_slots, &step.write_pos, tokens)
+    }
+
     /// Fixed step buffers for `rows` decode rows attending up to `bucket` slots.
     fn graph_step_buffers(&self, rows: usize, bucket: usize, probs: bool) -> Result<StepDecode> {
         let h = self.heads.0;
@@ -815,19 +827,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
 
         if self.bound.is_some() {
             // A graph step: every row decodes, its plan is bound, nothing recorded.
-            let step = self
-                .step
-                .as_ref()
-                .ok_or_else(|| Error::Config("graph step bound without its buffers".into()))?;
-            let sl = &mut self.layers[layer];
-            kv_write_at(&mut sl.kv, &k, &v, &step.write_slots)?;
-            slot_meta_init(
-                &self.dev,
-                sl,
-                &step.write_slots,
-                &step.write_pos,
-                batch.num_tokens,
-            )?;
+            self.write_new(layer, &k, &v, batch.num_tokens)?;
             let out = self
                 .decode(layer, &q, batch, input)?
                 .ok_or_else(|| Error::Config("graph step without decode rows".into()))?;
@@ -837,18 +837,8 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
             self.grow_device()?;
             self.step = Some(self.step_plan(batch)?);
         }
-        // New K/V into the next slots (positions until a prompt is complete).
         let start = self.begin()?;
-        let step = self.step.as_ref().expect("planned above");
-        let sl = &mut self.layers[layer];
-        kv_write_at(&mut sl.kv, &k, &v, &step.write_slots)?;
-        slot_meta_init(
-            &self.dev,
-            sl,
-            &step.write_slots,
-            &step.write_pos,
-            batch.num_tokens,
-        )?;
+        self.write_new(layer, &k, &v, batch.num_tokens)?;
         self.end(start)?;
 
         let dec_out = self.decode(layer, &q, batch, input)?;
@@ -994,19 +984,13 @@ pub enum StatsChoice {
 pub fn stats_choice() -> Result<StatsChoice> {
     static CHOICE: std::sync::OnceLock<std::result::Result<StatsChoice, String>> =
         std::sync::OnceLock::new();
-    CHOICE
-        .get_or_init(|| {
-            crate::parse_switch(
-                "KVBENCH_H2O_STATS",
-                std::env::var("KVBENCH_H2O_STATS").ok().as_deref(),
-                &[("mma64", StatsChoice::Keys64)],
-                StatsChoice::Default,
-                "128 keys a block",
-            )
-            .map(|(c, _)| c)
-        })
-        .clone()
-        .map_err(Error::Config)
+    crate::switch_once(
+        &CHOICE,
+        "KVBENCH_H2O_STATS",
+        &[("mma64", StatsChoice::Keys64)],
+        StatsChoice::Default,
+        "128 keys a block",
+    )
 }
 
 /// Column statistics of one prefill chunk, second pass: `q` `[T, H, D]` at positions

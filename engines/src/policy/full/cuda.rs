@@ -254,12 +254,8 @@ impl KvPolicy for CudaFullPolicy {
             let tables = self.decode_tables.as_ref().expect("built above");
             for &i in &decode {
                 let s = batch.seqs[i];
-                self.attended.push(AttendRecord {
-                    seq: s.id,
-                    layer,
-                    attended: s.ctx_before + 1,
-                    context: s.ctx_before + 1,
-                });
+                self.attended
+                    .push(AttendRecord::whole(s.id, layer, s.ctx_before + 1));
             }
             let shape = DecodeShape {
                 num_heads: h,
@@ -391,12 +387,8 @@ impl KvPolicy for CudaFullPolicy {
         inputs.tables.write(&self.dev, &tables, &ctx, bs)?;
         for layer in 0..self.layers.len() {
             for s in &batch.seqs {
-                self.attended.push(AttendRecord {
-                    seq: s.id,
-                    layer,
-                    attended: s.ctx_before + 1,
-                    context: s.ctx_before + 1,
-                });
+                self.attended
+                    .push(AttendRecord::whole(s.id, layer, s.ctx_before + 1));
             }
         }
         for s in &batch.seqs {

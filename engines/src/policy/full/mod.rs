@@ -275,12 +275,8 @@ impl FullPolicy {
             dense_out.push((s.q_start, r.out));
         }
         for s in batch.seqs.iter().filter(|s| s.q_len == 1 && !skip(s)) {
-            self.attended.push(AttendRecord {
-                seq: s.id,
-                layer,
-                attended: s.ctx_before + 1,
-                context: s.ctx_before + 1,
-            });
+            self.attended
+                .push(AttendRecord::whole(s.id, layer, s.ctx_before + 1));
         }
         let views: Vec<SeqAttn<'_>> = batch
             .seqs

@@ -933,12 +933,8 @@ impl KvPolicy for InfinigenPolicy {
                 };
                 decode_attention(&qf, &rows, &mut out, shape, false);
                 for s in &decode {
-                    self.attended.push(AttendRecord {
-                        seq: s.id,
-                        layer,
-                        attended: s.ctx_before + 1,
-                        context: s.ctx_before + 1,
-                    });
+                    self.attended
+                        .push(AttendRecord::whole(s.id, layer, s.ctx_before + 1));
                 }
             }
             // Speculate the next layer's selection from this layer's input.
