@@ -46,7 +46,9 @@ pub enum Command {
     /// object (what the orchestrator runs in a child process per cell).
     RunCell(run_cell::RunCellArgs),
     /// Check every strategy × attention implementation against full + eager at budget
-    /// 1.0, and each strategy's KV bytes against a small budget.
+    /// 1.0, and each strategy's KV bytes against a small budget (on CUDA, every kernel
+    /// against an f64 reference first; with KVBENCH_CUDA_GRAPH=on, decode steps
+    /// replayed from CUDA graphs as well).
     Verify(verify::VerifyArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.
