@@ -16,6 +16,12 @@ use crate::error::{Error, Result};
 /// Graphs kept at once (each holds its kernels' parameters and its input buffers).
 pub const MAX_GRAPHS: usize = 8;
 
+/// Whether `KVBENCH_CUDA_GRAPH=on` asks for graphs (what reports and checks say of a
+/// run; the engine itself reads the switch strictly, `cuda::graph::graphs_chosen`).
+pub fn asked() -> bool {
+    std::env::var("KVBENCH_CUDA_GRAPH").is_ok_and(|v| v.trim() == "on")
+}
+
 /// The bucket of a step whose longest context (its new token included) is `max_ctx`.
 pub fn ctx_bucket(max_ctx: usize) -> usize {
     max_ctx.max(1).next_multiple_of(CTX_BUCKET)

@@ -346,6 +346,21 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     result.samples = samples;
     match outcome {
         Ok((eng, skip_out, skip_steps)) => {
+            // Whether decode steps ran from CUDA graphs, for the log of a run that asked
+            // for them (a strategy without decode graphs runs every step as it is).
+            let g = eng.graph_stats();
+            if kvbench_engines::decode_graphs::asked() {
+                eprintln!(
+                    "decode graphs: {} captured, {} steps replayed{}",
+                    g.captured,
+                    g.replayed,
+                    if g.replayed == 0 {
+                        " (none: this strategy, device or step kind runs without graphs)"
+                    } else {
+                        ""
+                    }
+                );
+            }
             let outs = &eng.finished()[skip_out..];
             let steps = &eng.traces()[skip_steps..];
             // The clock was reset at the benchmark's start: 0 on it.

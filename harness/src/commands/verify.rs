@@ -294,8 +294,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     // the reference; H2O at the audit's budget, where it evicts every step, against
     // itself without graphs. A run in which no step was replayed fails: it would have
     // checked nothing.
-    let graphs_asked = std::env::var("KVBENCH_CUDA_GRAPH").is_ok_and(|v| v.trim() == "on");
-    if on_cuda && graphs_asked {
+    if on_cuda && kvbench_engines::decode_graphs::asked() {
         eprintln!(
             "graph rows: at budget 1.0 against full + eager; h2o at {} against h2o without graphs",
             a.audit_budget
