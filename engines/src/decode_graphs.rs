@@ -153,6 +153,67 @@ pub fn fixed_width_tables(
     Ok(flat)
 }
 
+/// Input buffer sets kept by a policy for its graph steps: past this many they are all
+/// dropped together with the graphs that read them (a new epoch), so that they cannot
+/// grow without bound.
+pub const MAX_GRAPH_BUFFERS: usize = 64;
+
+/// A policy's fixed buffers for graph steps, by key, and the epoch of the device state
+/// its graphs bake in: the epoch changes whenever anything a graph reads moves (the
+/// policy's K/V buffers, or these buffers when the set is dropped for room).
+#[derive(Debug)]
+pub struct GraphBuffers<K, V> {
+    sets: std::collections::HashMap<K, V>,
+    epoch: u64,
+}
+
+impl<K: std::hash::Hash + Eq, V> Default for GraphBuffers<K, V> {
+    fn default() -> Self {
+        Self {
+            sets: std::collections::HashMap::new(),
+            epoch: 0,
+        }
+    }
+}
+
+impl<K: std::hash::Hash + Eq, V> GraphBuffers<K, V> {
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Buffers graphs read moved (a pool grown): every graph is stale.
+    pub fn moved(&mut self) {
+        self.epoch += 1;
+    }
+
+    /// The set for `key`, made by `make` if there is none (all sets dropped first when
+    /// [`MAX_GRAPH_BUFFERS`] are kept: a new epoch).
+    pub fn get_or_make(&mut self, key: K, make: impl FnOnce() -> Result<V>) -> Result<&mut V> {
+        use std::collections::hash_map::Entry;
+        if !self.sets.contains_key(&key) && self.sets.len() >= MAX_GRAPH_BUFFERS {
+            self.sets.clear();
+            self.epoch += 1;
+        }
+        Ok(match self.sets.entry(key) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(make()?),
+        })
+    }
+
+    pub fn get(&self, key: &K) -> Option<&V> {
+        self.sets.get(key)
+    }
+
+    /// Take the set out for a step (`put` gives it back; its device buffers stay put).
+    pub fn take(&mut self, key: &K) -> Option<V> {
+        self.sets.remove(key)
+    }
+
+    pub fn put(&mut self, key: K, v: V) {
+        self.sets.insert(key, v);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,6 +237,35 @@ mod tests {
         assert!(fixed_width_tables(&t, &[40, 5], 2, 2, 48, 16).is_err());
         assert!(fixed_width_tables(&t, &[40, 17], 2, 3, 48, 16).is_err());
         assert!(fixed_width_tables(&t, &[40], 2, 3, 48, 16).is_err());
+    }
+
+    #[test]
+    fn buffer_sets_are_made_once_and_dropped_together_in_a_new_epoch() {
+        let mut b: GraphBuffers<usize, usize> = GraphBuffers::default();
+        let mut made = 0;
+        for k in 0..MAX_GRAPH_BUFFERS {
+            *b.get_or_make(k, || {
+                made += 1;
+                Ok(k)
+            })
+            .unwrap() += 1000;
+        }
+        assert_eq!((made, b.epoch()), (MAX_GRAPH_BUFFERS, 0));
+        // An existing set is given back as it is, not made again.
+        assert_eq!(*b.get_or_make(3, || Ok(0)).unwrap(), 1003);
+        // One more key: every set goes, in a new epoch.
+        assert_eq!(*b.get_or_make(MAX_GRAPH_BUFFERS, || Ok(7)).unwrap(), 7);
+        assert_eq!(b.epoch(), 1);
+        assert!(b.get(&3).is_none());
+        let v = b.take(&MAX_GRAPH_BUFFERS).unwrap();
+        assert!(b.get(&MAX_GRAPH_BUFFERS).is_none());
+        b.put(MAX_GRAPH_BUFFERS, v);
+        assert_eq!(b.get(&MAX_GRAPH_BUFFERS), Some(&7));
+        b.moved();
+        assert_eq!(b.epoch(), 2);
+        assert!(b
+            .get_or_make(9, || Err(Error::Config("no room".into())))
+            .is_err());
     }
 
     #[test]

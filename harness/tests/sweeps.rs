@@ -375,45 +375,6 @@ fn swept_once() -> Swept {
     }
 }
 
-#[test]
-fn a_cell_recorded_by_another_build_is_run_again_unless_kept() {
-    // A real run records this build.
-    let Swept {
-        dir,
-        exp,
-        results,
-        cells,
-        id,
-        file,
-        record: mut v,
-    } = swept_once();
-    let id = id.as_str();
-    assert_eq!(v["env"]["build"], kvbench::environment::BUILD_ID);
-    assert_eq!(kvbench::environment::BUILD_ID.len(), 16);
-    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
-    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
-    // The same cell as another build recorded it: kept when asked, else measured again.
-    v["env"]["build"] = "0123456789abcdef".into();
-    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
-    let (out, _) = sweep(dir.path(), &exp, &results, &["--keep-other-builds"]);
-    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
-    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
-    assert!(
-        out.contains("1 cells run (1 recorded by another build, run again), 0 already recorded"),
-        "{out}"
-    );
-    assert!(err.contains("build 0123456789abcdef"), "{err}");
-    let v = kvbench::cell_file::read(&file).unwrap();
-    assert_eq!(v["env"]["build"], kvbench::environment::BUILD_ID);
-    // A cell recorded before builds were: run again too.
-    let mut v = v;
-    v["env"].as_object_mut().unwrap().remove("build");
-    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
-    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
-    assert!(out.contains("1 recorded by another build"), "{out}");
-    assert!(err.contains("build not recorded"), "{err}");
-}
-
 /// A kernel switch (`KVBENCH_FLASH_PREFILL`, ...) changes what a cell measures: a cell
 /// recorded with one set is not taken for the plain cell, nor the plain one for it, and
 /// the record names the switch.
@@ -460,22 +421,73 @@ fn a_cell_recorded_with_a_kernel_switch_is_not_taken_for_one_without() {
     assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
 }
 
+impl Swept {
+    /// The cell's record rewritten with `env[field]` = `other`: kept by a sweep with
+    /// `keep`, run again by one without (the summary giving `reason`, stderr saying
+    /// `named`), after which the record is this machine's again. Returns that record.
+    fn run_again_unless_kept(
+        &self,
+        mut v: serde_json::Value,
+        (field, other): (&str, &str),
+        keep: &str,
+        reason: &str,
+        named: &str,
+    ) -> serde_json::Value {
+        let here = v["env"][field].clone();
+        v["env"][field] = other.into();
+        kvbench::cell_file::write(&self.cells, &self.id, &v.to_string()).unwrap();
+        let (out, _) = sweep(self.dir.path(), &self.exp, &self.results, &[keep]);
+        assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+        let (out, err) = sweep(self.dir.path(), &self.exp, &self.results, &[]);
+        assert!(
+            out.contains(&format!(
+                "1 cells run (1 {reason}, run again), 0 already recorded"
+            )),
+            "{out}"
+        );
+        assert!(err.contains(named), "{err}");
+        let v = kvbench::cell_file::read(&self.file).unwrap();
+        assert_eq!(v["env"][field], here);
+        v
+    }
+
+    /// The cell's record rewritten without `env[field]`, and what a sweep then prints.
+    fn sweep_without(&self, mut v: serde_json::Value, field: &str) -> (String, String) {
+        v["env"].as_object_mut().unwrap().remove(field);
+        kvbench::cell_file::write(&self.cells, &self.id, &v.to_string()).unwrap();
+        sweep(self.dir.path(), &self.exp, &self.results, &[])
+    }
+}
+
+#[test]
+fn a_cell_recorded_by_another_build_is_run_again_unless_kept() {
+    // A real run records this build.
+    let s = swept_once();
+    assert_eq!(s.record["env"]["build"], kvbench::environment::BUILD_ID);
+    assert_eq!(kvbench::environment::BUILD_ID.len(), 16);
+    let (out, _) = sweep(s.dir.path(), &s.exp, &s.results, &[]);
+    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    // The same cell as another build recorded it: kept when asked, else measured again.
+    let v = s.run_again_unless_kept(
+        s.record.clone(),
+        ("build", "0123456789abcdef"),
+        "--keep-other-builds",
+        "recorded by another build",
+        "build 0123456789abcdef",
+    );
+    // A cell recorded before builds were: run again too.
+    let (out, err) = s.sweep_without(v, "build");
+    assert!(out.contains("1 recorded by another build"), "{out}");
+    assert!(err.contains("build not recorded"), "{err}");
+}
+
 /// A results directory carried to another machine: a cell recorded on another
 /// processor (here another CPU model) is measured again unless asked to keep it, so one
 /// card's or CPU's timings are never resumed as another's.
 #[test]
 fn a_cell_recorded_on_another_processor_is_run_again_unless_kept() {
-    let Swept {
-        dir,
-        exp,
-        results,
-        cells,
-        id,
-        file,
-        record: mut v,
-    } = swept_once();
-    let id = id.as_str();
-    let here = v["env"]["cpu_model"].clone();
+    let s = swept_once();
+    let here = s.record["env"]["cpu_model"].clone();
     assert_eq!(
         here.as_str(),
         kvbench::environment::processor("cpu").as_deref(),
@@ -484,27 +496,17 @@ fn a_cell_recorded_on_another_processor_is_run_again_unless_kept() {
     assert!(
         here.is_string(),
         "this machine's CPU model is not readable, so the check has nothing to compare: {}",
-        v["env"]
+        s.record["env"]
     );
-    v["env"]["cpu_model"] = "Another CPU 9000".into();
-    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
-    let (out, _) = sweep(dir.path(), &exp, &results, &["--keep-other-processors"]);
-    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
-    let (out, err) = sweep(dir.path(), &exp, &results, &[]);
-    assert!(
-        out.contains(
-            "1 cells run (1 recorded on another processor, run again), 0 already recorded"
-        ),
-        "{out}"
+    let v = s.run_again_unless_kept(
+        s.record.clone(),
+        ("cpu_model", "Another CPU 9000"),
+        "--keep-other-processors",
+        "recorded on another processor",
+        "Another CPU 9000",
     );
-    assert!(err.contains("Another CPU 9000"), "{err}");
-    let v = kvbench::cell_file::read(&file).unwrap();
-    assert_eq!(v["env"]["cpu_model"], here);
     // A record without a processor (older, or unreadable there) is not taken for another.
-    let mut v = v;
-    v["env"].as_object_mut().unwrap().remove("cpu_model");
-    kvbench::cell_file::write(&cells, id, &v.to_string()).unwrap();
-    let (out, _) = sweep(dir.path(), &exp, &results, &[]);
+    let (out, _) = s.sweep_without(v, "cpu_model");
     assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
 }
 

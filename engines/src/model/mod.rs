@@ -603,15 +603,7 @@ impl Llama {
     /// cos/sin `[T, dh/2]` for the given positions.
     fn rope_tables(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
         let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(positions.len() * half);
-        let mut sin = Vec::with_capacity(positions.len() * half);
-        for &p in positions {
-            for &f in &self.inv_freq {
-                let a = p as f32 * f;
-                cos.push(a.cos());
-                sin.push(a.sin());
-            }
-        }
+        let (cos, sin) = self.rope_rows(positions);
         let t = positions.len();
         let dt = self.dtype();
         Ok((

@@ -31,7 +31,7 @@ use crate::cuda::{
     kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32,
     DecodeScores, DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys, MODULE, PTX,
 };
-use crate::decode_graphs::{ctx_bucket, GraphBinding};
+use crate::decode_graphs::{ctx_bucket, GraphBinding, GraphBuffers};
 use crate::error::{Error, Result};
 use crate::policy::evicting::book::SlotBook;
 use crate::policy::evicting::{Counts, Eviction, VictimKind};
@@ -108,6 +108,32 @@ struct StepDecode {
     stride: usize,
 }
 
+/// Fixed step buffers for `rows` decode rows of `heads` query heads attending up to
+/// `bucket` slots in blocks of `block_size`.
+fn graph_step_buffers(
+    dev: &CudaDevice,
+    heads: usize,
+    block_size: usize,
+    rows: usize,
+    bucket: usize,
+    probs: bool,
+) -> Result<StepDecode> {
+    let n = rows.max(1);
+    Ok(StepDecode {
+        write_slots: dev.alloc_zeros::<i32>(n)?,
+        write_pos: dev.alloc_zeros::<i32>(n)?,
+        tables: DecodeTables::fixed(dev, rows, bucket.div_ceil(block_size), bucket)?,
+        params: dev.alloc_zeros::<i32>(4 * n)?,
+        evicts: false,
+        probs,
+        lse: dev.alloc_zeros::<f32>(n * heads)?,
+        raw: dev.alloc_zeros::<f32>(if probs { n * heads * bucket } else { 1 })?,
+        stride: bucket,
+        kept: Vec::new(),
+        rows: Vec::new(),
+    })
+}
+
 pub struct CudaEvictingPolicy<E: Eviction> {
     rule: E,
     dev: CudaDevice,
@@ -136,17 +162,13 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     /// SnapKV: the observation window's queries of sequences in prefill, per layer.
     window_q: HashMap<SeqId, Vec<Vec<Tensor>>>,
     /// Fixed step buffers of decode steps replayed from CUDA graphs, by (rows, context
-    /// bucket, variant); a bound step's buffers are `step` until `end_step`.
-    graph_steps: HashMap<GraphStepKey, StepDecode>,
+    /// bucket, variant), and the epoch of what the graphs read; a bound step's buffers
+    /// are `step` until `end_step`.
+    graph_steps: GraphBuffers<GraphStepKey, StepDecode>,
     bound: Option<GraphStepKey>,
-    /// Changes whenever the slot buffers or the graph buffers move (see `full`'s).
-    graph_epoch: u64,
 }
 
 type GraphStepKey = (usize, usize, u8);
-
-/// Graph step buffers kept at once: past this they are all dropped (a new epoch).
-const MAX_GRAPH_STEPS: usize = 64;
 
 /// A step's plan on the host, before it is put on the device.
 struct StepValues {
@@ -208,9 +230,8 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             step: None,
             rope: None,
             window_q: HashMap::new(),
-            graph_steps: HashMap::new(),
+            graph_steps: GraphBuffers::default(),
             bound: None,
-            graph_epoch: 0,
         })
     }
 
@@ -338,27 +359,6 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let sl = &mut self.layers[layer];
         kv_write_at(&mut sl.kv, k, v, &step.write_slots)?;
         slot_meta_init(&self.dev, sl, &step.write_slots, &step.write_pos, tokens)
-    }
-
-    /// Fixed step buffers for `rows` decode rows attending up to `bucket` slots.
-    fn graph_step_buffers(&self, rows: usize, bucket: usize, probs: bool) -> Result<StepDecode> {
-        let h = self.heads.0;
-        let n = rows.max(1);
-        Ok(StepDecode {
-            write_slots: self.dev.alloc_zeros::<i32>(n)?,
-            write_pos: self.dev.alloc_zeros::<i32>(n)?,
-            tables: DecodeTables::fixed(&self.dev, rows, bucket.div_ceil(self.block_size), bucket)?,
-            params: self.dev.alloc_zeros::<i32>(4 * n)?,
-            evicts: false,
-            probs,
-            lse: self.dev.alloc_zeros::<f32>(n * h)?,
-            raw: self
-                .dev
-                .alloc_zeros::<f32>(if probs { n * h * bucket } else { 1 })?,
-            stride: bucket,
-            kept: Vec::new(),
-            rows: Vec::new(),
-        })
     }
 
     /// An out-of-memory error from a kernel wrapper with this policy's device name.
@@ -863,7 +863,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         let step = self.step.take();
         // A graph step's buffers go back to their key: its graph reads them again.
         if let (Some(key), Some(step)) = (self.bound.take(), step) {
-            self.graph_steps.insert(key, step);
+            self.graph_steps.put(key, step);
         }
         Ok(())
     }
@@ -883,21 +883,19 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         let before = self.alloc_blocks;
         self.grow_device()?;
         if self.alloc_blocks != before {
-            self.graph_epoch += 1;
+            self.graph_steps.moved();
         }
         let v = self.step_values(batch)?;
         let rows = v.rows.len();
         let bucket = ctx_bucket(v.kept.iter().copied().max().unwrap_or(1));
         let variant = u8::from(v.evicts) | (u8::from(v.probs) << 1);
         let key = (rows, bucket, variant);
-        if !self.graph_steps.contains_key(&key) && self.graph_steps.len() >= MAX_GRAPH_STEPS {
-            self.graph_steps.clear();
-            self.graph_epoch += 1;
-        }
-        let mut step = match self.graph_steps.remove(&key) {
-            Some(s) => s,
-            None => self.graph_step_buffers(rows, bucket, v.probs)?,
-        };
+        let (dev, heads, bs) = (&self.dev, self.heads.0, self.block_size);
+        self.graph_steps.get_or_make(key, || {
+            graph_step_buffers(dev, heads, bs, rows, bucket, v.probs)
+        })?;
+        // Out for the step; `end_step` gives it back.
+        let mut step = self.graph_steps.take(&key).expect("made above");
         let stream = self.dev.cuda_stream();
         stream.memcpy_htod(&v.slots, &mut step.write_slots).w()?;
         stream.memcpy_htod(&v.positions, &mut step.write_pos).w()?;
@@ -920,7 +918,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         self.step = Some(step);
         self.bound = Some(key);
         Ok(Some(GraphBinding {
-            epoch: self.graph_epoch,
+            epoch: self.graph_steps.epoch(),
             ctx_bucket: bucket,
             variant,
         }))

@@ -11,7 +11,7 @@ use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
     paged_decode, upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
-use crate::decode_graphs::{ctx_bucket, GraphBinding};
+use crate::decode_graphs::{ctx_bucket, GraphBinding, GraphBuffers};
 use crate::error::{Error, Result};
 use crate::kv::SeqTables;
 use crate::policy::full::FullOptions;
@@ -24,7 +24,6 @@ use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaSlice};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Tensor};
-use std::collections::HashMap;
 
 /// Keys per partition of the decode kernel: long contexts split over more blocks.
 const PART_SIZE: usize = 512;
@@ -52,13 +51,10 @@ pub struct CudaFullPolicy {
     /// The step's K/V write slots, likewise.
     write_slots: Option<CudaSlice<i32>>,
     /// Fixed device inputs of decode steps replayed from CUDA graphs, by (rows, table
-    /// width); they live as long as the graphs that read them (see `graph_epoch`).
-    graph_inputs: HashMap<(usize, usize), GraphInputs>,
+    /// width), and the epoch of what the graphs read.
+    graph_inputs: GraphBuffers<(usize, usize), GraphInputs>,
     /// The inputs `attend` reads this step instead of uploading its own.
     bound: Option<(usize, usize)>,
-    /// Changes whenever the K/V buffers or the graph inputs move (a pool grown, the
-    /// inputs cleared): graphs of another epoch are dropped, not replayed.
-    graph_epoch: u64,
 }
 
 /// A graph step's write slots and decode tables, written in place each step.
@@ -66,10 +62,6 @@ struct GraphInputs {
     slots: CudaSlice<i32>,
     tables: DecodeTables,
 }
-
-/// Graph input sets kept at once: past this they are all dropped together with the
-/// graphs that read them (a new epoch), so that they cannot grow without bound.
-const MAX_GRAPH_INPUTS: usize = 64;
 
 impl CudaFullPolicy {
     /// A pool of `num_blocks` blocks, allocated up front under `fraction`; under
@@ -109,9 +101,8 @@ impl CudaFullPolicy {
             event_errors: 0,
             decode_tables: None,
             write_slots: None,
-            graph_inputs: HashMap::new(),
+            graph_inputs: GraphBuffers::default(),
             bound: None,
-            graph_epoch: 0,
         })
     }
 
@@ -192,7 +183,7 @@ impl KvPolicy for CudaFullPolicy {
         if let Some(key) = self.bound {
             return self.attend_bound(key, input);
         }
-        let (h, kvh, d) = self.cfg_heads;
+        let (_, kvh, d) = self.cfg_heads;
         let bs = self.opts.block_size;
         let layer = input.layer;
         let q = input.q.to_dtype(DType::BF16)?;
@@ -257,14 +248,12 @@ impl KvPolicy for CudaFullPolicy {
                 self.attended
                     .push(AttendRecord::whole(s.id, layer, s.ctx_before + 1));
             }
-            let shape = DecodeShape {
-                num_heads: h,
-                num_kv_heads: kvh,
-                head_dim: d,
-                block_size: bs,
-                part_size: PART_SIZE,
-            };
-            Some(paged_decode(&self.layers[layer], &qd, tables, shape)?)
+            Some(paged_decode(
+                &self.layers[layer],
+                &qd,
+                tables,
+                self.shape(),
+            )?)
         };
         if decode.len() == batch.num_tokens {
             if let Some(o) = dec_out {
@@ -355,14 +344,10 @@ impl KvPolicy for CudaFullPolicy {
         let before = self.alloc_blocks;
         self.grow_device()?;
         if self.alloc_blocks != before {
-            self.graph_epoch += 1;
+            self.graph_inputs.moved();
         }
         let rows = batch.seqs.len();
         let key = (rows, max_ctx.div_ceil(bs));
-        if !self.graph_inputs.contains_key(&key) && self.graph_inputs.len() >= MAX_GRAPH_INPUTS {
-            self.graph_inputs.clear();
-            self.graph_epoch += 1;
-        }
         // What `attend` does over the layers, done once: write slots, lengths, records.
         let mut slots = Vec::with_capacity(rows);
         let mut tables = Vec::with_capacity(rows);
@@ -372,19 +357,17 @@ impl KvPolicy for CudaFullPolicy {
             tables.push(self.table_i32(s.id));
             ctx.push(s.ctx_before + 1);
         }
-        if !self.graph_inputs.contains_key(&key) {
-            let inputs = GraphInputs {
-                slots: self.dev.alloc_zeros::<i32>(rows)?,
-                tables: DecodeTables::fixed(&self.dev, rows, key.1, max_ctx)?,
-            };
-            self.graph_inputs.insert(key, inputs);
-        }
-        let inputs = self.graph_inputs.get_mut(&key).expect("inserted above");
-        self.dev
-            .cuda_stream()
+        let dev = &self.dev;
+        let inputs = self.graph_inputs.get_or_make(key, || {
+            Ok(GraphInputs {
+                slots: dev.alloc_zeros::<i32>(rows)?,
+                tables: DecodeTables::fixed(dev, rows, key.1, max_ctx)?,
+            })
+        })?;
+        dev.cuda_stream()
             .memcpy_htod(&slots, &mut inputs.slots)
             .w()?;
-        inputs.tables.write(&self.dev, &tables, &ctx, bs)?;
+        inputs.tables.write(dev, &tables, &ctx, bs)?;
         for layer in 0..self.layers.len() {
             for s in &batch.seqs {
                 self.attended
@@ -396,7 +379,7 @@ impl KvPolicy for CudaFullPolicy {
         }
         self.bound = Some(key);
         Ok(Some(GraphBinding {
-            epoch: self.graph_epoch,
+            epoch: self.graph_inputs.epoch(),
             ctx_bucket: max_ctx,
             variant: 0,
         }))
