@@ -1,0 +1,169 @@
+//! In what order a matrix-vector product should read its weight rows, as ratios to the
+//! read probe in one run (docs/correctness-and-performance.md, "One weight row at a
+//! time"). 538 MB of 576-wide f32 rows in huge pages (SmolLM2-135M's products per decode
+//! step), on a pool of `threads` as `Engine::step` runs its forward (on a worker), in
+//! blocks of 64 rows; each round reads them
+//! - four rows side by side (`dot4_with`, the earlier kernel's pattern),
+//! - one row after another (`dot_row_with`, the kernel the engine uses),
+//! - one row after another, as matrices of 576 rows with a pass over the pool each (the
+//!   engine's products are such matrices),
+//! - four rows interleaved in 8-float chunks (a packed layout: one stream of the same
+//!   bytes; portable code),
+//!
+//! and the probe (`read_pass`, best of 3) before them; prints the medians in GB/s and
+//! as a share of the probe's.
+//!
+//!   cargo run --release -p kvbench-engines --example row_order -- [threads] [rounds]
+
+use anyhow::{Context, Result};
+use kvbench_engines::attention::paged::{dot4_with, dot_row_with, has_avx2_fma};
+use kvbench_engines::model::pages::{huge_vec, read_pass};
+use rayon::prelude::*;
+use std::time::Instant;
+
+const K: usize = 576;
+const BLOCK: usize = 64;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// Four rows stored as `[k/8][4][8]` dotted with `x` (AVX2+FMA where the CPU has
+/// them, as the engine's kernels).
+fn dot4_packed(w: &[f32], x: &[f32]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: AVX2 and FMA checked just above.
+        return unsafe { dot4_packed_avx(w, x) };
+    }
+    let mut acc = [[0f32; 8]; 4];
+    for (wc, xc) in w.chunks_exact(32).zip(x.chunks_exact(8)) {
+        for (a, wr) in acc.iter_mut().zip(wc.chunks_exact(8)) {
+            for l in 0..8 {
+                a[l] += wr[l] * xc[l];
+            }
+        }
+    }
+    acc.map(|a| a.iter().sum())
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_packed_avx(w: &[f32], x: &[f32]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    assert!(w.len() >= 4 * x.len() && x.len() % 8 == 0);
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for (c, xc) in x.chunks_exact(8).enumerate() {
+        let xv = _mm256_loadu_ps(xc.as_ptr());
+        let p = w.as_ptr().add(32 * c);
+        for (r, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(p.add(8 * r)), xv, *a);
+        }
+    }
+    acc.map(|a| {
+        let mut l = [0f32; 8];
+        _mm256_storeu_ps(l.as_mut_ptr(), a);
+        l.iter().sum()
+    })
+}
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut arg = |what: &str, default: usize| -> Result<usize> {
+        args.next().map_or(Ok(default), |s| {
+            s.parse()
+                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
+        })
+    };
+    let threads = arg("threads", 2)?.max(1);
+    let rounds = arg("rounds", 7)?.max(1);
+    let rows = 538_000_000 / 4 / K / BLOCK * BLOCK;
+    let w = huge_vec(rows * K, 0.5);
+    let probe = huge_vec(rows * K, 1.0);
+    let x: Vec<f32> = (0..K).map(|i| (i % 7) as f32 * 0.1).collect();
+    let mut y = vec![0f32; rows];
+    let avx = has_avx2_fma();
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("thread pool")?;
+    let gb = |secs: f64| (rows * K * 4) as f64 / secs / 1e9;
+    let names = [
+        "probe",
+        "four rows side by side",
+        "one row after another",
+        "the same, 576-row matrices",
+        "four rows packed",
+    ];
+    let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+    for _ in 0..rounds {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (secs, total) = read_pass(&probe, threads);
+            anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
+            best = best.min(secs);
+        }
+        runs[0].push(gb(best));
+        let passes: [&(dyn Fn(&mut [f32]) + Sync); 4] = [
+            &|y| {
+                y.par_chunks_mut(BLOCK)
+                    .zip(w.par_chunks(BLOCK * K))
+                    .for_each(|(yb, wb)| {
+                        for (yq, wq) in yb.chunks_exact_mut(4).zip(wb.chunks_exact(4 * K)) {
+                            yq.copy_from_slice(&dot4_with(avx, wq, &x));
+                        }
+                    })
+            },
+            &|y| {
+                y.par_chunks_mut(BLOCK)
+                    .zip(w.par_chunks(BLOCK * K))
+                    .for_each(|(yb, wb)| {
+                        for (yr, wr) in yb.iter_mut().zip(wb.chunks_exact(K)) {
+                            *yr = dot_row_with(avx, wr, &x);
+                        }
+                    })
+            },
+            &|y| {
+                for (ym, wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
+                    ym.par_chunks_mut(BLOCK)
+                        .zip(wm.par_chunks(BLOCK * K))
+                        .for_each(|(yb, wb)| {
+                            for (yr, wr) in yb.iter_mut().zip(wb.chunks_exact(K)) {
+                                *yr = dot_row_with(avx, wr, &x);
+                            }
+                        })
+                }
+            },
+            &|y| {
+                y.par_chunks_mut(BLOCK)
+                    .zip(w.par_chunks(BLOCK * K))
+                    .for_each(|(yb, wb)| {
+                        for (yq, wq) in yb.chunks_exact_mut(4).zip(wb.chunks_exact(4 * K)) {
+                            yq.copy_from_slice(&dot4_packed(wq, &x));
+                        }
+                    })
+            },
+        ];
+        for (run, pass) in runs[1..].iter_mut().zip(passes) {
+            let t = Instant::now();
+            pool.install(|| rayon::scope(|_| pass(&mut y)));
+            run.push(gb(t.elapsed().as_secs_f64()));
+            // Keep the products: a pass the optimizer could skip would measure nothing.
+            anyhow::ensure!(y.iter().all(|v| v.is_finite()), "a product is not finite");
+        }
+    }
+    println!(
+        "{} MB of {K}-wide rows, {threads} thread(s), medians of {rounds} rounds:",
+        rows * K * 4 / 1_000_000
+    );
+    let probe = median(runs[0].clone());
+    for (name, run) in names.iter().zip(runs) {
+        let m = median(run);
+        println!(
+            "  {name:<28} {m:5.1} GB/s  {:3.0} % of the probe",
+            100.0 * m / probe
+        );
+    }
+    Ok(())
+}
