@@ -52,7 +52,7 @@ fn dot4_packed(w: &[f32], x: &[f32]) -> [f32; 4] {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot4_packed_avx(w: &[f32], x: &[f32]) -> [f32; 4] {
     use std::arch::x86_64::*;
-    assert!(w.len() >= 4 * x.len() && x.len() % 8 == 0);
+    assert!(w.len() >= 4 * x.len() && x.len().is_multiple_of(8));
     let mut acc = [_mm256_setzero_ps(); 4];
     for (c, xc) in x.chunks_exact(8).enumerate() {
         let xv = _mm256_loadu_ps(xc.as_ptr());
