@@ -24,7 +24,7 @@ use std::time::Instant;
 const K: usize = 576;
 
 /// One pass over the weights into the outputs.
-type Pass = dyn Fn(&mut [f32]) + Sync;
+type Pass<'a> = dyn Fn(&mut [f32]) + Sync + 'a;
 const BLOCK: usize = 64;
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -108,7 +108,7 @@ fn main() -> Result<()> {
             best = best.min(secs);
         }
         runs[0].push(gb(best));
-        let passes: [&Pass; 4] = [
+        let passes: [&Pass<'_>; 4] = [
             &|y| {
                 y.par_chunks_mut(BLOCK)
                     .zip(w.par_chunks(BLOCK * K))
