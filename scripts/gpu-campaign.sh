@@ -57,7 +57,7 @@ steps=(
   "fused-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/off|KVBENCH_FUSED_PROJECTIONS=0"
   "fused-kernels-off|run experiments/gpu/fused-projections.yaml --results \$RES/fused-projections/kernels-off|KVBENCH_FUSED_KERNELS=0"
   "verify-graph|verify --device cuda --model preset:llama-3.1-8b|KVBENCH_CUDA_GRAPH=on"
-  "decode-graph-off|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/off"
+  "decode-graph-off|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/off|KVBENCH_CUDA_GRAPH=off"
   "decode-graph|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/on|KVBENCH_CUDA_GRAPH=on"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"

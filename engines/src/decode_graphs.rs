@@ -2,10 +2,13 @@
 //! kernels' grids and buffer addresses baked in, so one graph serves only steps of its
 //! shape: the same number of rows and the same context bucket (the paged decode's
 //! partition grid is sized for the bucket's longest context; shorter rows leave
-//! partitions empty, which the kernels already handle). Graphs of an earlier device
-//! state (a pool that grew, input buffers replaced: the policy's epoch) are dropped, and
-//! the least recently used one goes when the cache is full. Device-independent and
-//! tested on the CPU; capture and replay are `cuda::graph`'s.
+//! partitions empty, which the kernels already handle). A shape is captured only when
+//! two steps in a row ask for it: a capture costs about two steps, so shapes that change
+//! every step (requests arriving and leaving) run as they are rather than capture each
+//! time. Graphs of an earlier device state (a pool that grew, input buffers replaced:
+//! the policy's epoch) are dropped, and the least recently used one goes when the cache
+//! is full. Device-independent and tested on the CPU; capture and replay are
+//! `cuda::graph`'s.
 
 /// A graph serves contexts up to a multiple of this many tokens: a new graph every 512
 /// decode steps of a batch, and at most 511 keys' worth of empty partitions per row.
@@ -16,10 +19,15 @@ use crate::error::{Error, Result};
 /// Graphs kept at once (each holds its kernels' parameters and its input buffers).
 pub const MAX_GRAPHS: usize = 8;
 
-/// Whether `KVBENCH_CUDA_GRAPH=on` asks for graphs (what reports and checks say of a
-/// run; the engine itself reads the switch strictly, `cuda::graph::graphs_chosen`).
-pub fn asked() -> bool {
-    std::env::var("KVBENCH_CUDA_GRAPH").is_ok_and(|v| v.trim() == "on")
+/// Whether the environment leaves CUDA graphs on: unless `KVBENCH_CUDA_GRAPH=off` (what
+/// reports and checks say of a run; the engine itself reads the switch strictly,
+/// rejecting other values: `cuda::graph::graphs_chosen`).
+pub fn chosen() -> bool {
+    chosen_by(std::env::var("KVBENCH_CUDA_GRAPH").ok().as_deref())
+}
+
+fn chosen_by(value: Option<&str>) -> bool {
+    value.map(str::trim) != Some("off")
 }
 
 /// The bucket of a step whose longest context (its new token included) is `max_ctx`.
@@ -63,6 +71,8 @@ pub struct GraphCache<G> {
     epoch: Option<u64>,
     tick: u64,
     cap: usize,
+    /// The shape of the last step no graph served.
+    missed: Option<GraphKey>,
 }
 
 impl<G> GraphCache<G> {
@@ -72,7 +82,16 @@ impl<G> GraphCache<G> {
             epoch: None,
             tick: 0,
             cap: cap.max(1),
+            missed: None,
         }
+    }
+
+    /// Whether a step of shape `key`, which no graph serves, should capture one: when
+    /// the last step that no graph served had the same shape (so the shape repeats).
+    pub fn worth_capturing(&mut self, key: GraphKey) -> bool {
+        let repeat = self.missed == Some(key);
+        self.missed = (!repeat).then_some(key);
+        repeat
     }
 
     /// Enter the device state `epoch`: graphs of any other are dropped (what they
@@ -304,6 +323,36 @@ mod tests {
         assert_eq!(c.len(), 2);
         assert_eq!(c.get(key(3, 10)).copied(), Some("c2"));
         assert_eq!(c.get(key(1, 10)).copied(), Some("a"));
+    }
+
+    #[test]
+    fn a_shape_is_captured_when_it_repeats() {
+        let mut c: GraphCache<()> = GraphCache::new(4);
+        // Steady batch: the first step runs as it is, the second captures.
+        assert!(!c.worth_capturing(key(16, 10)));
+        assert!(c.worth_capturing(key(16, 10)));
+        // After a capture the next miss starts again.
+        assert!(!c.worth_capturing(key(16, 10)));
+        // Shapes that change every step never capture.
+        for rows in [3, 4, 3, 4, 5] {
+            assert!(!c.worth_capturing(key(rows, 10)));
+        }
+        assert!(c.worth_capturing(key(5, 10)));
+        // Another context bucket or kind of step is another shape.
+        assert!(!c.worth_capturing(key(5, 600)));
+        assert!(!c.worth_capturing(GraphKey {
+            variant: 1,
+            ..key(5, 600)
+        }));
+    }
+
+    #[test]
+    fn graphs_are_on_unless_switched_off() {
+        assert!(chosen_by(None));
+        assert!(chosen_by(Some("on")));
+        assert!(chosen_by(Some("")));
+        assert!(!chosen_by(Some("off")));
+        assert!(!chosen_by(Some(" off ")));
     }
 
     #[test]

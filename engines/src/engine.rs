@@ -58,7 +58,7 @@ pub struct EngineConfig {
     /// (see `policy::audit`).
     pub audit: bool,
     /// Run decode steps from CUDA graphs where the strategy can (`crate::decode_graphs`;
-    /// `None`: as `KVBENCH_CUDA_GRAPH` says, off when unset). Ignored on the CPU.
+    /// `None`: as `KVBENCH_CUDA_GRAPH` says, on unless `off`). Ignored on the CPU.
     pub cuda_graphs: Option<bool>,
 }
 

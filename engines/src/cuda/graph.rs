@@ -1,4 +1,5 @@
-//! CUDA graphs of decode steps (`KVBENCH_CUDA_GRAPH=on`). A decode step launches some
+//! CUDA graphs of decode steps (on by default; `KVBENCH_CUDA_GRAPH=off` launches every
+//! kernel from the host, as before). A decode step launches some
 //! fifteen kernels a layer, each a few microseconds of host time, and at batch 1 the
 //! host barely keeps ahead of the card (docs/cuda.md, `launch_s`). A graph records the
 //! step's kernels once and replays them in one launch.
@@ -12,10 +13,13 @@
 //! stream-ordered, so the step's temporaries become the graph's own allocations, freed
 //! inside it), or upload kernel parameters (a warm-up run fills candle's cache of them
 //! before capture). The logits are copied into a buffer of the graph's; the argmax
-//! after it runs as for any other step.
+//! after it runs as for any other step. A shape is captured when two steps in a row
+//! need it ([`GraphCache::worth_capturing`]); until then its steps run from the same
+//! device inputs, launched one kernel at a time.
 //!
-//! Off by default: it has not yet run on a GPU. `kvbench verify --device cuda` checks a
-//! graph-replayed `full` against the reference like every other combination.
+//! On an H100 graphs passed `kvbench verify --device cuda` (identical logits to the
+//! launched steps for H2O at 0.3) and made decode steps 2–13 % shorter
+//! (results/baselines/h100/NOTES.md, fifth lease).
 
 use crate::cuda::{device_of, view_of};
 use crate::decode_graphs::{GraphCache, GraphKey, GraphStats, MAX_GRAPHS};
@@ -30,8 +34,8 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{DType, Tensor};
 use half::bf16;
 
-/// Whether decode steps run from CUDA graphs: `KVBENCH_CUDA_GRAPH=on` (unset or `off`:
-/// launched kernel by kernel), read once per process.
+/// Whether decode steps run from CUDA graphs: unless `KVBENCH_CUDA_GRAPH=off` (launched
+/// kernel by kernel), read once per process.
 pub fn graphs_chosen() -> Result<bool> {
     static CHOICE: std::sync::OnceLock<std::result::Result<bool, String>> =
         std::sync::OnceLock::new();
@@ -39,8 +43,8 @@ pub fn graphs_chosen() -> Result<bool> {
         &CHOICE,
         "KVBENCH_CUDA_GRAPH",
         &[("on", true), ("off", false)],
-        false,
-        "decode steps launched kernel by kernel",
+        true,
+        "decode steps from CUDA graphs",
     )
 }
 
@@ -121,10 +125,18 @@ impl DecodeGraphs {
             self.stats.replayed += 1;
             return Ok(Some(g.out.clone()));
         }
+        let inputs = Inputs::new(model, tokens, &cos, &sin)?;
+        if !self.cache.worth_capturing(key) {
+            // A shape seen once so far: the step runs from the device inputs it is bound
+            // to, without a capture.
+            let mut out = None;
+            run(model, policy, batch, positions, &inputs, &mut out)?;
+            return Ok(out);
+        }
         // The step that captures is the warm-up run: it is not replayed, since a step
         // that evicts is not idempotent (its probabilities would be added twice and its
         // victims moved again).
-        let g = capture(model, policy, batch, positions, tokens, &cos, &sin).map_err(|e| {
+        let g = capture(model, policy, batch, positions, inputs).map_err(|e| {
             Error::Config(format!(
                 "CUDA graph of a decode step ({} rows, contexts up to {}, variant {}): \
                  {e} (KVBENCH_CUDA_GRAPH=off runs without graphs)",
@@ -138,46 +150,75 @@ impl DecodeGraphs {
     }
 }
 
-/// Capture the step: fixed input buffers filled with this step's values, a warm-up run
-/// that is the step itself (it also loads every kernel and fills candle's cache of
-/// kernel parameters; its logits land in the graph's buffer), then the same forward
-/// under stream capture, which records kernels without running them.
+/// A step's token ids and RoPE rows on the device, the inputs a graph reads.
+struct Inputs {
+    ids: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Inputs {
+    fn new(model: &Llama, tokens: &[u32], cos: &[bf16], sin: &[bf16]) -> Result<Self> {
+        let d = model.device();
+        let rows = tokens.len();
+        let half = cos.len() / rows;
+        let inputs = Self {
+            ids: Tensor::zeros(rows, DType::U32, d)?,
+            cos: Tensor::zeros((rows, half), DType::BF16, d)?,
+            sin: Tensor::zeros((rows, half), DType::BF16, d)?,
+        };
+        write_tensor(&inputs.ids, tokens)?;
+        write_tensor(&inputs.cos, cos)?;
+        write_tensor(&inputs.sin, sin)?;
+        Ok(inputs)
+    }
+}
+
+/// The step's forward from `inputs`: its logits into `out` (set to them when `None`,
+/// copied into it otherwise: a graph's buffer).
+fn run(
+    model: &Llama,
+    policy: &mut dyn KvPolicy,
+    batch: &StepBatch,
+    positions: &[u32],
+    inputs: &Inputs,
+    out: &mut Option<Tensor>,
+) -> Result<()> {
+    let logits =
+        model.forward_device(&inputs.ids, &inputs.cos, &inputs.sin, positions, &mut |i| {
+            policy.attend(batch, i)
+        })?;
+    match out {
+        Some(o) => o.slice_set(&logits, 0, 0)?,
+        None => *out = Some(logits),
+    }
+    Ok(())
+}
+
+/// Capture the step: a warm-up run from `inputs` that is the step itself (it also loads
+/// every kernel and fills candle's cache of kernel parameters; its logits land in the
+/// graph's buffer), then the same forward under stream capture, which records kernels
+/// without running them.
 fn capture(
     model: &Llama,
     policy: &mut dyn KvPolicy,
     batch: &StepBatch,
     positions: &[u32],
-    tokens: &[u32],
-    cos: &[bf16],
-    sin: &[bf16],
+    inputs: Inputs,
 ) -> Result<Captured> {
     let d = model.device();
     let dev = device_of(d)?;
-    let rows = tokens.len();
-    let half = cos.len() / rows;
-    let ids_t = Tensor::zeros(rows, DType::U32, d)?;
-    let cos_t = Tensor::zeros((rows, half), DType::BF16, d)?;
-    let sin_t = Tensor::zeros((rows, half), DType::BF16, d)?;
-    let out = Tensor::zeros((rows, model.cfg.vocab_size), DType::F32, d)?;
-    write_tensor(&ids_t, tokens)?;
-    write_tensor(&cos_t, cos)?;
-    write_tensor(&sin_t, sin)?;
+    let rows = inputs.ids.elem_count();
+    let mut out = Some(Tensor::zeros((rows, model.cfg.vocab_size), DType::F32, d)?);
     let _params = dev.enable_cuda_graph_htod_cache();
-    let mut run = || -> Result<()> {
-        let logits = model.forward_device(&ids_t, &cos_t, &sin_t, positions, &mut |i| {
-            policy.attend(batch, i)
-        })?;
-        out.slice_set(&logits, 0, 0)?;
-        Ok(())
-    };
-    run()?;
+    run(model, policy, batch, positions, &inputs, &mut out)?;
     let stream = dev.cuda_stream();
     stream.synchronize().w()?;
     // Relaxed: other threads' allocations (the host's own work) do not end the capture.
     stream
         .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
         .w()?;
-    let recorded = run();
+    let recorded = run(model, policy, batch, positions, &inputs, &mut out);
     // Always end the capture, so that a failure leaves the stream usable.
     let ended = stream
         .end_capture(CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH);
@@ -186,11 +227,12 @@ fn capture(
         .w()?
         .ok_or_else(|| Error::Config("the capture recorded no graph".into()))?;
     graph.upload().w()?;
+    let out = out.ok_or_else(|| Error::Config("a captured step left no logits".into()))?;
     Ok(Captured {
         graph,
-        ids: ids_t,
-        cos: cos_t,
-        sin: sin_t,
+        ids: inputs.ids,
+        cos: inputs.cos,
+        sin: inputs.sin,
         out,
     })
 }

@@ -346,10 +346,10 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     result.samples = samples;
     match outcome {
         Ok((eng, skip_out, skip_steps)) => {
-            // Whether decode steps ran from CUDA graphs, for the log of a run that asked
-            // for them (a strategy without decode graphs runs every step as it is).
+            // Whether decode steps ran from CUDA graphs, for the log of a CUDA run with
+            // graphs on (a strategy without decode graphs runs every step as it is).
             let g = eng.graph_stats();
-            if kvbench_engines::decode_graphs::asked() {
+            if eng.model().device().is_cuda() && kvbench_engines::decode_graphs::chosen() {
                 eprintln!(
                     "decode graphs: {} captured, {} steps replayed{}",
                     g.captured,

@@ -47,8 +47,8 @@ pub enum Command {
     RunCell(run_cell::RunCellArgs),
     /// Check every strategy × attention implementation against full + eager at budget
     /// 1.0, and each strategy's KV bytes against a small budget (on CUDA, every kernel
-    /// against an f64 reference first; with KVBENCH_CUDA_GRAPH=on, decode steps
-    /// replayed from CUDA graphs as well).
+    /// against an f64 reference first, and decode steps both replayed from CUDA graphs
+    /// and launched kernel by kernel).
     Verify(verify::VerifyArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.

@@ -288,15 +288,18 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         rows.push(row);
     }
 
-    // With KVBENCH_CUDA_GRAPH=on (graphs are opt-in until they have run on a GPU): the
-    // strategies with decode graphs, their decode steps replayed from CUDA graphs
-    // (captured per row count, context bucket and kind of step). At budget 1.0 against
-    // the reference; H2O at the audit's budget, where it evicts every step, against
-    // itself without graphs. A run in which no step was replayed fails: it would have
+    // CUDA graphs of decode steps (on unless KVBENCH_CUDA_GRAPH=off; captured per row
+    // count, context bucket and kind of step): the rows above ran as the switch says, so
+    // `full` and `h2o` at budget 1.0 run here the other way too, against the reference;
+    // H2O at the audit's budget, where it evicts every step, with graphs against itself
+    // without them. A run with graphs in which no step was replayed fails: it would have
     // checked nothing.
-    if on_cuda && kvbench_engines::decode_graphs::asked() {
+    if on_cuda {
+        let chosen = kvbench_engines::decode_graphs::chosen();
         eprintln!(
-            "graph rows: at budget 1.0 against full + eager; h2o at {} against h2o without graphs",
+            "graph rows: full and h2o at 1.0 {} graphs against full + eager; h2o at {} with \
+             graphs against h2o without",
+            if chosen { "without" } else { "with" },
             a.audit_budget
         );
         for (name, budget) in [("full", 1.0), ("h2o", 1.0), ("h2o", a.audit_budget)] {
@@ -305,32 +308,41 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
                 cuda_graphs: Some(on),
                 ..engine_cfg(spec.clone(), AttentionImpl::Flash)
             };
-            let against = if budget == 1.0 {
-                Ok(reference.logits.clone())
+            let (graphs, against) = if budget == 1.0 {
+                (!chosen, Ok(reference.logits.clone()))
             } else {
-                run_cfg(with_graphs(false), Some(&forced)).map(|o| o.logits)
+                (
+                    true,
+                    run_cfg(with_graphs(false), Some(&forced)).map(|o| o.logits),
+                )
             };
             let ran =
-                against.and_then(|want| Ok((want, run_cfg(with_graphs(true), Some(&forced))?)));
+                against.and_then(|want| Ok((want, run_cfg(with_graphs(graphs), Some(&forced))?)));
             // Short keys: the table shows 28 characters of them.
+            let params = |o: Option<&Outcome>| match (graphs, o) {
+                (false, _) => serde_json::json!({ "graphs": "off" }),
+                (true, Some(o)) => serde_json::json!({
+                    "graphs": o.graphs.captured,
+                    "replays": o.graphs.replayed,
+                }),
+                (true, None) => serde_json::json!({ "graphs": "on" }),
+            };
             let row = match ran {
                 Ok((want, o)) => {
                     let d = max_abs_diff(&want, &o.logits);
                     let complete = o.logits.iter().map(Vec::len).sum::<usize>()
                         == want.iter().map(Vec::len).sum::<usize>();
+                    let unreplayed = graphs && o.graphs.replayed == 0;
                     Row {
                         engine: spec.name(),
                         attention: AttentionImpl::Flash.to_string(),
                         budget,
-                        params: serde_json::json!({
-                            "graphs": o.graphs.captured,
-                            "replays": o.graphs.replayed,
-                        }),
+                        params: params(Some(&o)),
                         max_abs_logit_diff: Some(d),
                         kv_device_bytes: o.kv_device_bytes,
                         kv_device_allowed_bytes: None,
-                        pass: complete && o.graphs.replayed > 0 && passes(d, tolerance),
-                        error: (o.graphs.replayed == 0)
+                        pass: complete && !unreplayed && passes(d, tolerance),
+                        error: unreplayed
                             .then(|| "no decode step ran from a CUDA graph".to_string()),
                     }
                 }
@@ -338,7 +350,7 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
                     spec.name(),
                     AttentionImpl::Flash,
                     budget,
-                    serde_json::json!({ "graphs": "on" }),
+                    params(None),
                     None,
                     &e,
                 ),
