@@ -386,20 +386,30 @@ pub(crate) fn against_full(points: &[Run]) -> Option<String> {
         (Some(b), Some(t)) if t > 0.0 => fmt(b / t / 1e6),
         _ => "–".into(),
     };
+    // The host link's rate while decoding: zero-copy reads happen inside the forwards
+    // (so their transfer wait is 0 however link-bound they are), copies partly beside
+    // them. Engines that move nothing have no rate.
+    let link_gb_s = |r: &Run| match (r.h2d_bytes, r.decode_compute_s, r.transfer_s) {
+        (Some(b), Some(d), Some(w)) if b > 0.0 && d + w > 0.0 => fmt(b / (d + w) / 1e9),
+        _ => "–".into(),
+    };
     let num = |x: Option<f64>| x.map_or("–".into(), fmt);
     let mut md = String::new();
     let _ = writeln!(md, "\n## Against full\n");
     let _ = writeln!(
         md,
-        "Each engine beside `full` on the same workload and attention (repeats averaged): decode throughput and mean E2E as multiples of full's, the host-to-device bytes per output token, and the shares of the engine's time spent waiting for transfers and in cache operations (the walltime breakdown, docs/metrics.md).\n"
+        "Each engine beside `full` on the same workload and attention (repeats averaged): decode throughput and mean E2E as multiples of full's, the host-to-device bytes per output token and their rate over the decode (bytes over decode compute and transfer wait: a zero-copy transfer reads host memory inside the forwards, so its wait is 0 however bound by the link it is), and the shares of the engine's time spent waiting for transfers and in cache operations (the walltime breakdown, docs/metrics.md).\n"
     );
-    let _ = writeln!(md, "| batch | prompt | output | engine | decode tok/s | × full | E2E s | × full | H2D MB per output token | transfer wait % | cache ops % |");
-    let _ = writeln!(md, "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(md, "| batch | prompt | output | engine | decode tok/s | × full | E2E s | × full | H2D MB per output token | H2D GB/s in decode | transfer wait % | cache ops % |");
+    let _ = writeln!(
+        md,
+        "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for (f, others) in &groups {
         for r in std::iter::once(f).chain(others.iter()) {
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 num(r.batch),
                 r.prompt_len,
                 num(r.output_len),
@@ -409,6 +419,7 @@ pub(crate) fn against_full(points: &[Run]) -> Option<String> {
                 num(r.e2e_mean_s),
                 times(r.e2e_mean_s, f.e2e_mean_s),
                 mb_per_token(r),
+                link_gb_s(r),
                 share(r.transfer_s, r),
                 share(r.cache_ops_s, r),
             );

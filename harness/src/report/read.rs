@@ -52,6 +52,10 @@ pub struct Run {
     pub transfer_s: Option<f64>,
     pub cache_ops_s: Option<f64>,
     pub busy_s: Option<f64>,
+    /// Seconds of decode forwards (the breakdown's `decode_compute_s`): a zero-copy
+    /// transfer reads host memory inside them, so the host link's rate over the decode
+    /// is `h2d_bytes` over these plus `transfer_s`.
+    pub decode_compute_s: Option<f64>,
     /// The cell's identity columns (`cell_*` without the prefix; null as ""), less the
     /// repeat and the row's bookkeeping (index, id, key).
     pub cell: BTreeMap<String, String>,
@@ -271,6 +275,7 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
         "metrics_output_tokens",
         "metrics_breakdown_transfer_s",
         "metrics_breakdown_cache_ops_s",
+        "metrics_breakdown_decode_compute_s",
     ]
     .iter()
     .map(|n| x(n))
@@ -320,6 +325,7 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
             output_tokens: cols[18][i],
             transfer_s: cols[19][i],
             cache_ops_s: cols[20][i],
+            decode_compute_s: cols[21][i],
             busy_s: busy[i],
             cell: identity
                 .iter()
@@ -396,6 +402,7 @@ pub(crate) fn merge(rs: &[&Run]) -> Run {
         output_tokens: mean(|r| r.output_tokens),
         transfer_s: mean(|r| r.transfer_s),
         cache_ops_s: mean(|r| r.cache_ops_s),
+        decode_compute_s: mean(|r| r.decode_compute_s),
         busy_s: mean(|r| r.busy_s),
         ..rs[0].clone()
     }

@@ -1286,14 +1286,16 @@ fn against_full_sets_each_engine_beside_full_on_its_workload() {
         .collect();
     assert_eq!(table.len(), 2, "{out}");
     assert!(
-        table[0].contains("| full flash | 1000 | 1.00× | 10 | 1.00× | 0 | 0.0 | 20.0 |"),
+        table[0].contains("| full flash | 1000 | 1.00× | 10 | 1.00× | 0 | – | 0.0 | 20.0 |"),
         "{}",
         table[0]
     );
-    // 125 / 1000 tok/s, 52 / 10 s, 2.5 GB over 1000 tokens, 0.5 s and 2 s of 10 s.
+    // 125 / 1000 tok/s, 52 / 10 s, 2.5 GB over 1000 tokens and over 6 s of decode and
+    // 0.5 s of transfer wait, 0.5 s and 2 s of 10 s.
     assert!(
-        table[1]
-            .contains("| infinigen @0.3 flash | 125 | 0.12× | 52 | 5.20× | 2.50 | 5.0 | 20.0 |"),
+        table[1].contains(
+            "| infinigen @0.3 flash | 125 | 0.12× | 52 | 5.20× | 2.50 | 0.385 | 5.0 | 20.0 |"
+        ),
         "{}",
         table[1]
     );
