@@ -10,6 +10,8 @@
 //! - the same matrices, each thread taking its fixed share of every matrix in one region
 //!   on the pool and waiting for the others at a spinning barrier between matrices (no
 //!   hand-off to the pool per matrix, as a forward run by persistent workers would be),
+//! - the same shares with a `broadcast` over the pool per matrix (a hand-off each, of
+//!   another kind than rayon's stolen blocks),
 //! - four rows interleaved in 8-float chunks (a packed layout: one stream of the same
 //!   bytes; portable code),
 //!
@@ -156,6 +158,7 @@ fn main() -> Result<()> {
         "the same, 576-row matrices",
         "four rows packed",
         "576-row matrices, one region",
+        "576-row matrices, a broadcast each",
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for _ in 0..rounds {
@@ -231,6 +234,34 @@ fn main() -> Result<()> {
             }
         });
         runs[5].push(gb(t.elapsed().as_secs_f64()));
+        // The same shares with a hand-off per matrix, by broadcast rather than by
+        // splitting the matrix into stolen blocks.
+        {
+            let mut guards: Vec<_> = slots
+                .iter()
+                .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()))
+                .collect();
+            let mut iters: Vec<_> = guards.iter_mut().map(|g| g.iter_mut()).collect();
+            let mut matrices: Vec<Vec<Mutex<&mut (&mut [f32], &[f32])>>> = Vec::new();
+            while let Some(m) = iters
+                .iter_mut()
+                .map(|i| i.next())
+                .collect::<Option<Vec<_>>>()
+            {
+                matrices.push(m.into_iter().map(Mutex::new).collect());
+            }
+            let t = Instant::now();
+            for m in &matrices {
+                pool.broadcast(|ctx| {
+                    let mut share = m[ctx.index()].lock().unwrap_or_else(|e| e.into_inner());
+                    let (ym, wm) = &mut **share;
+                    for (yr, wr) in ym.iter_mut().zip(wm.chunks_exact(K)) {
+                        *yr = dot_row_with(avx, wr, &x);
+                    }
+                });
+            }
+            runs[6].push(gb(t.elapsed().as_secs_f64()));
+        }
         drop(slots);
         anyhow::ensure!(y.iter().all(|v| v.is_finite()), "a product is not finite");
     }
