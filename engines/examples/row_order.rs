@@ -64,13 +64,12 @@ impl SpinBarrier {
     }
 }
 
+/// A thread's outputs and weight rows of one matrix.
+type Share<'a> = (&'a mut [f32], &'a [f32]);
+
 /// Each of `threads` workers' rows of every 576-row matrix (its fixed share, in order):
 /// `[thread][matrix]` pairs of outputs and weight rows.
-fn shares<'a>(
-    y: &'a mut [f32],
-    w: &'a [f32],
-    threads: usize,
-) -> Vec<Vec<(&'a mut [f32], &'a [f32])>> {
+fn shares<'a>(y: &'a mut [f32], w: &'a [f32], threads: usize) -> Vec<Vec<Share<'a>>> {
     let mut out: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
     for (mut ym, mut wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
         let n = ym.len();
@@ -219,7 +218,7 @@ fn main() -> Result<()> {
         // One region: the shares are laid out before the clock starts, as a forward
         // would know them from the model's shapes.
         let barrier = SpinBarrier::new(threads);
-        let slots: Vec<Mutex<Vec<(&mut [f32], &[f32])>>> = shares(&mut y, &w, threads)
+        let slots: Vec<Mutex<Vec<Share<'_>>>> = shares(&mut y, &w, threads)
             .into_iter()
             .map(Mutex::new)
             .collect();
@@ -242,7 +241,7 @@ fn main() -> Result<()> {
                 .map(|s| s.lock().unwrap_or_else(|e| e.into_inner()))
                 .collect();
             let mut iters: Vec<_> = guards.iter_mut().map(|g| g.iter_mut()).collect();
-            let mut matrices: Vec<Vec<Mutex<&mut (&mut [f32], &[f32])>>> = Vec::new();
+            let mut matrices: Vec<Vec<Mutex<&mut Share<'_>>>> = Vec::new();
             while let Some(m) = iters
                 .iter_mut()
                 .map(|i| i.next())
