@@ -14,6 +14,8 @@
 //!   another kind than rayon's stolen blocks),
 //! - four rows interleaved in 8-float chunks (a packed layout: one stream of the same
 //!   bytes; portable code),
+//! - one row after another with eight accumulators (more loads in flight than the
+//!   engine's two; another order of sums, so other bits),
 //!
 //! and the probe (`read_pass`, best of 3) before them; prints the medians in GB/s and
 //! as a share of the probe's.
@@ -109,6 +111,35 @@ fn dot4_packed(w: &[f32], x: &[f32]) -> [f32; 4] {
     acc.map(|a| a.iter().sum())
 }
 
+/// One row with eight accumulators (64 floats a step): more loads in flight than the
+/// engine's two, another order of sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_row_wide(w: &[f32], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let k = x.len();
+    assert!(w.len() >= k && k.is_multiple_of(64));
+    let (pw, px) = (w.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut i = 0;
+    while i < k {
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pw.add(i + 8 * j)),
+                _mm256_loadu_ps(px.add(i + 8 * j)),
+                *a,
+            );
+        }
+        i += 64;
+    }
+    let s = acc
+        .iter()
+        .fold(_mm256_setzero_ps(), |s, a| _mm256_add_ps(s, *a));
+    let mut l = [0f32; 8];
+    _mm256_storeu_ps(l.as_mut_ptr(), s);
+    l.iter().sum()
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot4_packed_avx(w: &[f32], x: &[f32]) -> [f32; 4] {
@@ -156,6 +187,7 @@ fn main() -> Result<()> {
         "one row after another",
         "the same, 576-row matrices",
         "four rows packed",
+        "one row after another, 8 acc.",
         "576-row matrices, one region",
         "576-row matrices, a broadcast each",
     ];
@@ -168,7 +200,7 @@ fn main() -> Result<()> {
             best = best.min(secs);
         }
         runs[0].push(gb(best));
-        let passes: [&Pass<'_>; 4] = [
+        let passes: [&Pass<'_>; 5] = [
             &|y| {
                 y.par_chunks_mut(BLOCK)
                     .zip(w.par_chunks(BLOCK * K))
@@ -207,6 +239,20 @@ fn main() -> Result<()> {
                         }
                     })
             },
+            &|y| {
+                y.par_chunks_mut(BLOCK)
+                    .zip(w.par_chunks(BLOCK * K))
+                    .for_each(|(yb, wb)| {
+                        for (yr, wr) in yb.iter_mut().zip(wb.chunks_exact(K)) {
+                            // SAFETY: AVX2 and FMA checked when `avx` was set.
+                            *yr = if avx {
+                                unsafe { dot_row_wide(wr, &x) }
+                            } else {
+                                0.0
+                            };
+                        }
+                    })
+            },
         ];
         for (run, pass) in runs[1..].iter_mut().zip(passes) {
             let t = Instant::now();
@@ -232,7 +278,7 @@ fn main() -> Result<()> {
                 barrier.wait();
             }
         });
-        runs[5].push(gb(t.elapsed().as_secs_f64()));
+        runs[6].push(gb(t.elapsed().as_secs_f64()));
         // The same shares with a hand-off per matrix, by broadcast rather than by
         // splitting the matrix into stolen blocks.
         {
@@ -259,7 +305,7 @@ fn main() -> Result<()> {
                     }
                 });
             }
-            runs[6].push(gb(t.elapsed().as_secs_f64()));
+            runs[7].push(gb(t.elapsed().as_secs_f64()));
         }
         drop(slots);
         anyhow::ensure!(y.iter().all(|v| v.is_finite()), "a product is not finite");
