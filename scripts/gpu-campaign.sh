@@ -59,6 +59,8 @@ steps=(
   "verify-graph|verify --device cuda --model preset:llama-3.1-8b|KVBENCH_CUDA_GRAPH=on"
   "decode-graph-off|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/off|KVBENCH_CUDA_GRAPH=off"
   "decode-graph|run experiments/gpu/decode-graph.yaml --results \$RES/decode-graph/on|KVBENCH_CUDA_GRAPH=on"
+  "decode-graph-arrivals-off|run experiments/gpu/decode-graph-arrivals.yaml --results \$RES/decode-graph-arrivals/off|KVBENCH_CUDA_GRAPH=off"
+  "decode-graph-arrivals|run experiments/gpu/decode-graph-arrivals.yaml --results \$RES/decode-graph-arrivals/on|KVBENCH_CUDA_GRAPH=on"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"
   "prefill-stats64|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/stats64|KVBENCH_H2O_STATS=mma64"
