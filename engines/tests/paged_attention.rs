@@ -164,7 +164,7 @@ fn split_decode_rows_match_reference() {
         .unwrap();
     pool.install(|| {
         for codec in [KvCodec::F32, KvCodec::Int { bits: 4, group: 8 }] {
-            // Contexts long enough for the parallel path (keys × H × dh ≥ 2^18).
+            // Contexts long enough for the parallel path (keys × H × dh ≥ 2^16).
             check_shape(codec, 1e-4, 6, 2, 32, 16, &[(3000, 1)]);
             check_shape(codec, 1e-4, 9, 3, 64, 16, &[(300, 1), (999, 1)]);
             // A context that is not a whole number of blocks or of runs.

@@ -52,53 +52,44 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
     }
     let mut out = vec![0f32; rows * h * dh];
     let threads = rayon::current_num_threads();
-    // One work item = one query row and a range of KV heads: all of them when there are
-    // enough rows, one per item when there are few (small-batch decode) so every core
-    // has work.
-    let heads_per_item = if rows >= 2 * threads { hkv } else { 1 };
-    let items_per_row = hkv / heads_per_item;
-    let chunk = heads_per_item * (h / hkv) * dh;
+    // One work item = one query row and all of its KV heads: a block's K (and V) rows of
+    // every head are one contiguous run in the pool, read as one stream (an item per KV
+    // head read a third of each block at a time, at about half the rate:
+    // `examples/decode_attention.rs`). Too few rows for the threads split each row's keys
+    // instead (below).
+    let chunk = h * dh;
     let avx = has_avx2_fma();
     // Handing a few microseconds of work to the pool costs more than it saves.
     let keys: usize = seqs.iter().map(|x| x.q_len * x.kv_len).sum();
-    let serial = threads == 1 || keys * h * dh < 1 << 18;
+    let serial = threads == 1 || keys * h * dh < 1 << 16;
     // Still too few items for the threads (a decode batch of one or two): each row's
     // keys are split too, in runs of whole blocks of at least `MIN_SPLIT` keys, and
     // the runs' partial softmaxes combined (flash-decoding).
     const MIN_SPLIT: usize = 128;
     let longest = seqs.iter().map(|x| x.kv_len).max().unwrap_or(0);
-    let splits = if serial || rows * items_per_row >= 2 * threads {
+    let splits = if serial || rows >= 2 * threads {
         1
     } else {
-        (4 * threads)
-            .div_ceil(rows * items_per_row)
-            .min(longest / MIN_SPLIT)
-            .max(1)
+        (4 * threads).div_ceil(rows).min(longest / MIN_SPLIT).max(1)
     };
-    let group_rows = heads_per_item * (h / hkv);
-    // The query heads of one work item and their KV heads.
-    let query = |row: usize, part: usize| {
-        let g0 = part * heads_per_item;
-        let qr = &q[(row * h) * dh + g0 * (h / hkv) * dh..][..chunk];
-        (qr, g0..g0 + heads_per_item)
-    };
+    let group_rows = h;
+    // The query heads of one row.
+    let query = |row: usize| &q[row * h * dh..][..chunk];
     if splits == 1 {
-        let work = |(item, o): (usize, &mut [f32])| {
-            let (row, part) = (item / items_per_row, item % items_per_row);
+        let work = |(row, o): (usize, &mut [f32])| {
             let Some((si, pos)) = row_info[row] else {
                 return;
             };
-            let (qr, groups) = query(row, part);
             let mut ml = vec![0f32; 2 * group_rows];
             attend_row(
                 avx,
-                qr,
+                query(row),
                 o,
                 0..pos + 1,
                 seqs[si].table,
                 k,
                 v,
-                groups,
+                0..hkv,
                 s,
                 &mut ml,
             );
@@ -111,13 +102,12 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
         }
         return out;
     }
-    // Partial outputs (unnormalized) with their running max and sum, per (row, part,
-    // split), then combined in split order.
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..rows * items_per_row * splits)
+    // Partial outputs (unnormalized) with their running max and sum, per (row, split),
+    // then combined in split order.
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..rows * splits)
         .into_par_iter()
         .map(|item| {
-            let (ri, sp) = (item / splits, item % splits);
-            let (row, part) = (ri / items_per_row, ri % items_per_row);
+            let (row, sp) = (item / splits, item % splits);
             let mut o = vec![0f32; chunk];
             let mut ml = vec![f32::NEG_INFINITY; 2 * group_rows];
             ml[group_rows..].fill(0.0);
@@ -128,16 +118,15 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
             let span = n.div_ceil(splits).div_ceil(s.block_size) * s.block_size;
             let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
             if !keys.is_empty() {
-                let (qr, groups) = query(row, part);
                 attend_row(
                     avx,
-                    qr,
+                    query(row),
                     &mut o,
                     keys,
                     seqs[si].table,
                     k,
                     v,
-                    groups,
+                    0..hkv,
                     s,
                     &mut ml,
                 );
@@ -238,6 +227,16 @@ unsafe fn attend_row_avx2(
     attend_row_impl::<true>(qr, out, keys, table, k, v, groups, s, ml)
 }
 
+/// Keys scored together before one softmax update: the score pass, then the value
+/// pass, each walk the span's blocks with no dependency from one block to the next, so
+/// the loads of later blocks overlap the work on earlier ones (an update per block of
+/// 16 keys left the reads waiting on each block in turn: about a quarter of the read
+/// bandwidth, `examples/decode_attention.rs`). Rounded down to whole blocks.
+const SPAN: usize = 256;
+
+/// Blocks read ahead by prefetch hints.
+const AHEAD: usize = 2;
+
 /// `AVX`: called from the AVX2+FMA build only after the CPU was checked.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
@@ -262,56 +261,137 @@ fn attend_row_impl<const AVX: bool>(
     out.fill(0.0);
     // Storage other than f32: one head's block, decoded once for its G query heads.
     let (mut kf, mut vf) = (Vec::new(), Vec::new());
-    let mut p = vec![0f32; bs];
-    let mut start = keys.start;
-    while start < keys.end {
-        let blk = table[start / bs] as usize;
-        let len = (keys.end - start).min(bs - start % bs);
-        for (gi, g) in groups.clone().enumerate() {
-            // This head's keys/values of the block: `len` contiguous rows of dh.
-            let first = (blk * hkv + g) * bs + start % bs;
-            let kb = k.rows(first, len, dh, &mut kf);
-            let vb = v.rows(first, len, dh, &mut vf);
-            for j in 0..g_size {
-                let hq = gi * g_size + j;
-                let qh = &qr[hq * dh..(hq + 1) * dh];
-                // Four keys per pass: the query's chunks are loaded once for them and
-                // their sums reduced together.
-                let quads = len / 4;
-                for (pq, kq) in p[..4 * quads]
-                    .chunks_exact_mut(4)
-                    .zip(kb.chunks_exact(4 * dh))
-                {
-                    let d = dot4_dispatch::<AVX>(kq, qh);
-                    for (pt, x) in pq.iter_mut().zip(d) {
-                        *pt = scale * x;
-                    }
-                }
-                for (pt, kt) in p[4 * quads..len]
-                    .iter_mut()
-                    .zip(kb[4 * quads * dh..].chunks_exact(dh))
-                {
-                    *pt = scale * dot_dispatch::<AVX>(qh, kt);
-                }
-                let bmax = p[..len].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let m_new = m[hq].max(bmax);
-                let alpha = exp(m[hq] - m_new);
-                let oh = &mut out[hq * dh..(hq + 1) * dh];
-                if alpha != 1.0 {
-                    oh.iter_mut().for_each(|x| *x *= alpha);
-                }
-                // Two loops: the exps vectorize, the ordered f32 sum would not.
-                for pt in p[..len].iter_mut() {
-                    *pt = exp(*pt - m_new);
-                }
-                let sum: f32 = p[..len].iter().sum();
-                accumulate_dispatch::<AVX>(&p[..len], vb, oh);
-                l[hq] = l[hq] * alpha + sum;
-                m[hq] = m_new;
+    let span = (SPAN / bs).max(1) * bs;
+    // Each query head's scores over the span, then its softmax weights.
+    let mut p = vec![0f32; nh * span];
+    // The pieces of `a..b` that lie in one block each: (first key, length).
+    let pieces = |a: usize, b: usize| {
+        let mut t = a;
+        std::iter::from_fn(move || {
+            (t < b).then(|| {
+                let len = (b - t).min(bs - t % bs);
+                t += len;
+                (t - len, len)
+            })
+        })
+    };
+    // Where head `g`'s rows of the block holding key `t` start in the cache.
+    let first = |t: usize, g: usize| (table[t / bs] as usize * hkv + g) * bs + t % bs;
+    // Hints for the rows of every head of the keys `t..` to the end of their block
+    // (nothing past `to`): issued `AHEAD` blocks before they are read.
+    let hint = |view: &KvView<'_>, t: usize, to: usize| {
+        if t < to {
+            let n = (to - t).min(bs - t % bs);
+            for g in groups.clone() {
+                view.prefetch(first(t, g), n, dh);
             }
         }
-        start += len;
+    };
+    let mut start = keys.start;
+    while start < keys.end {
+        let end = (start + span).min(keys.end);
+        let n = end - start;
+        if start == keys.start {
+            for i in 0..AHEAD {
+                hint(&k, start + i * bs, end);
+            }
+        }
+        for (t, len) in pieces(start, end) {
+            hint(&k, t + AHEAD * bs, end);
+            for (gi, g) in groups.clone().enumerate() {
+                let kb = k.rows(first(t, g), len, dh, &mut kf);
+                for j in 0..g_size {
+                    let hq = gi * g_size + j;
+                    let qh = &qr[hq * dh..(hq + 1) * dh];
+                    let ps = &mut p[hq * span + (t - start)..][..len];
+                    // Four keys per pass: the query's chunks are loaded once for them
+                    // and their sums reduced together.
+                    let quads = len / 4;
+                    for (pq, kq) in ps[..4 * quads]
+                        .chunks_exact_mut(4)
+                        .zip(kb.chunks_exact(4 * dh))
+                    {
+                        let d = dot4_dispatch::<AVX>(kq, qh);
+                        for (pt, x) in pq.iter_mut().zip(d) {
+                            *pt = scale * x;
+                        }
+                    }
+                    for (pt, kt) in ps[4 * quads..]
+                        .iter_mut()
+                        .zip(kb[4 * quads * dh..].chunks_exact(dh))
+                    {
+                        *pt = scale * dot_dispatch::<AVX>(qh, kt);
+                    }
+                }
+            }
+        }
+        for i in 0..AHEAD {
+            hint(&v, start + i * bs, end);
+        }
+        for hq in 0..nh {
+            let ps = &mut p[hq * span..][..n];
+            let m_new = m[hq].max(max_of(ps));
+            let alpha = exp(m[hq] - m_new);
+            if alpha != 1.0 {
+                out[hq * dh..(hq + 1) * dh]
+                    .iter_mut()
+                    .for_each(|x| *x *= alpha);
+            }
+            for pt in ps.iter_mut() {
+                *pt = exp(*pt - m_new);
+            }
+            l[hq] = l[hq] * alpha + sum_of(ps);
+            m[hq] = m_new;
+        }
+        for (t, len) in pieces(start, end) {
+            // The last values' blocks ask for the next span's first keys.
+            let ahead = t + AHEAD * bs;
+            if ahead < end {
+                hint(&v, ahead, end);
+            } else {
+                hint(&k, ahead, (end + span).min(keys.end));
+            }
+            for (gi, g) in groups.clone().enumerate() {
+                let vb = v.rows(first(t, g), len, dh, &mut vf);
+                for j in 0..g_size {
+                    let hq = gi * g_size + j;
+                    let ps = &p[hq * span + (t - start)..][..len];
+                    accumulate_dispatch::<AVX>(ps, vb, &mut out[hq * dh..(hq + 1) * dh]);
+                }
+            }
+        }
+        start = end;
     }
+}
+
+/// The largest of `x` (−∞ when empty), in eight lanes so that it vectorizes.
+#[inline(always)]
+fn max_of(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; 8];
+    let c = x.chunks_exact(8);
+    let rest = c.remainder();
+    for ch in c {
+        for i in 0..8 {
+            acc[i] = if ch[i] > acc[i] { ch[i] } else { acc[i] };
+        }
+    }
+    acc.iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// The sum of `x` in eight lanes, so that it vectorizes.
+#[inline(always)]
+fn sum_of(x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let c = x.chunks_exact(8);
+    let rest = c.remainder();
+    for ch in c {
+        for i in 0..8 {
+            acc[i] += ch[i];
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
 /// `e^x` for x ≤ 0 (softmax arguments), branch-free so loops over a block vectorize

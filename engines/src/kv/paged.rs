@@ -43,6 +43,21 @@ pub enum KvView<'a> {
 }
 
 impl<'a> KvView<'a> {
+    /// Ask the CPU to start loading rows `first..first + n` into its caches (a hint;
+    /// nothing where the platform has no prefetch or the storage is coded): a block's
+    /// rows are one short stream that the hardware prefetchers do not reach before it
+    /// is read, since the next block lies anywhere in the pool.
+    #[inline]
+    pub fn prefetch(&self, first: usize, n: usize, dh: usize) {
+        let (a, b) = (first * dh, (first + n) * dh);
+        match *self {
+            KvView::F32(x) => prefetch_range(&x[a..b.min(x.len())]),
+            KvView::F16(x) => prefetch_range(&x[a..b.min(x.len())]),
+            KvView::Bf16(x) => prefetch_range(&x[a..b.min(x.len())]),
+            KvView::Int { .. } => {}
+        }
+    }
+
     /// Rows `first..first + n` (`dh` wide each, row indices as the buffer's layout
     /// numbers them) in f32: the storage itself when it is f32, else decoded into
     /// `scratch` (grown as needed).
@@ -356,4 +371,21 @@ impl PagedKv {
             (Buf::Int { .. }, _) => unreachable!("integer buffers belong to integer codecs"),
         }
     }
+}
+
+/// Prefetch hints for every cache line of `x`.
+#[inline]
+fn prefetch_range<T>(x: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let p = x.as_ptr() as *const i8;
+        let bytes = std::mem::size_of_val(x);
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint that never faults; the address lies inside `x`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }

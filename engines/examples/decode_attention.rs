@@ -1,0 +1,142 @@
+//! How close the CPU paged attention of a batch-1 decode step comes to the machine's
+//! read bandwidth, as a ratio measured in one run: SmolLM2-135M's attention shapes (9
+//! query heads, 3 KV heads of 64, blocks of 16), an f32 K/V pool per layer for 30
+//! layers with shuffled block tables (as a pool that served other requests holds them),
+//! `paged_attention` of one query row over each layer's keys on a pool of `threads`
+//! (as `Engine::step` runs it, on a worker), against the read probe over a buffer of the
+//! same K/V bytes. Prints the medians for each context length.
+//!
+//!   cargo run --release -p kvbench-engines --example decode_attention -- [threads] [rounds]
+
+use anyhow::{Context, Result};
+use kvbench_engines::attention::paged::{paged_attention, AttnShape, SeqAttn};
+use kvbench_engines::kv::paged::KvView;
+use kvbench_engines::kv::BlockId;
+use kvbench_engines::model::pages::{huge_vec, read_pass};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+
+const LAYERS: usize = 30;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+fn main() -> Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mut arg = |what: &str, default: usize| -> Result<usize> {
+        args.next().map_or(Ok(default), |s| {
+            s.parse()
+                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
+        })
+    };
+    let threads = arg("threads", 2)?.max(1);
+    let rounds = arg("rounds", 7)?.max(1);
+    let s = AttnShape {
+        num_heads: 9,
+        num_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+    };
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .context("thread pool")?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    println!(
+        "paged attention of one row, {LAYERS} layers of H={} KVH={} D={}, {threads} thread(s), \
+         medians of {rounds} rounds:",
+        s.num_heads, s.num_kv_heads, s.head_dim
+    );
+    for ctx in [256usize, 512, 1024, 2048, 4096] {
+        let blocks = ctx.div_ceil(s.block_size);
+        let per_block = s.num_kv_heads * s.block_size * s.head_dim;
+        // One K and one V pool per layer, values in (-1, 1).
+        let pools: Vec<(Vec<f32>, Vec<f32>)> = (0..LAYERS)
+            .map(|_| {
+                let mut k = huge_vec(blocks * per_block, 0.0);
+                let mut v = huge_vec(blocks * per_block, 0.0);
+                k.iter_mut().for_each(|x| *x = rng.random_range(-1.0..1.0));
+                v.iter_mut().for_each(|x| *x = rng.random_range(-1.0..1.0));
+                (k, v)
+            })
+            .collect();
+        let mut table: Vec<BlockId> = (0..blocks as BlockId).collect();
+        table.shuffle(&mut rng);
+        let q: Vec<f32> = (0..s.num_heads * s.head_dim)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let seqs = [SeqAttn {
+            q_start: 0,
+            q_len: 1,
+            kv_len: ctx,
+            table: &table,
+        }];
+        let bytes = LAYERS * 2 * ctx * s.num_kv_heads * s.head_dim * 4;
+        let probe = huge_vec(bytes / 4, 1.0);
+        let (mut att, mut read, mut pat) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            let mut best = f64::INFINITY;
+            for _ in 0..3 {
+                let (secs, total) = read_pass(&probe, threads);
+                anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
+                best = best.min(secs);
+            }
+            read.push(bytes as f64 / best / 1e9);
+            let t = Instant::now();
+            let outs = pool.install(|| {
+                pools
+                    .iter()
+                    .map(|(k, v)| paged_attention(&q, &seqs, KvView::F32(k), KvView::F32(v), s))
+                    .collect::<Vec<_>>()
+            });
+            att.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+            // The same bytes in the kernel's order with nothing but a sum: the table cut
+            // into one run of blocks per thread, each block's K rows of every KV head
+            // (one contiguous run) and then its V rows.
+            let t = Instant::now();
+            let total: f32 = pool.install(|| {
+                use rayon::prelude::*;
+                let per = table.len().div_ceil(threads);
+                pools
+                    .iter()
+                    .map(|(k, v)| {
+                        table
+                            .par_chunks(per)
+                            .map(|run| {
+                                let mut lanes = [0f32; 8];
+                                for buf in [k, v] {
+                                    for &b in run {
+                                        let at = b as usize * per_block;
+                                        for c in buf[at..at + per_block].chunks_exact(8) {
+                                            for i in 0..8 {
+                                                lanes[i] += c[i];
+                                            }
+                                        }
+                                    }
+                                }
+                                lanes.iter().sum::<f32>()
+                            })
+                            .sum::<f32>()
+                    })
+                    .sum()
+            });
+            anyhow::ensure!(total.is_finite(), "the pattern's sum is not finite");
+            pat.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
+            // Keep the outputs: attention the optimizer could skip would measure nothing.
+            anyhow::ensure!(
+                outs.iter().flatten().all(|x| x.is_finite()),
+                "an attention output is not finite"
+            );
+        }
+        let (a, r, pt) = (median(att), median(read), median(pat));
+        println!(
+            "  context {ctx:>5}: {:6.2} MB of K/V, attention {a:5.1} GB/s, probe {r:5.1} GB/s, {:3.0} %; the same reads alone {pt:5.1} GB/s",
+            bytes as f64 / 1e6,
+            100.0 * a / r
+        );
+    }
+    Ok(())
+}
