@@ -8,32 +8,24 @@
 //!
 //!   cargo run --release -p kvbench-engines --example decode_attention -- [threads] [rounds]
 
+mod common;
+
 use anyhow::{Context, Result};
+use common::{median, probe_best, Args};
 use kvbench_engines::attention::paged::{paged_attention, AttnShape, SeqAttn};
 use kvbench_engines::kv::paged::KvView;
 use kvbench_engines::kv::BlockId;
-use kvbench_engines::model::pages::{huge_vec, read_pass};
+use kvbench_engines::model::pages::huge_vec;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::time::Instant;
 
 const LAYERS: usize = 30;
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let mut arg = |what: &str, default: usize| -> Result<usize> {
-        args.next().map_or(Ok(default), |s| {
-            s.parse()
-                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
-        })
-    };
-    let threads = arg("threads", 2)?.max(1);
-    let rounds = arg("rounds", 7)?.max(1);
+    let mut args = Args::new();
+    let threads = args.next("threads", 2)?.max(1);
+    let rounds = args.next("rounds", 7)?.max(1);
     let s = AttnShape {
         num_heads: 9,
         num_kv_heads: 3,
@@ -78,12 +70,7 @@ fn main() -> Result<()> {
         let probe = huge_vec(bytes / 4, 1.0);
         let (mut att, mut read, mut pat) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
-            let mut best = f64::INFINITY;
-            for _ in 0..3 {
-                let (secs, total) = read_pass(&probe, threads);
-                anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
-                best = best.min(secs);
-            }
+            let best = probe_best(&probe, threads)?;
             read.push(bytes as f64 / best / 1e9);
             let t = Instant::now();
             let outs = pool.install(|| {

@@ -10,11 +10,14 @@
 //!
 //!   cargo run --release -p kvbench-engines --example decode_products -- [threads] [rounds]
 
+mod common;
+
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
+use common::{median, probe_best, Args};
 use kvbench_engines::config::preset;
 use kvbench_engines::model::load::load_preset;
-use kvbench_engines::model::pages::{huge_vec, read_pass};
+use kvbench_engines::model::pages::huge_vec;
 use kvbench_engines::model::{Linear, Llama, WeightDtype};
 use std::time::Instant;
 
@@ -30,21 +33,10 @@ fn products(model: &Llama, h: &Tensor, a: &Tensor, m: &Tensor) -> Result<()> {
     Ok(())
 }
 
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
-}
-
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let mut arg = |what: &str, default: usize| -> Result<usize> {
-        args.next().map_or(Ok(default), |s| {
-            s.parse()
-                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
-        })
-    };
-    let threads = arg("threads", 2)?.max(1);
-    let rounds = arg("rounds", 9)?.max(1);
+    let mut args = Args::new();
+    let threads = args.next("threads", 2)?.max(1);
+    let rounds = args.next("rounds", 9)?.max(1);
     let cfg = preset("smollm2-135m").context("preset smollm2-135m")?;
     let model = load_preset(cfg.clone(), WeightDtype::F32, 0, &Device::Cpu)?
         .with_weights_in_huge_pages()?;
@@ -73,12 +65,7 @@ fn main() -> Result<()> {
     );
     let mut ratios = Vec::with_capacity(rounds);
     for round in 0..rounds {
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let (secs, total) = read_pass(&probe, threads);
-            anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
-            best = best.min(secs);
-        }
+        let best = probe_best(&probe, threads)?;
         let mut times = Vec::with_capacity(5);
         for _ in 0..5 {
             // As the engine runs a step: on a worker of the pool, its products shared

@@ -22,9 +22,12 @@
 //!
 //!   cargo run --release -p kvbench-engines --example row_order -- [threads] [rounds]
 
+mod common;
+
 use anyhow::{Context, Result};
+use common::{median, probe_best, Args};
 use kvbench_engines::attention::paged::{dot4_with, dot_row_with, has_avx2_fma};
-use kvbench_engines::model::pages::{huge_vec, read_pass};
+use kvbench_engines::model::pages::huge_vec;
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
@@ -85,11 +88,6 @@ fn shares<'a>(y: &'a mut [f32], w: &'a [f32], threads: usize) -> Vec<Vec<Share<'
         }
     }
     out
-}
-
-fn median(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[xs.len() / 2]
 }
 
 /// Four rows stored as `[k/8][4][8]` dotted with `x` (AVX2+FMA where the CPU has
@@ -161,15 +159,9 @@ unsafe fn dot4_packed_avx(w: &[f32], x: &[f32]) -> [f32; 4] {
 }
 
 fn main() -> Result<()> {
-    let mut args = std::env::args().skip(1);
-    let mut arg = |what: &str, default: usize| -> Result<usize> {
-        args.next().map_or(Ok(default), |s| {
-            s.parse()
-                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
-        })
-    };
-    let threads = arg("threads", 2)?.max(1);
-    let rounds = arg("rounds", 7)?.max(1);
+    let mut args = Args::new();
+    let threads = args.next("threads", 2)?.max(1);
+    let rounds = args.next("rounds", 7)?.max(1);
     let rows = 538_000_000 / 4 / K / BLOCK * BLOCK;
     let w = huge_vec(rows * K, 0.5);
     let probe = huge_vec(rows * K, 1.0);
@@ -193,12 +185,7 @@ fn main() -> Result<()> {
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for _ in 0..rounds {
-        let mut best = f64::INFINITY;
-        for _ in 0..3 {
-            let (secs, total) = read_pass(&probe, threads);
-            anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
-            best = best.min(secs);
-        }
+        let best = probe_best(&probe, threads)?;
         runs[0].push(gb(best));
         let passes: [&Pass<'_>; 5] = [
             &|y| {

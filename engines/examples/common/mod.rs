@@ -1,0 +1,36 @@
+//! What the measuring examples share: their positional arguments and medians.
+
+use anyhow::{Context, Result};
+
+/// The program's positional arguments as positive integers, each with a default.
+pub struct Args(std::iter::Skip<std::env::Args>);
+
+impl Args {
+    pub fn new() -> Self {
+        Self(std::env::args().skip(1))
+    }
+
+    /// The next argument (`default` when there is none); `what` names it in the error.
+    pub fn next(&mut self, what: &str, default: usize) -> Result<usize> {
+        self.0.next().map_or(Ok(default), |s| {
+            s.parse()
+                .with_context(|| format!("{what} `{s}`: expected a positive integer"))
+        })
+    }
+}
+
+/// The read probe's best time of three over `buf` (seconds), its sum checked.
+pub fn probe_best(buf: &[f32], threads: usize) -> Result<f64> {
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let (secs, total) = kvbench_engines::model::pages::read_pass(buf, threads);
+        anyhow::ensure!(total > 0.0, "the probe's sum came out {total}");
+        best = best.min(secs);
+    }
+    Ok(best)
+}
+
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
