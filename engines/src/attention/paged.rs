@@ -227,11 +227,12 @@ unsafe fn attend_row_avx2(
     attend_row_impl::<true>(qr, out, keys, table, k, v, groups, s, ml)
 }
 
-/// Keys scored together before one softmax update: the score pass, then the value
-/// pass, each walk the span's blocks with no dependency from one block to the next, so
-/// the loads of later blocks overlap the work on earlier ones (an update per block of
-/// 16 keys left the reads waiting on each block in turn: about a quarter of the read
-/// bandwidth, `examples/decode_attention.rs`). Rounded down to whole blocks.
+/// Keys scored together before one softmax update (rounded down to whole blocks): a
+/// score pass, then a value pass, each a plain run over the span's blocks, with one
+/// rescale of the output per span instead of one per block of 16 keys. Measured with
+/// the changes around it (whole rows per item, prefetch hints, the vector `exp`:
+/// docs/correctness-and-performance.md); alone it made no difference that stood out of
+/// the noise (`examples/decode_attention.rs`).
 const SPAN: usize = 256;
 
 /// Blocks read ahead by prefetch hints.
