@@ -567,11 +567,17 @@ fn accumulate_dispatch<const AVX: bool>(p: &[f32], vb: &[f32], out: &mut [f32]) 
 mod simd {
     use std::arch::x86_64::*;
 
-    /// Dot product; `a` and `b` have the same length.
+    /// The products of `pa[i]·pb[i]` for `i` below `n` in whole chunks of 8, summed in
+    /// two accumulators over chunks of 16 (a last chunk of 8 into the first), and where
+    /// the scalar tail starts: [`dot`] and [`dot_row`] then reduce them in their own
+    /// orders. Both pointers must be valid for `n` floats.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    unsafe fn two_accumulators(
+        pa: *const f32,
+        pb: *const f32,
+        n: usize,
+    ) -> (__m256, __m256, usize) {
         let mut acc0 = _mm256_setzero_ps();
         let mut acc1 = _mm256_setzero_ps();
         let mut i = 0;
@@ -588,6 +594,14 @@ mod simd {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
             i += 8;
         }
+        (acc0, acc1, i)
+    }
+
+    /// Dot product; `a` and `b` have the same length.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (acc0, acc1, mut i) = two_accumulators(a.as_ptr(), b.as_ptr(), n);
         let acc = _mm256_add_ps(acc0, acc1);
         let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
         let s = _mm_hadd_ps(s, s);
@@ -648,23 +662,8 @@ mod simd {
     pub unsafe fn dot_row(w: &[f32], x: &[f32]) -> f32 {
         let k = x.len();
         assert!(w.len() >= k);
-        let (pw, px) = (w.as_ptr(), x.as_ptr());
-        let mut a0 = _mm256_setzero_ps();
-        let mut a1 = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 16 <= k {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(pw.add(i)), _mm256_loadu_ps(px.add(i)), a0);
-            a1 = _mm256_fmadd_ps(
-                _mm256_loadu_ps(pw.add(i + 8)),
-                _mm256_loadu_ps(px.add(i + 8)),
-                a1,
-            );
-            i += 16;
-        }
-        if i + 8 <= k {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(pw.add(i)), _mm256_loadu_ps(px.add(i)), a0);
-            i += 8;
-        }
+        let pw = w.as_ptr();
+        let (a0, a1, mut i) = two_accumulators(pw, x.as_ptr(), k);
         // dot4's reduction for its first row: lanes (0+1)+(2+3) and (4+5)+(6+7), then
         // the low half plus the high half.
         let s = _mm256_add_ps(a0, a1);
