@@ -6,12 +6,15 @@
 //! - four rows side by side (`dot4_with`, the earlier kernel's pattern),
 //! - one row after another (`dot_row_with`, the kernel the engine uses),
 //! - one row after another, as matrices of 576 rows with a pass over the pool each (the
-//!   engine's products are such matrices),
+//!   engine's products are such matrices), each split as the engine splits a product
+//!   (a multiple of the threads of blocks, so that they end together),
 //! - the same matrices, each thread taking its fixed share of every matrix in one region
 //!   on the pool and waiting for the others at a spinning barrier between matrices (no
 //!   hand-off to the pool per matrix, as a forward run by persistent workers would be),
 //! - the same shares with a `broadcast` over the pool per matrix (a hand-off each, of
 //!   another kind than rayon's stolen blocks),
+//! - the matrices with a pass over the pool each while the other workers spin for work
+//!   (`rayon::yield_now`) instead of going to sleep between passes,
 //! - four rows interleaved in 8-float chunks (a packed layout: one stream of the same
 //!   bytes; portable code),
 //! - one row after another with eight accumulators (more loads in flight than the
@@ -67,6 +70,35 @@ impl SpinBarrier {
             }
         }
     }
+}
+
+/// Runs `work` on this pool worker while every other worker of the pool looks for work
+/// without sleeping until it returns.
+fn spinning<R>(work: impl FnOnce() -> R) -> R {
+    let me = rayon::current_thread_index();
+    let done = std::sync::atomic::AtomicBool::new(false);
+    rayon::in_place_scope(|s| {
+        s.spawn_broadcast(|_, ctx| {
+            // This worker's own copy returns at once: it may run it while it waits.
+            if Some(ctx.index()) == me {
+                return;
+            }
+            while !done.load(Ordering::Acquire) {
+                if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        // Set on the way out, a panic included, so the spinning workers stop.
+        struct Done<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        let _done = Done(&done);
+        work()
+    })
 }
 
 /// A thread's outputs and weight rows of one matrix.
@@ -172,6 +204,9 @@ fn main() -> Result<()> {
         .num_threads(threads)
         .build()
         .context("thread pool")?;
+    // A matrix's blocks as the engine splits them: a multiple of the threads, so that
+    // they end together.
+    let mb = 576usize.div_ceil(576usize.div_ceil(BLOCK).next_multiple_of(threads));
     let gb = |secs: f64| (rows * K * 4) as f64 / secs / 1e9;
     let names = [
         "probe",
@@ -182,6 +217,7 @@ fn main() -> Result<()> {
         "one row after another, 8 acc.",
         "576-row matrices, one region",
         "576-row matrices, a broadcast each",
+        "576-row matrices, workers spinning",
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for _ in 0..rounds {
@@ -208,8 +244,8 @@ fn main() -> Result<()> {
             },
             &|y| {
                 for (ym, wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
-                    ym.par_chunks_mut(BLOCK)
-                        .zip(wm.par_chunks(BLOCK * K))
+                    ym.par_chunks_mut(mb)
+                        .zip(wm.par_chunks(mb * K))
                         .for_each(|(yb, wb)| {
                             for (yr, wr) in yb.iter_mut().zip(wb.chunks_exact(K)) {
                                 *yr = dot_row_with(avx, wr, &x);
@@ -295,6 +331,23 @@ fn main() -> Result<()> {
             runs[7].push(gb(t.elapsed().as_secs_f64()));
         }
         drop(slots);
+        // A pass over the pool per matrix, as the engine's products, with the other
+        // workers kept awake: each steals the next pass's blocks as soon as they exist.
+        let t = Instant::now();
+        pool.install(|| {
+            spinning(|| {
+                for (ym, wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
+                    ym.par_chunks_mut(mb)
+                        .zip(wm.par_chunks(mb * K))
+                        .for_each(|(yb, wb)| {
+                            for (yr, wr) in yb.iter_mut().zip(wb.chunks_exact(K)) {
+                                *yr = dot_row_with(avx, wr, &x);
+                            }
+                        })
+                }
+            })
+        });
+        runs[8].push(gb(t.elapsed().as_secs_f64()));
         anyhow::ensure!(y.iter().all(|v| v.is_finite()), "a product is not finite");
     }
     println!(
