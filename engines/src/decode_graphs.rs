@@ -94,6 +94,13 @@ impl<G> GraphCache<G> {
         repeat
     }
 
+    /// Whether a step of shape `key` runs from a graph: one this cache holds, or one it
+    /// is worth capturing now ([`Self::worth_capturing`]). Otherwise the step runs as
+    /// usual, with nothing bound for a graph.
+    pub fn runs_from_graph(&mut self, key: GraphKey) -> bool {
+        self.entries.iter().any(|(k, _, _)| *k == key) || self.worth_capturing(key)
+    }
+
     /// Enter the device state `epoch`: graphs of any other are dropped (what they
     /// baked in may no longer exist).
     pub fn set_epoch(&mut self, epoch: u64) {
@@ -344,6 +351,29 @@ mod tests {
             variant: 1,
             ..key(5, 600)
         }));
+    }
+
+    #[test]
+    fn a_held_graph_runs_and_a_new_shape_waits_for_its_repeat() {
+        let mut c = GraphCache::new(4);
+        c.set_epoch(0);
+        // A steady batch of 8 rows: launched once, then captured (as the caller
+        // inserts it), then replayed.
+        assert!(!c.runs_from_graph(key(8, 10)));
+        assert!(c.runs_from_graph(key(8, 10)));
+        c.insert(key(8, 10), ());
+        assert!(c.runs_from_graph(key(8, 10)));
+        // Rows arriving and leaving every step: launched, nothing to capture, and the
+        // held graph still serves its shape in between.
+        for rows in [9, 7, 9, 7] {
+            assert!(!c.runs_from_graph(key(rows, 10)));
+            assert!(c.runs_from_graph(key(8, 10)));
+        }
+        // Once the pool moves (a new epoch) the held graph is gone: its shape waits
+        // for a repeat again.
+        c.set_epoch(1);
+        assert!(!c.runs_from_graph(key(8, 10)));
+        assert!(c.runs_from_graph(key(8, 10)));
     }
 
     #[test]

@@ -14,8 +14,9 @@
 //! inside it), or upload kernel parameters (a warm-up run fills candle's cache of them
 //! before capture). The logits are copied into a buffer of the graph's; the argmax
 //! after it runs as for any other step. A shape is captured when two steps in a row
-//! need it ([`GraphCache::worth_capturing`]); until then its steps run from the same
-//! device inputs, launched one kernel at a time.
+//! need it ([`GraphCache::runs_from_graph`]); a step of any other shape runs as it
+//! would without graphs, its shape known from [`KvPolicy::plan_graph_step`] before
+//! anything is bound for it.
 //!
 //! On an H100 graphs passed `kvbench verify --device cuda` (identical logits to the
 //! launched steps for H2O at 0.3) and made decode steps 2–13 % shorter
@@ -105,14 +106,36 @@ impl DecodeGraphs {
         {
             return Ok(None);
         }
-        let Some(bound) = policy.bind_graph_step(batch)? else {
+        let Some(plan) = policy.plan_graph_step(batch)? else {
             return Ok(None);
         };
         let key = GraphKey {
             rows: tokens.len(),
-            ctx_bucket: bound.ctx_bucket,
-            variant: bound.variant,
+            ctx_bucket: plan.ctx_bucket,
+            variant: plan.variant,
         };
+        self.cache.set_epoch(plan.epoch);
+        if !self.cache.runs_from_graph(key) {
+            // A shape no graph holds, seen once so far: the step runs as usual, with
+            // no fixed buffers made for it.
+            return Ok(None);
+        }
+        let Some(bound) = policy.bind_graph_step(batch)? else {
+            return Err(Error::Config(format!(
+                "a decode step planned for a CUDA graph ({} rows, contexts up to {}) \
+                 could not be bound to one",
+                key.rows, key.ctx_bucket
+            )));
+        };
+        if (bound.ctx_bucket, bound.variant) != (plan.ctx_bucket, plan.variant) {
+            return Err(Error::Config(format!(
+                "a decode step planned for the CUDA graph of contexts up to {} (variant \
+                 {}) was bound to contexts up to {} (variant {})",
+                plan.ctx_bucket, plan.variant, bound.ctx_bucket, bound.variant
+            )));
+        }
+        // Binding may have dropped every fixed buffer set for room (a new epoch): the
+        // graphs that read them go, and this step captures its shape again.
         self.cache.set_epoch(bound.epoch);
         let (c, s) = model.rope_rows(positions);
         let to_bf16 = |v: Vec<f32>| v.into_iter().map(bf16::from_f32).collect::<Vec<_>>();
@@ -126,13 +149,6 @@ impl DecodeGraphs {
             return Ok(Some(g.out.clone()));
         }
         let inputs = Inputs::new(model, tokens, &cos, &sin)?;
-        if !self.cache.worth_capturing(key) {
-            // A shape seen once so far: the step runs from the device inputs it is bound
-            // to, without a capture.
-            let mut out = None;
-            run(model, policy, batch, positions, &inputs, &mut out)?;
-            return Ok(out);
-        }
         // The step that captures is the warm-up run: it is not replayed, since a step
         // that evicts is not idempotent (its probabilities would be added twice and its
         // victims moved again).

@@ -261,6 +261,19 @@ pub trait KvPolicy: Send {
         Ok(())
     }
 
+    /// The graph a decode step (every row one new token) would run from, without
+    /// binding anything: the epoch, context bucket and variant that
+    /// [`KvPolicy::bind_graph_step`] would return for `batch`, so that a step whose shape
+    /// no graph serves (yet) runs as usual with no fixed buffers made for it. May grow
+    /// the device pool (as the step's first layer would). `None` where this policy runs
+    /// no graph for this step.
+    fn plan_graph_step(
+        &mut self,
+        _batch: &StepBatch,
+    ) -> Result<Option<crate::decode_graphs::GraphBinding>> {
+        Ok(None)
+    }
+
     /// Prepare a decode step (every row one new token) to run from a CUDA graph
     /// (`crate::decode_graphs`): do now the step's bookkeeping that `attend` would do
     /// over its layers, write what the rows' attention needs on the device (write slots,

@@ -166,9 +166,18 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     /// are `step` until `end_step`.
     graph_steps: GraphBuffers<GraphStepKey, StepDecode>,
     bound: Option<GraphStepKey>,
+    /// The host plan of this step's graph, made by `plan_graph_step` for
+    /// `bind_graph_step` (cleared at the step's end).
+    graph_plan: Option<StepValues>,
 }
 
 type GraphStepKey = (usize, usize, u8);
+
+/// The context bucket and variant of a graph step planned as `v`.
+fn graph_shape(v: &StepValues) -> (usize, u8) {
+    let bucket = ctx_bucket(v.kept.iter().copied().max().unwrap_or(1));
+    (bucket, u8::from(v.evicts) | (u8::from(v.probs) << 1))
+}
 
 /// A step's plan on the host, before it is put on the device.
 struct StepValues {
@@ -232,7 +241,31 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             window_q: HashMap::new(),
             graph_steps: GraphBuffers::default(),
             bound: None,
+            graph_plan: None,
         })
+    }
+
+    /// Whether `batch` is a step a graph can run: every row decoding one token of a
+    /// prompt already prefilled. Rolling positions rotate the query on the host each
+    /// step (not capturable); prefill rows and rows finishing their prompt run as usual.
+    fn graph_step(&self, batch: &StepBatch) -> bool {
+        !batch.seqs.is_empty()
+            && !self.rule.rolling_positions()
+            && batch
+                .seqs
+                .iter()
+                .all(|s| s.q_len == 1 && self.book.prefilled(s.id))
+    }
+
+    /// [`Self::grow_device`] for a graph step: graphs that baked in the old buffers
+    /// are stale (a new epoch).
+    fn grow_for_graphs(&mut self) -> Result<()> {
+        let before = self.alloc_blocks;
+        self.grow_device()?;
+        if self.alloc_blocks != before {
+            self.graph_steps.moved();
+        }
+        Ok(())
     }
 
     /// Grow the device buffers to the blocks the pool handed out (`budget`).
@@ -860,6 +893,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
     }
 
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {
+        self.graph_plan = None;
         let step = self.step.take();
         // A graph step's buffers go back to their key: its graph reads them again.
         if let (Some(key), Some(step)) = (self.bound.take(), step) {
@@ -868,27 +902,34 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
         Ok(())
     }
 
-    fn bind_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
-        // Rolling positions rotate the query on the host each step (not capturable);
-        // prefill rows and rows finishing their prompt run as usual.
-        if batch.seqs.is_empty()
-            || self.rule.rolling_positions()
-            || batch
-                .seqs
-                .iter()
-                .any(|s| s.q_len != 1 || !self.book.prefilled(s.id))
-        {
+    fn plan_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
+        self.graph_plan = None;
+        if !self.graph_step(batch) {
             return Ok(None);
         }
-        let before = self.alloc_blocks;
-        self.grow_device()?;
-        if self.alloc_blocks != before {
-            self.graph_steps.moved();
-        }
+        self.grow_for_graphs()?;
         let v = self.step_values(batch)?;
+        let (bucket, variant) = graph_shape(&v);
+        self.graph_plan = Some(v);
+        Ok(Some(GraphBinding {
+            epoch: self.graph_steps.epoch(),
+            ctx_bucket: bucket,
+            variant,
+        }))
+    }
+
+    fn bind_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
+        if !self.graph_step(batch) {
+            return Ok(None);
+        }
+        self.grow_for_graphs()?;
+        // The plan made for this step, if any (the book has not moved since).
+        let v = match self.graph_plan.take() {
+            Some(v) => v,
+            None => self.step_values(batch)?,
+        };
         let rows = v.rows.len();
-        let bucket = ctx_bucket(v.kept.iter().copied().max().unwrap_or(1));
-        let variant = u8::from(v.evicts) | (u8::from(v.probs) << 1);
+        let (bucket, variant) = graph_shape(&v);
         let key = (rows, bucket, variant);
         let (dev, heads, bs) = (&self.dev, self.heads.0, self.block_size);
         self.graph_steps.get_or_make(key, || {

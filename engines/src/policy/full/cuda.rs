@@ -124,6 +124,17 @@ impl CudaFullPolicy {
         Ok(())
     }
 
+    /// [`Self::grow_device`] for a graph step: graphs that baked in the old buffers
+    /// are stale (a new epoch).
+    fn grow_for_graphs(&mut self) -> Result<()> {
+        let before = self.alloc_blocks;
+        self.grow_device()?;
+        if self.alloc_blocks != before {
+            self.graph_inputs.moved();
+        }
+        Ok(())
+    }
+
     fn table_i32(&self, seq: SeqId) -> Vec<i32> {
         self.tables.table(seq).iter().map(|&b| b as i32).collect()
     }
@@ -155,6 +166,16 @@ impl CudaFullPolicy {
         let o = paged_decode(layer, &q, &inputs.tables, shape)?;
         Ok(o.to_dtype(input.q.dtype())?)
     }
+}
+
+/// The context bucket of a decode step's graph (every row one new token), `None` for
+/// any other step.
+fn graph_ctx(batch: &StepBatch) -> Option<usize> {
+    if batch.seqs.is_empty() || batch.seqs.iter().any(|s| s.q_len != 1) {
+        return None;
+    }
+    let longest = batch.seqs.iter().map(|s| s.ctx_before + 1).max();
+    Some(ctx_bucket(longest.unwrap_or(1)))
 }
 
 impl KvPolicy for CudaFullPolicy {
@@ -328,24 +349,24 @@ impl KvPolicy for CudaFullPolicy {
         Ok(())
     }
 
-    fn bind_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
-        if batch.seqs.is_empty() || batch.seqs.iter().any(|s| s.q_len != 1) {
+    fn plan_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
+        let Some(max_ctx) = graph_ctx(batch) else {
             return Ok(None);
-        }
-        let max_ctx = ctx_bucket(
-            batch
-                .seqs
-                .iter()
-                .map(|s| s.ctx_before + 1)
-                .max()
-                .unwrap_or(1),
-        );
+        };
+        self.grow_for_graphs()?;
+        Ok(Some(GraphBinding {
+            epoch: self.graph_inputs.epoch(),
+            ctx_bucket: max_ctx,
+            variant: 0,
+        }))
+    }
+
+    fn bind_graph_step(&mut self, batch: &StepBatch) -> Result<Option<GraphBinding>> {
+        let Some(max_ctx) = graph_ctx(batch) else {
+            return Ok(None);
+        };
         let bs = self.opts.block_size;
-        let before = self.alloc_blocks;
-        self.grow_device()?;
-        if self.alloc_blocks != before {
-            self.graph_inputs.moved();
-        }
+        self.grow_for_graphs()?;
         let rows = batch.seqs.len();
         let key = (rows, max_ctx.div_ceil(bs));
         // What `attend` does over the layers, done once: write slots, lengths, records.
