@@ -30,6 +30,20 @@ pub fn probe_best(buf: &[f32], threads: usize) -> Result<f64> {
     Ok(best)
 }
 
+/// The best time of `n` runs of `f` (seconds) and the last run's result.
+#[allow(dead_code)] // each example compiles this module; not all of them time passes
+pub fn best_of<R>(n: usize, mut f: impl FnMut() -> R) -> (f64, R) {
+    let t = std::time::Instant::now();
+    let mut out = f();
+    let mut best = t.elapsed().as_secs_f64();
+    for _ in 1..n {
+        let t = std::time::Instant::now();
+        out = f();
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (best, out)
+}
+
 pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
