@@ -166,8 +166,8 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     /// are `step` until `end_step`.
     graph_steps: GraphBuffers<GraphStepKey, StepDecode>,
     bound: Option<GraphStepKey>,
-    /// The host plan of this step's graph, made by `plan_graph_step` for
-    /// `bind_graph_step` (cleared at the step's end).
+    /// The host values of this step made by `plan_graph_step`, taken by the step's
+    /// bind or, when it runs launched, its first layer (cleared at the step's end).
     graph_plan: Option<StepValues>,
 }
 
@@ -306,9 +306,9 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
     /// What every layer of the step shares, uploaded once: the slots and positions of
     /// the new K/V, and the decode rows' block tables, eviction parameters and
     /// probability buffers.
-    fn step_plan(&self, batch: &StepBatch) -> Result<StepDecode> {
+    fn step_plan(&mut self, batch: &StepBatch) -> Result<StepDecode> {
         let h = self.heads.0;
-        let v = self.step_values(batch)?;
+        let v = self.planned_values(batch)?;
         let stride = v.kept.iter().copied().max().unwrap_or(1).max(1);
         let n = v.rows.len().max(1);
         Ok(StepDecode {
@@ -326,6 +326,15 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             kept: v.kept,
             rows: v.rows,
         })
+    }
+
+    /// This step's host values: those `plan_graph_step` computed for it when it did
+    /// (the book has not moved since), else computed now.
+    fn planned_values(&mut self, batch: &StepBatch) -> Result<StepValues> {
+        match self.graph_plan.take() {
+            Some(v) => Ok(v),
+            None => self.step_values(batch),
+        }
     }
 
     /// [`Self::step_plan`]'s values on the host.
@@ -923,11 +932,7 @@ impl<E: Eviction> KvPolicy for CudaEvictingPolicy<E> {
             return Ok(None);
         }
         self.grow_for_graphs()?;
-        // The plan made for this step, if any (the book has not moved since).
-        let v = match self.graph_plan.take() {
-            Some(v) => v,
-            None => self.step_values(batch)?,
-        };
+        let v = self.planned_values(batch)?;
         let rows = v.rows.len();
         let (bucket, variant) = graph_shape(&v);
         let key = (rows, bucket, variant);
