@@ -19,6 +19,12 @@
 //!   bytes; portable code),
 //! - one row after another with eight accumulators (more loads in flight than the
 //!   engine's two; another order of sums, so other bits),
+//! - the packed layout as 576-row matrices with a pass over the pool each,
+//! - the matrices stored transposed (`[in, out]`): each block of input columns adds
+//!   its rows, scaled by the input, into a partial output held in L1 (one stream per
+//!   thread, the layout gemm reads as it is), partials summed after the pass; one row
+//!   at a time and two at a time; and split by output columns instead (each thread
+//!   reads its part of every row: no partials, but no longer one stream),
 //!
 //! and the probe (`read_pass`, best of 3) before them; prints the medians in GB/s and
 //! as a share of the probe's.
@@ -190,6 +196,92 @@ unsafe fn dot4_packed_avx(w: &[f32], x: &[f32]) -> [f32; 4] {
     })
 }
 
+/// `y += Σ_i x[i]·wt[i]` over the rows of a transposed block (`wt`: `[x.len(), n]`),
+/// `rows_at_once` rows (1 or 2) for each load and store of `y`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_rows(wt: &[f32], x: &[f32], y: &mut [f32], rows_at_once: usize) {
+    use std::arch::x86_64::*;
+    let n = y.len();
+    assert!(n.is_multiple_of(8) && wt.len() >= x.len() * n);
+    let py = y.as_mut_ptr();
+    let mut i = 0;
+    if rows_at_once == 2 {
+        while i + 2 <= x.len() {
+            let (b0, b1) = (_mm256_set1_ps(x[i]), _mm256_set1_ps(x[i + 1]));
+            let (w0, w1) = (wt.as_ptr().add(i * n), wt.as_ptr().add((i + 1) * n));
+            for j in (0..n).step_by(8) {
+                let a = _mm256_fmadd_ps(b0, _mm256_loadu_ps(w0.add(j)), _mm256_loadu_ps(py.add(j)));
+                _mm256_storeu_ps(
+                    py.add(j),
+                    _mm256_fmadd_ps(b1, _mm256_loadu_ps(w1.add(j)), a),
+                );
+            }
+            i += 2;
+        }
+    }
+    while i < x.len() {
+        let b = _mm256_set1_ps(x[i]);
+        let w = wt.as_ptr().add(i * n);
+        for j in (0..n).step_by(8) {
+            _mm256_storeu_ps(
+                py.add(j),
+                _mm256_fmadd_ps(b, _mm256_loadu_ps(w.add(j)), _mm256_loadu_ps(py.add(j))),
+            );
+        }
+        i += 1;
+    }
+}
+
+/// One pass over transposed 576×576 matrices: each split into `parts` blocks of input
+/// rows, each block's partial output in `partial` (`[parts, 576]`), then summed into `y`.
+fn transposed_pass(w: &[f32], x: &[f32], y: &mut [f32], parts: usize, rows_at_once: usize) {
+    let kb = K.div_ceil(parts);
+    let mut partial = vec![0f32; parts * 576];
+    for (ym, wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
+        partial
+            .par_chunks_mut(576)
+            .zip(wm.par_chunks(kb * 576))
+            .zip(x.par_chunks(kb))
+            .for_each(|((p, wb), xb)| {
+                p.fill(0.0);
+                // The last matrix may be short.
+                let xb = &xb[..wb.len() / 576];
+                #[cfg(target_arch = "x86_64")]
+                if has_avx2_fma() {
+                    // SAFETY: AVX2 and FMA checked just above.
+                    unsafe { axpy_rows(wb, xb, p, rows_at_once) };
+                }
+            });
+        ym.fill(0.0);
+        for p in partial.chunks_exact(576) {
+            ym.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+        }
+    }
+}
+
+/// One pass over transposed 576×576 matrices split by output columns instead: each
+/// block of `576 / parts` outputs reads its part of every row (no partials to sum).
+fn transposed_columns_pass(w: &[f32], x: &[f32], y: &mut [f32], parts: usize) {
+    let cb = 576usize.div_ceil(parts).next_multiple_of(8);
+    for (ym, wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
+        let rows = wm.len() / 576;
+        ym.par_chunks_mut(cb).enumerate().for_each(|(c, yb)| {
+            let mut acc = vec![0f32; cb];
+            let acc = &mut acc[..yb.len().next_multiple_of(8).min(cb)];
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2_fma() {
+                for (i, &xi) in x[..rows].iter().enumerate() {
+                    let row = &wm[i * 576 + c * cb..];
+                    // SAFETY: AVX2 and FMA checked just above.
+                    unsafe { axpy_rows(row, &[xi], acc, 1) };
+                }
+            }
+            yb.copy_from_slice(&acc[..yb.len()]);
+        });
+    }
+}
+
 fn main() -> Result<()> {
     let mut args = Args::new();
     let threads = args.next("threads", 2)?.max(1);
@@ -218,6 +310,10 @@ fn main() -> Result<()> {
         "576-row matrices, one region",
         "576-row matrices, a broadcast each",
         "576-row matrices, workers spinning",
+        "packed, 576-row matrices",
+        "transposed, one row at a time",
+        "transposed, two rows at a time",
+        "transposed, columns split",
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for _ in 0..rounds {
@@ -348,6 +444,32 @@ fn main() -> Result<()> {
             })
         });
         runs[8].push(gb(t.elapsed().as_secs_f64()));
+        anyhow::ensure!(y.iter().all(|v| v.is_finite()), "a product is not finite");
+        // Packed, a pass per matrix: groups of four rows split into a multiple of the
+        // threads of blocks.
+        let groups: usize = 576 / 4;
+        let gb4 = 4 * groups.div_ceil(groups.div_ceil(16).next_multiple_of(threads));
+        let t = Instant::now();
+        pool.install(|| {
+            for (ym, wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
+                ym.par_chunks_mut(gb4)
+                    .zip(wm.par_chunks(gb4 * K))
+                    .for_each(|(yb, wb)| {
+                        for (yq, wq) in yb.chunks_exact_mut(4).zip(wb.chunks_exact(4 * K)) {
+                            yq.copy_from_slice(&dot4_packed(wq, &x));
+                        }
+                    })
+            }
+        });
+        runs[9].push(gb(t.elapsed().as_secs_f64()));
+        for (i, at_once) in [(10, 1), (11, 2)] {
+            let t = Instant::now();
+            pool.install(|| transposed_pass(&w, &x, &mut y, 16, at_once));
+            runs[i].push(gb(t.elapsed().as_secs_f64()));
+        }
+        let t = Instant::now();
+        pool.install(|| transposed_columns_pass(&w, &x, &mut y, threads));
+        runs[12].push(gb(t.elapsed().as_secs_f64()));
         anyhow::ensure!(y.iter().all(|v| v.is_finite()), "a product is not finite");
     }
     println!(

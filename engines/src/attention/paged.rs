@@ -516,6 +516,20 @@ pub fn dot4_with(avx: bool, w: &[f32], x: &[f32]) -> [f32; 4] {
     }
 }
 
+/// [`dot4_with`] over four rows packed as [`crate::model::packed`] lays them out
+/// (`4 · x.len()` floats): the same results to the bit, read as one stream.
+#[inline]
+pub fn dot4_packed_with(avx: bool, w: &[f32], x: &[f32]) -> [f32; 4] {
+    debug_assert!(w.len() >= 4 * x.len());
+    #[cfg(target_arch = "x86_64")]
+    if avx && has_avx2_fma() {
+        // SAFETY: AVX2 and FMA checked just above.
+        return unsafe { simd::dot4_packed(w, x) };
+    }
+    let k = x.len();
+    std::array::from_fn(|r| dot(&crate::model::packed::row_of(w, k, r), x))
+}
+
 /// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.
 #[inline]
 pub fn accumulate_with(avx: bool, p: &[f32], vb: &[f32], out: &mut [f32]) {
@@ -639,7 +653,21 @@ mod simd {
             }
             i += 8;
         }
-        // Four horizontal sums at once: pairwise adds, then the two 128-bit halves.
+        let mut out = reduce4(&acc);
+        while i < k {
+            for (o, r) in out.iter_mut().zip(rows) {
+                *o += *r.add(i) * x[i];
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Four rows' two accumulators each reduced to their sums at once: pairwise adds,
+    /// then the two 128-bit halves ([`dot_row`] follows the same tree for one row).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn reduce4(acc: &[[__m256; 2]; 4]) -> [f32; 4] {
         let s: [__m256; 4] = std::array::from_fn(|r| _mm256_add_ps(acc[r][0], acc[r][1]));
         let h01 = _mm256_hadd_ps(s[0], s[1]);
         let h23 = _mm256_hadd_ps(s[2], s[3]);
@@ -647,9 +675,44 @@ mod simd {
         let sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
         let mut out = [0f32; 4];
         _mm_storeu_ps(out.as_mut_ptr(), sum);
+        out
+    }
+
+    /// [`dot4`] over four rows packed as [`crate::model::packed`] lays them out (each
+    /// 8-column chunk of the four rows side by side, then the four rows' last `k % 8`
+    /// columns): the same accumulators, order of sums and tail, so the same results to
+    /// the bit, read as one stream.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot4_packed(w: &[f32], x: &[f32]) -> [f32; 4] {
+        let k = x.len();
+        assert!(w.len() >= 4 * k);
+        let (pw, px) = (w.as_ptr(), x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        let mut i = 0;
+        // Column `i` (a multiple of 8) of the four rows starts at float `4 * i`.
+        while i + 16 <= k {
+            let (x0, x1) = (_mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(px.add(i + 8)));
+            let (p0, p1) = (pw.add(4 * i), pw.add(4 * (i + 8)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(8 * r)), x0, a[0]);
+                a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(8 * r)), x1, a[1]);
+            }
+            i += 16;
+        }
+        if i + 8 <= k {
+            let x0 = _mm256_loadu_ps(px.add(i));
+            let p0 = pw.add(4 * i);
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(8 * r)), x0, a[0]);
+            }
+            i += 8;
+        }
+        let mut out = reduce4(&acc);
+        let (full, tail) = (i, k - i);
+        let pt = pw.add(4 * full);
         while i < k {
-            for (o, r) in out.iter_mut().zip(rows) {
-                *o += *r.add(i) * x[i];
+            for (r, o) in out.iter_mut().enumerate() {
+                *o += *pt.add(r * tail + i - full) * x[i];
             }
             i += 1;
         }

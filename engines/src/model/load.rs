@@ -61,6 +61,7 @@ fn build(cfg: ModelConfig, wd: WeightDtype, src: &mut dyn WeightSource) -> Resul
         Linear::Dense(embed.clone())
     };
     Llama::new(cfg, wd, embed, layers, norm, lm_head)
+        .with_packed_rows()?
         .with_weights_in_huge_pages()?
         .with_fused_projections()
         .map(Llama::with_fused_kernels)

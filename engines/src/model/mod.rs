@@ -3,6 +3,7 @@
 //! reference every policy is checked against.
 
 pub mod load;
+pub mod packed;
 pub mod pages;
 
 use crate::attention::dense::causal_attention;
@@ -11,6 +12,7 @@ use crate::error::Result;
 use crate::policy::{KvPolicy, LayerInput, Rope, StepBatch};
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor};
+use packed::PackedRows;
 
 /// Attention of one layer → output `[T, H, dh]`.
 type AttendFn<'a> = dyn FnMut(&LayerInput<'_>) -> Result<Tensor> + 'a;
@@ -51,26 +53,29 @@ impl std::fmt::Display for WeightDtype {
 /// Row count up to which dense matmuls use the transposed form (see `Linear::forward`).
 const SMALL_M: usize = 64;
 
-/// A weight matrix `[out, in]`, quantized or dense.
+/// A weight matrix `[out, in]`, quantized, dense, or dense f32 packed for the CPU's
+/// matrix-vector path ([`packed`]).
 #[derive(Debug, Clone)]
 pub enum Linear {
     Quantized { mm: QMatMul, bytes: u64 },
     Dense(Tensor),
+    Packed(PackedRows),
 }
 
 impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if let Linear::Dense(w) = self {
-            // One to a few rows (decode at small batch): a matrix-vector product that
-            // streams each weight row once, split over the threads by output rows;
-            // gemm's path for so few rows reads the weights at a fraction of the
-            // memory bandwidth (docs/correctness-and-performance.md).
-            if let Some(y) = gemv(w, x)? {
-                return Ok(y);
+        // One to a few rows (decode at small batch): a matrix-vector product that
+        // streams each weight row once, split over the threads by output rows; gemm's
+        // path for so few rows reads the weights at a fraction of the memory bandwidth
+        // (docs/correctness-and-performance.md).
+        if let Some(m) = self.mat() {
+            if let Some(y) = gemv_many(&[m], x)? {
+                return Ok(y.into_iter().next().unwrap_or_else(|| unreachable!()));
             }
         }
         Ok(match self {
             Linear::Quantized { mm, .. } => mm.forward(x)?,
+            Linear::Packed(p) => p.matmul(x)?,
             // Few rows (decode): W·xᵀ runs the weight matrix through gemm as the left,
             // row-major operand, measured 1.3–1.9× faster than x·Wᵀ at 16 rows.
             Linear::Dense(w) if x.device().is_cpu() && x.rank() == 2 && x.dim(0)? <= SMALL_M => {
@@ -80,18 +85,21 @@ impl Linear {
         })
     }
 
+    /// The matrix as the matrix-vector path reads it; `None` for a quantized one.
+    fn mat(&self) -> Option<Mat<'_>> {
+        match self {
+            Linear::Dense(w) => Some(Mat::Rows(w)),
+            Linear::Packed(p) => Some(Mat::Packed(p)),
+            Linear::Quantized { .. } => None,
+        }
+    }
+
     /// Several products of the same input: as one pass over the thread pool when all
     /// take the matrix-vector path, one by one otherwise.
     pub fn forward_many<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
-        let dense: Option<Vec<&Tensor>> = ls
-            .iter()
-            .map(|l| match l {
-                Linear::Dense(w) => Some(w),
-                Linear::Quantized { .. } => None,
-            })
-            .collect();
-        if let Some(ws) = dense {
-            if let Some(ys) = gemv_many(&ws, x)? {
+        let mats: Option<Vec<Mat<'_>>> = ls.iter().map(|l| l.mat()).collect();
+        if let Some(ms) = mats {
+            if let Some(ys) = gemv_many(&ms, x)? {
                 if let Ok(ys) = <[Tensor; N]>::try_from(ys) {
                     return Ok(ys);
                 }
@@ -105,24 +113,44 @@ impl Linear {
         match self {
             Linear::Quantized { bytes, .. } => *bytes,
             Linear::Dense(w) => tensor_bytes(w),
+            Linear::Packed(p) => p.bytes(),
         }
+    }
+
+    /// The matrix in the row layout: a packed one unpacked (a new tensor), any other
+    /// as it is.
+    pub fn unpacked(&self) -> Result<Linear> {
+        Ok(match self {
+            Linear::Packed(p) => Linear::Dense(p.unpack()?),
+            l => l.clone(),
+        })
     }
 }
 
-/// Rows of input up to which [`gemv`] replaces gemm.
+/// Rows of input up to which [`gemv_many`] replaces gemm.
 const GEMV_MAX_ROWS: usize = 4;
+
+/// A dense matrix as the matrix-vector path reads it.
+#[derive(Clone, Copy)]
+enum Mat<'a> {
+    /// `[out, in]` in the row layout.
+    Rows(&'a Tensor),
+    /// Packed in groups of four rows ([`packed`]).
+    Packed(&'a PackedRows),
+}
 
 /// `x·Wᵀ` for an f32 `x` of at most [`GEMV_MAX_ROWS`] rows and a contiguous f32 `W`
 /// (`[out, in]`) on the CPU: each weight row is read once and dotted with every input
 /// row while it is in cache. `None` where it does not apply (gemm then runs).
+#[cfg(test)]
 fn gemv(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
-    Ok(gemv_many(&[w], x)?.map(|mut ys| ys.remove(0)))
+    Ok(gemv_many(&[Mat::Rows(w)], x)?.map(|mut ys| ys.remove(0)))
 }
 
-/// [`gemv`] of several matrices on the same input in one pass over the thread pool
-/// (one hand-off per group instead of one per matrix: Q, K and V; gate and up).
-/// `None` unless every matrix takes the matrix-vector path.
-fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+/// The matrix-vector product of several matrices on the same input in one pass over
+/// the thread pool (one hand-off per group instead of one per matrix: Q, K and V; gate
+/// and up). `None` unless every matrix takes the matrix-vector path.
+fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     use candle_core::{CpuStorage, Storage};
     use rayon::prelude::*;
     if !x.device().is_cpu() || x.rank() != 2 || x.dim(0)? > GEMV_MAX_ROWS || x.dtype() != DType::F32
@@ -130,45 +158,70 @@ fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         return Ok(None);
     }
     let (rows, k) = (x.dim(0)?, x.dim(1)?);
-    for w in ws {
-        if w.dtype() != DType::F32 || w.rank() != 2 || !w.is_contiguous() || w.dim(1)? != k {
+    for m in ms {
+        let fits = match m {
+            Mat::Rows(w) => {
+                w.dtype() == DType::F32 && w.rank() == 2 && w.is_contiguous() && w.dim(1)? == k
+            }
+            Mat::Packed(p) => p.dims().1 == k,
+        };
+        if !fits {
             return Ok(None);
         }
     }
     let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-    let guards: Vec<_> = ws.iter().map(|w| w.storage_and_layout()).collect();
-    let mut datas = Vec::with_capacity(ws.len());
+    let guards: Vec<_> = ms
+        .iter()
+        .map(|m| match m {
+            Mat::Rows(w) => w.storage_and_layout(),
+            Mat::Packed(p) => p.data().storage_and_layout(),
+        })
+        .collect();
+    let mut datas = Vec::with_capacity(ms.len());
     for (storage, layout) in &guards {
         let Storage::Cpu(CpuStorage::F32(data)) = &**storage else {
             return Ok(None);
         };
         datas.push(&data[layout.start_offset()..]);
     }
-    let ns: Vec<usize> = ws
-        .iter()
-        .map(|w| w.dim(0))
-        .collect::<candle_core::Result<_>>()?;
     let avx = crate::attention::paged::has_avx2_fma();
-    // Output-major ([n, rows]) so each work item writes one contiguous run. Each matrix
-    // goes in blocks of about 64 rows, as many as a multiple of the pool's threads so
-    // that they end together (a block left over keeps one thread busy while the others
-    // wait, once per product).
+    // Output-major ([n, rows], a packed matrix's padding rows included until the end)
+    // so each work item writes one contiguous run. Each matrix goes in blocks of about
+    // 64 rows, as many as a multiple of the pool's threads so that they end together (a
+    // block left over keeps one thread busy while the others wait, once per product).
     let threads = rayon::current_num_threads().max(1);
-    let mut outs: Vec<Vec<f32>> = ns.iter().map(|&n| vec![0f32; n * rows]).collect();
-    let mut items: Vec<(&mut [f32], &[f32])> = Vec::new();
-    for ((y, wd), &n) in outs.iter_mut().zip(&datas).zip(&ns) {
-        let block = n.div_ceil(n.div_ceil(64).next_multiple_of(threads)).max(1);
+    let g = packed::GROUP;
+    let heights: Vec<(usize, usize)> = ms
+        .iter()
+        .map(|m| match m {
+            Mat::Rows(w) => w.dim(0).map(|n| (n, n)),
+            Mat::Packed(p) => Ok((p.dims().0, p.dims().0.next_multiple_of(g))),
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let mut outs: Vec<Vec<f32>> = heights.iter().map(|&(_, h)| vec![0f32; h * rows]).collect();
+    let mut items: Vec<(&mut [f32], &[f32], bool)> = Vec::new();
+    for (((y, wd), &(_, h)), m) in outs.iter_mut().zip(&datas).zip(&heights).zip(ms) {
+        let packed = matches!(m, Mat::Packed(_));
+        // Blocks of whole groups for a packed matrix.
+        let unit = if packed { g } else { 1 };
+        let block = unit * per_block(h / unit, h.div_ceil(64), threads);
         items.extend(
             y.chunks_mut(block * rows)
-                .zip(wd[..n * k].chunks(block * k)),
+                .zip(wd[..h * k].chunks(block * k))
+                .map(|(y, w)| (y, w, packed)),
         );
     }
-    items
-        .into_par_iter()
-        .for_each(|(ys, w)| gemv_block(avx, w, &xs, k, rows, ys));
+    items.into_par_iter().for_each(|(ys, w, packed)| {
+        if packed {
+            gemv_packed_block(avx, w, &xs, k, rows, ys)
+        } else {
+            gemv_block(avx, w, &xs, k, rows, ys)
+        }
+    });
     drop(guards);
     let mut ys = Vec::with_capacity(outs.len());
-    for (yt, n) in outs.into_iter().zip(ns) {
+    for (mut yt, (n, _)) in outs.into_iter().zip(heights) {
+        yt.truncate(n * rows);
         let y = Tensor::from_vec(yt, (n, rows), x.device())?;
         ys.push(if rows == 1 {
             y.reshape((1, n))?
@@ -179,6 +232,18 @@ fn gemv_many(ws: &[&Tensor], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     Ok(Some(ys))
 }
 
+/// How many of `units` (rows, or groups of packed rows) a block of a product takes: a
+/// multiple of `threads` of blocks, at least `nominal`, that splits the units evenly
+/// where one up to twice `nominal` does (so that the threads end together).
+fn per_block(units: usize, nominal: usize, threads: usize) -> usize {
+    let first = nominal.max(1).next_multiple_of(threads);
+    (first..=2 * first)
+        .step_by(threads)
+        .find(|&b| units.is_multiple_of(b))
+        .map_or_else(|| units.div_ceil(first), |b| units / b)
+        .max(1)
+}
+
 /// Rows of `w` (`[m, k]`) dotted with each of the `rows` input rows `xs`, into `ys`
 /// (`[m, rows]`). One weight row at a time, so that a block is read as one sequential
 /// stream (four rows side by side read slower: docs/correctness-and-performance.md);
@@ -187,6 +252,21 @@ fn gemv_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut 
     for (yr, wr) in ys.chunks_exact_mut(rows).zip(w.chunks_exact(k)) {
         for (y, xr) in yr.iter_mut().zip(xs.chunks_exact(k)) {
             *y = crate::attention::paged::dot_row_with(avx, wr, xr);
+        }
+    }
+}
+
+/// [`gemv_block`] over packed groups of four rows (`w`: whole groups, `ys`: `[4 ·
+/// groups, rows]`): each group is one stream read once, in cache for the other input
+/// rows; the same results to the bit as the row layout's.
+fn gemv_packed_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut [f32]) {
+    let g = packed::GROUP;
+    for (yg, wg) in ys.chunks_exact_mut(g * rows).zip(w.chunks_exact(g * k)) {
+        for (r, xr) in xs.chunks_exact(k).enumerate() {
+            let d = crate::attention::paged::dot4_packed_with(avx, wg, xr);
+            for (j, v) in d.into_iter().enumerate() {
+                yg[j * rows + r] = v;
+            }
         }
     }
 }
@@ -351,12 +431,26 @@ impl Llama {
         // Dense matrices are handed over; quantized ones wait here, in order.
         let mut ts = vec![embed];
         let mut kept: Vec<Linear> = Vec::new();
-        let mut order: Vec<bool> = Vec::new();
-        let mut hand = |l: Linear, ts: &mut Vec<Tensor>| {
-            order.push(matches!(l, Linear::Dense(_)));
-            match l {
-                Linear::Dense(w) => ts.push(w),
-                q => kept.push(q),
+        // What became of each matrix, in order.
+        enum Moved {
+            Dense,
+            Packed((usize, usize)),
+            Kept,
+        }
+        let mut order: Vec<Moved> = Vec::new();
+        // A packed matrix hands over its packed floats (its shape is noted in `order`).
+        let mut hand = |l: Linear, ts: &mut Vec<Tensor>| match l {
+            Linear::Dense(w) => {
+                order.push(Moved::Dense);
+                ts.push(w)
+            }
+            Linear::Packed(p) => {
+                order.push(Moved::Packed(p.dims()));
+                ts.push(p.data().clone())
+            }
+            q => {
+                order.push(Moved::Kept);
+                kept.push(q)
             }
         };
         let mut norms = Vec::with_capacity(layers.len());
@@ -377,10 +471,14 @@ impl Llama {
         let embed = moved.next().ok_or_else(missing)?;
         let mut order = order.into_iter();
         let mut next = || -> Result<Linear> {
-            Ok(if order.next().ok_or_else(missing)? {
-                Linear::Dense(moved.next().ok_or_else(missing)?)
-            } else {
-                kept.next().ok_or_else(missing)?
+            Ok(match order.next().ok_or_else(missing)? {
+                Moved::Dense => Linear::Dense(moved.next().ok_or_else(missing)?),
+                Moved::Packed((n, k)) => Linear::Packed(PackedRows::from_packed(
+                    moved.next().ok_or_else(missing)?,
+                    n,
+                    k,
+                )?),
+                Moved::Kept => kept.next().ok_or_else(missing)?,
             })
         };
         let mut layers = Vec::with_capacity(norms.len());
@@ -422,6 +520,60 @@ impl Llama {
         }
     }
 
+    /// On the CPU, every dense f32 matrix but a head tied to the embedding packed for
+    /// the matrix-vector path ([`packed`]: one stream per block of four rows, which a
+    /// batch-1 decode step reads 7–20 points of the read probe faster than rows one
+    /// after another). A tied head keeps the row layout the embedding's lookups read.
+    /// `KVBENCH_PACKED_WEIGHTS=0` keeps the row layout everywhere (the "before" of a
+    /// comparison in one sitting).
+    pub fn with_packed_rows(self) -> Result<Self> {
+        if matches!(std::env::var("KVBENCH_PACKED_WEIGHTS").as_deref(), Ok("0")) {
+            return Ok(self);
+        }
+        self.pack_rows()
+    }
+
+    /// [`Llama::with_packed_rows`] whatever the environment says. A model with fused
+    /// projections (views of shared matrices) is returned as it is.
+    pub fn pack_rows(mut self) -> Result<Self> {
+        if self.fused.is_some() || !self.device.is_cpu() {
+            return Ok(self);
+        }
+        let pack = |l: &mut Linear| -> Result<()> {
+            if let Linear::Dense(w) = l {
+                if let Some(p) = PackedRows::from_tensor(w)? {
+                    *l = Linear::Packed(p);
+                }
+            }
+            Ok(())
+        };
+        for l in &mut self.layers {
+            for w in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.gate,
+                &mut l.up,
+                &mut l.down,
+            ] {
+                pack(w)?;
+            }
+        }
+        let tied = matches!(&self.lm_head, Linear::Dense(w) if w.id() == self.embed.id());
+        if !tied {
+            pack(&mut self.lm_head)?;
+        }
+        Ok(self)
+    }
+
+    /// Whether any matrix is packed ([`Llama::with_packed_rows`]).
+    pub fn rows_packed(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(l.wq, Linear::Packed(_)))
+    }
+
     /// On CUDA, [`Llama::fuse_projections`]. Elsewhere the model is returned as it is:
     /// the CPU runs products that share an input as one pass already
     /// (`Linear::forward_many`). `KVBENCH_FUSED_PROJECTIONS=0` keeps the separate
@@ -453,9 +605,17 @@ impl Llama {
         if self.fused.is_some() {
             return Ok(self);
         }
+        // Packed matrices go back to the row layout: the fused ones are gemm's.
+        for l in &mut self.layers {
+            for w in [&mut l.wk, &mut l.wv, &mut l.gate, &mut l.up] {
+                if matches!(w, Linear::Packed(_)) {
+                    *w = w.unpacked()?;
+                }
+            }
+        }
         let dense = |l: &Linear| match l {
             Linear::Dense(w) => Some(w.clone()),
-            Linear::Quantized { .. } => None,
+            Linear::Quantized { .. } | Linear::Packed(_) => None,
         };
         // Every layer's four fused matrices (handles, no copy), or None if any is
         // quantized.
@@ -839,6 +999,7 @@ mod tests {
             let dense = |l: &Layer| {
                 [&l.wq, &l.wk, &l.wv, &l.gate, &l.up].map(|w| match w {
                     Linear::Dense(t) => t.to_dtype(DType::F32).unwrap().flatten_all().unwrap(),
+                    Linear::Packed(p) => p.unpack().unwrap().flatten_all().unwrap(),
                     Linear::Quantized { .. } => panic!("dense"),
                 })
             };
@@ -975,16 +1136,67 @@ mod tests {
             let d = (before - after).unwrap().abs().unwrap().max_all().unwrap();
             assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "tie {tie} {wd:?}");
             if wd == WeightDtype::F32 {
-                // The dense matrices are views of one buffer.
+                // The packed matrices are views of one buffer, and so is an untied head.
                 assert!(
-                    matches!(&moved.layers[0].wq, Linear::Dense(w) if w.layout().start_offset() > 0)
+                    matches!(&moved.layers[0].wq, Linear::Packed(p) if p.data().layout().start_offset() > 0)
                 );
+                assert_eq!(matches!(&moved.lm_head, Linear::Packed(_)), !tie);
+            }
+        }
+    }
+
+    /// A model with packed matrices gives the row layout's logits: to the bit where
+    /// the matrix-vector path runs (up to four rows), within gemm's rounding on more
+    /// rows (blocks of rows, so other sums); `KVBENCH_PACKED_WEIGHTS=0`'s model is the
+    /// row layout's.
+    #[test]
+    fn packed_rows_keep_the_logits() {
+        use crate::model::load::load_preset;
+        for tie in [true, false] {
+            let mut cfg = crate::config::preset("tiny").unwrap();
+            cfg.tie_word_embeddings = tie;
+            let m = load_preset(cfg, WeightDtype::F32, 3, &Device::Cpu).unwrap();
+            assert!(m.rows_packed(), "the CPU loader packs f32 matrices");
+            let mut rows = m.clone();
+            for l in &mut rows.layers {
+                for w in [
+                    &mut l.wq,
+                    &mut l.wk,
+                    &mut l.wv,
+                    &mut l.wo,
+                    &mut l.gate,
+                    &mut l.up,
+                    &mut l.down,
+                ] {
+                    *w = w.unpacked().unwrap();
+                }
+            }
+            rows.lm_head = rows.lm_head.unpacked().unwrap();
+            assert!(!rows.rows_packed());
+            assert_eq!(
+                rows.weights_bytes(),
+                m.weights_bytes(),
+                "tiny's rows come in fours"
+            );
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for tokens in [&[5u32][..], &[1, 2, 3, 4], &[9; 40]] {
+                let (a, b) = (
+                    flat(m.forward_dense(tokens).unwrap()),
+                    flat(rows.forward_dense(tokens).unwrap()),
+                );
+                if tokens.len() <= GEMV_MAX_ROWS {
+                    assert!(a == b, "tie {tie}, {} tokens: other bits", tokens.len());
+                } else {
+                    let d = crate::compare::max_abs_diff(a.into_iter().zip(b));
+                    assert!(d <= 1e-4, "tie {tie}, {} tokens: {d}", tokens.len());
+                }
             }
         }
     }
 
     /// The matrix-vector path against candle's matmul, on random inputs whose sizes are
-    /// not multiples of the SIMD width or of the thread blocks.
+    /// not multiples of the SIMD width or of the thread blocks; packed, the same
+    /// outputs to the bit as the row layout's.
     #[test]
     fn gemv_matches_matmul() {
         let dev = Device::Cpu;
@@ -1005,8 +1217,13 @@ mod tests {
                         y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                         want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
                     );
-                    let diff = crate::compare::max_abs_diff(y.into_iter().zip(want));
+                    let diff = crate::compare::max_abs_diff(y.iter().copied().zip(want));
                     assert!(diff <= 1e-4, "{n}×{k}, rows {rows}: {diff}");
+                    let p = PackedRows::from_tensor(&w).unwrap().unwrap();
+                    let yp = gemv_many(&[Mat::Packed(&p)], &x).unwrap().expect("applies");
+                    assert_eq!(yp[0].dims(), &[rows, n]);
+                    let yp = yp[0].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    assert!(yp == y, "{n}×{k}, rows {rows}: packed gives other bits");
                 }
             }
         }

@@ -384,6 +384,8 @@ impl Weight<'_> {
     fn hash(&self) -> Result<u64> {
         match *self {
             Weight::Dense(t) | Weight::Linear(Linear::Dense(t)) => hash_tensor("dense", t),
+            // As the row layout hashes: the layout is not the weights.
+            Weight::Linear(Linear::Packed(p)) => hash_tensor("dense", &p.unpack()?),
             Weight::Linear(Linear::Quantized { mm, .. }) => match mm {
                 QMatMul::QTensor(qt) => {
                     let data = qt.data()?;

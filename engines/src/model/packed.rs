@@ -1,0 +1,350 @@
+//! f32 weight matrices laid out for the CPU's matrix-vector path. A batch-1 decode step
+//! reads every weight once. Read one row after another, SmolLM2's matrices (a pass over
+//! the thread pool each, as the products run) streamed at 76–84 % of the read probe on
+//! the 2-vCPU development machine; stored as groups of four rows with each 8-column
+//! chunk of the four side by side, the same bytes are one stream that feeds four dot
+//! products, and read at 87–96 % (`examples/row_order.rs`,
+//! docs/correctness-and-performance.md). gemm cannot read this layout, so a product of
+//! more rows (prefill, a larger decode batch) unpacks a block of rows at a time into a
+//! buffer that stays in cache and runs gemm on it.
+
+use crate::error::{Error, Result};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+/// Rows in a group.
+pub const GROUP: usize = 4;
+/// Rows unpacked at a time for gemm: about a megabyte of SmolLM2's rows, so the block
+/// is still in cache when gemm reads it.
+const UNPACK_ROWS: usize = 512;
+/// Rows of input up to which a product of the rows-first form (`W·xᵀ`) runs, as
+/// [`super::Linear::forward`] does for the row layout (measured faster for few rows).
+const SMALL_M: usize = 64;
+
+/// An f32 matrix `[n, k]` on the CPU held as `ceil(n / 4)` groups of four rows (zero
+/// rows pad the last group). A group is `4·k` floats: for each 8-column chunk the four
+/// rows' 8 floats one after another, then the four rows' last `k % 8` columns, row by
+/// row.
+#[derive(Debug, Clone)]
+pub struct PackedRows {
+    /// `[groups · 4 · k]` f32 on the CPU (a view into the model's huge-page buffer once
+    /// it is moved there).
+    data: Tensor,
+    n: usize,
+    k: usize,
+}
+
+/// `w` (`[n, k]` row-major) packed: groups of four rows as [`PackedRows`] lays them out.
+pub fn pack(w: &[f32], n: usize, k: usize) -> Vec<f32> {
+    assert!(
+        w.len() >= n * k,
+        "pack: {} floats for a {n}×{k} matrix",
+        w.len()
+    );
+    let full = k / 8 * 8;
+    let tail = k - full;
+    let mut out = vec![0f32; n.div_ceil(GROUP) * GROUP * k];
+    out.par_chunks_mut(GROUP * k)
+        .enumerate()
+        .for_each(|(g, dst)| {
+            for r in 0..GROUP.min(n - g * GROUP) {
+                let src = &w[(g * GROUP + r) * k..][..k];
+                for c in (0..full).step_by(8) {
+                    dst[GROUP * c + 8 * r..][..8].copy_from_slice(&src[c..c + 8]);
+                }
+                dst[GROUP * full + r * tail..][..tail].copy_from_slice(&src[full..]);
+            }
+        });
+    out
+}
+
+/// The four rows of a packed group (`4·k` floats) into `out` (`[4, k]` row-major).
+pub fn unpack_group(group: &[f32], k: usize, out: &mut [f32]) {
+    let full = k / 8 * 8;
+    let tail = k - full;
+    for (r, row) in out.chunks_exact_mut(k).take(GROUP).enumerate() {
+        for c in (0..full).step_by(8) {
+            row[c..c + 8].copy_from_slice(&group[GROUP * c + 8 * r..][..8]);
+        }
+        row[full..].copy_from_slice(&group[GROUP * full + r * tail..][..tail]);
+    }
+}
+
+/// Row `r` (0–3) of a packed group of rows of `k` columns.
+pub fn row_of(group: &[f32], k: usize, r: usize) -> Vec<f32> {
+    let mut rows = vec![0f32; GROUP * k];
+    unpack_group(group, k, &mut rows);
+    rows[r * k..(r + 1) * k].to_vec()
+}
+
+impl PackedRows {
+    /// `w` packed, when it is a `[n, k]` f32 matrix on the CPU; `None` otherwise.
+    pub fn from_tensor(w: &Tensor) -> Result<Option<Self>> {
+        if !w.device().is_cpu() || w.dtype() != DType::F32 || w.rank() != 2 {
+            return Ok(None);
+        }
+        let (n, k) = w.dims2()?;
+        let rows = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let packed = pack(&rows, n, k);
+        let len = packed.len();
+        Ok(Some(Self {
+            data: Tensor::from_vec(packed, len, &Device::Cpu)?,
+            n,
+            k,
+        }))
+    }
+
+    /// `[n, k]`: the matrix's rows and columns (without the padding rows).
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// Bytes held, the padding rows included.
+    pub fn bytes(&self) -> u64 {
+        (self.data.elem_count() * 4) as u64
+    }
+
+    /// The packed floats as one tensor (to move them, as the model's weights move into
+    /// huge pages).
+    pub fn data(&self) -> &Tensor {
+        &self.data
+    }
+
+    /// A `[n, k]` matrix from floats already packed (`data`: 1-D f32 on the CPU, as
+    /// [`PackedRows::data`] gave them).
+    pub fn from_packed(data: Tensor, n: usize, k: usize) -> Result<Self> {
+        let want = n.div_ceil(GROUP) * GROUP * k;
+        if data.elem_count() != want
+            || data.dtype() != DType::F32
+            || data.rank() != 1
+            || !data.device().is_cpu()
+        {
+            return Err(Error::Config(format!(
+                "a packed {n}×{k} matrix needs {want} f32 on the CPU, got {:?} {:?} on {:?}",
+                data.dims(),
+                data.dtype(),
+                data.device().location()
+            )));
+        }
+        Ok(Self { data, n, k })
+    }
+
+    /// `f` on the packed floats.
+    pub fn with_slice<R>(&self, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+        let (storage, layout) = self.data.storage_and_layout();
+        match &*storage {
+            Storage::Cpu(CpuStorage::F32(d)) if self.data.is_contiguous() => {
+                Ok(f(&d[layout.start_offset()..][..self.data.elem_count()]))
+            }
+            _ => Err(Error::Config(
+                "a packed matrix is not contiguous f32 on the CPU".into(),
+            )),
+        }
+    }
+
+    /// The matrix in the row layout (`[n, k]`).
+    pub fn unpack(&self) -> Result<Tensor> {
+        let (n, k) = (self.n, self.k);
+        let rows = self.with_slice(|d| {
+            let mut rows = vec![0f32; n.div_ceil(GROUP) * GROUP * k];
+            rows.par_chunks_mut(GROUP * k)
+                .zip(d.par_chunks(GROUP * k))
+                .for_each(|(out, g)| unpack_group(g, k, out));
+            rows.truncate(n * k);
+            rows
+        })?;
+        Ok(Tensor::from_vec(rows, (n, k), &Device::Cpu)?)
+    }
+
+    /// `x·Wᵀ` for an f32 `x` (`[t, k]`) of any number of rows, through gemm on blocks
+    /// of [`UNPACK_ROWS`] rows unpacked one after another into one buffer. The
+    /// matrix-vector path (few rows) reads the packed rows directly instead
+    /// (`super::gemv_many`).
+    pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        let (t, k) = x.dims2()?;
+        if k != self.k || x.dtype() != DType::F32 || !x.device().is_cpu() {
+            return Err(Error::Config(format!(
+                "packed {}×{} matrix times a {:?} {:?} input on {:?}",
+                self.n,
+                self.k,
+                x.dims(),
+                x.dtype(),
+                x.device().location()
+            )));
+        }
+        let n = self.n;
+        let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; t * n];
+        let threads = candle_core::utils::get_num_threads();
+        let parallelism = if threads > 1 {
+            gemm::Parallelism::Rayon(threads)
+        } else {
+            gemm::Parallelism::None
+        };
+        let block = UNPACK_ROWS.min(n.next_multiple_of(GROUP));
+        let mut buf = vec![0f32; block * k];
+        self.with_slice(|d| {
+            for (bi, groups) in d.chunks(block * k).enumerate() {
+                let r0 = bi * block;
+                let nb = block.min(n - r0);
+                buf.par_chunks_mut(GROUP * k)
+                    .zip(groups.par_chunks(GROUP * k))
+                    .for_each(|(o, g)| unpack_group(g, k, o));
+                // SAFETY: `buf` holds `nb` rows of `k` ([nb, k] row-major), `xs` holds
+                // `t` rows of `k`, and the destination is columns `r0..r0 + nb` of the
+                // `[t, n]` output: every index gemm forms from these sizes and strides
+                // lies inside its buffer.
+                unsafe {
+                    let dst = out.as_mut_ptr().add(r0);
+                    if t <= SMALL_M {
+                        // The block's rows first: [nb, t] = W_b · xᵀ, written transposed.
+                        gemm::gemm(
+                            nb,
+                            t,
+                            k,
+                            dst,
+                            n as isize,
+                            1,
+                            false,
+                            buf.as_ptr(),
+                            1,
+                            k as isize,
+                            xs.as_ptr(),
+                            k as isize,
+                            1,
+                            0f32,
+                            1f32,
+                            false,
+                            false,
+                            false,
+                            parallelism,
+                        );
+                    } else {
+                        // [t, nb] = x · W_bᵀ.
+                        gemm::gemm(
+                            t,
+                            nb,
+                            k,
+                            dst,
+                            1,
+                            n as isize,
+                            false,
+                            xs.as_ptr(),
+                            1,
+                            k as isize,
+                            buf.as_ptr(),
+                            k as isize,
+                            1,
+                            0f32,
+                            1f32,
+                            false,
+                            false,
+                            false,
+                            parallelism,
+                        );
+                    }
+                }
+            }
+        })?;
+        Ok(Tensor::from_vec(out, (t, n), &Device::Cpu)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::paged::{dot4_packed_with, dot_row_with, has_avx2_fma};
+
+    fn random(n: usize, seed: u64) -> Vec<f32> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// Packing and unpacking give the matrix back, padding rows aside, for widths with
+    /// and without whole chunks and heights with and without whole groups.
+    #[test]
+    fn pack_round_trips() {
+        for (n, k) in [(1, 1), (4, 8), (7, 37), (130, 96), (9, 5)] {
+            let w = random(n * k, 1);
+            let p = PackedRows::from_tensor(
+                &Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(),
+            )
+            .unwrap()
+            .expect("a CPU f32 matrix packs");
+            assert_eq!(p.dims(), (n, k));
+            assert_eq!(p.bytes(), (n.div_ceil(4) * 4 * k * 4) as u64);
+            let back = p.unpack().unwrap().flatten_all().unwrap();
+            assert_eq!(back.to_vec1::<f32>().unwrap(), w, "{n}×{k}");
+            let packed = pack(&w, n, k);
+            for (r, want) in w.chunks(k).enumerate() {
+                assert_eq!(row_of(&packed[r / 4 * 4 * k..], k, r % 4), want);
+            }
+        }
+    }
+
+    /// The packed kernel gives each row's dot product to the bit as the row kernel
+    /// does (the same accumulators and order of sums), on the AVX2 path and the
+    /// portable one.
+    #[test]
+    fn packed_dots_match_the_row_kernel_to_the_bit() {
+        for k in [1, 7, 8, 16, 24, 37, 576] {
+            let w = random(4 * k, k as u64);
+            let x = random(k, 99);
+            let packed = pack(&w, 4, k);
+            for avx in [false, has_avx2_fma()] {
+                let got = dot4_packed_with(avx, &packed, &x);
+                for (r, g) in got.iter().enumerate() {
+                    let want = dot_row_with(avx, &w[r * k..(r + 1) * k], &x);
+                    assert_eq!(g.to_bits(), want.to_bits(), "k {k}, row {r}, avx {avx}");
+                }
+            }
+        }
+    }
+
+    /// gemm over unpacked blocks against candle's matmul on the row layout, in both
+    /// orientations (few and many input rows) and over several blocks.
+    #[test]
+    fn packed_matmul_matches_matmul() {
+        for (n, k, t) in [(70, 96, 5), (1030, 40, 3), (9, 37, 70), (600, 24, 130)] {
+            let w = Tensor::from_vec(random(n * k, 3), (n, k), &Device::Cpu).unwrap();
+            let x = Tensor::from_vec(random(t * k, 4), (t, k), &Device::Cpu).unwrap();
+            let p = PackedRows::from_tensor(&w).unwrap().unwrap();
+            let got = p.matmul(&x).unwrap();
+            let want = x.matmul(&w.t().unwrap()).unwrap();
+            assert_eq!(got.dims(), want.dims());
+            let diff = crate::compare::max_abs_diff(
+                got.flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .into_iter()
+                    .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
+            );
+            assert!(diff <= 1e-4, "{n}×{k}, {t} rows: {diff}");
+        }
+        let p = PackedRows::from_tensor(&Tensor::zeros((8, 16), DType::F32, &Device::Cpu).unwrap())
+            .unwrap()
+            .unwrap();
+        let err = p
+            .matmul(&Tensor::zeros((2, 15), DType::F32, &Device::Cpu).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("8×16") && err.contains("[2, 15]"), "{err}");
+    }
+
+    #[test]
+    fn only_cpu_f32_matrices_pack() {
+        let dev = Device::Cpu;
+        assert!(
+            PackedRows::from_tensor(&Tensor::zeros(8, DType::F32, &dev).unwrap())
+                .unwrap()
+                .is_none()
+        );
+        assert!(
+            PackedRows::from_tensor(&Tensor::zeros((4, 8), DType::F16, &dev).unwrap())
+                .unwrap()
+                .is_none()
+        );
+    }
+}
