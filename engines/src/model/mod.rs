@@ -129,6 +129,10 @@ impl Linear {
 
 /// Rows of input up to which [`gemv_many`] replaces gemm.
 const GEMV_MAX_ROWS: usize = 4;
+/// The same for packed matrices, which gemm reads only once unpacked: their groups of
+/// four rows dotted with two inputs at a time keep up with gemm on the row layout at a
+/// decode batch of 16 and 32.
+const PACKED_GEMV_MAX_ROWS: usize = 64;
 
 /// A dense matrix as the matrix-vector path reads it.
 #[derive(Clone, Copy)]
@@ -153,8 +157,13 @@ fn gemv(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
 fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     use candle_core::{CpuStorage, Storage};
     use rayon::prelude::*;
-    if !x.device().is_cpu() || x.rank() != 2 || x.dim(0)? > GEMV_MAX_ROWS || x.dtype() != DType::F32
-    {
+    let all_packed = ms.iter().all(|m| matches!(m, Mat::Packed(_)));
+    let max_rows = if all_packed {
+        PACKED_GEMV_MAX_ROWS
+    } else {
+        GEMV_MAX_ROWS
+    };
+    if !x.device().is_cpu() || x.rank() != 2 || x.dim(0)? > max_rows || x.dtype() != DType::F32 {
         return Ok(None);
     }
     let (rows, k) = (x.dim(0)?, x.dim(1)?);
@@ -260,12 +269,29 @@ fn gemv_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut 
 /// groups, rows]`): each group is one stream read once, in cache for the other input
 /// rows; the same results to the bit as the row layout's.
 fn gemv_packed_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut [f32]) {
+    use crate::attention::paged::{dot4_packed_with, dot4x2_packed_with};
     let g = packed::GROUP;
     for (yg, wg) in ys.chunks_exact_mut(g * rows).zip(w.chunks_exact(g * k)) {
-        for (r, xr) in xs.chunks_exact(k).enumerate() {
-            let d = crate::attention::paged::dot4_packed_with(avx, wg, xr);
+        let mut put = |r: usize, d: [f32; 4]| {
             for (j, v) in d.into_iter().enumerate() {
                 yg[j * rows + r] = v;
+            }
+        };
+        if rows <= GEMV_MAX_ROWS {
+            // A decode batch of up to four: each row's outputs the same to the bit as
+            // alone (and as the row layout's).
+            for (r, xr) in xs.chunks_exact(k).enumerate() {
+                put(r, dot4_packed_with(avx, wg, xr));
+            }
+        } else {
+            for (p, pair) in xs.chunks(2 * k).enumerate() {
+                if pair.len() == 2 * k {
+                    let [a, b] = dot4x2_packed_with(avx, wg, &pair[..k], &pair[k..]);
+                    put(2 * p, a);
+                    put(2 * p + 1, b);
+                } else {
+                    put(2 * p, dot4_packed_with(avx, wg, pair));
+                }
             }
         }
     }
@@ -564,6 +590,26 @@ impl Llama {
         if !tied {
             pack(&mut self.lm_head)?;
         }
+        Ok(self)
+    }
+
+    /// Every packed matrix back in the row layout (new tensors; the inverse of
+    /// [`Llama::pack_rows`]).
+    pub fn unpack_rows(mut self) -> Result<Self> {
+        for l in &mut self.layers {
+            for w in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.gate,
+                &mut l.up,
+                &mut l.down,
+            ] {
+                *w = w.unpacked()?;
+            }
+        }
+        self.lm_head = self.lm_head.unpacked()?;
         Ok(self)
     }
 
@@ -1157,21 +1203,7 @@ mod tests {
             cfg.tie_word_embeddings = tie;
             let m = load_preset(cfg, WeightDtype::F32, 3, &Device::Cpu).unwrap();
             assert!(m.rows_packed(), "the CPU loader packs f32 matrices");
-            let mut rows = m.clone();
-            for l in &mut rows.layers {
-                for w in [
-                    &mut l.wq,
-                    &mut l.wk,
-                    &mut l.wv,
-                    &mut l.wo,
-                    &mut l.gate,
-                    &mut l.up,
-                    &mut l.down,
-                ] {
-                    *w = w.unpacked().unwrap();
-                }
-            }
-            rows.lm_head = rows.lm_head.unpacked().unwrap();
+            let rows = m.clone().unpack_rows().unwrap();
             assert!(!rows.rows_packed());
             assert_eq!(
                 rows.weights_bytes(),
@@ -1179,7 +1211,7 @@ mod tests {
                 "tiny's rows come in fours"
             );
             let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            for tokens in [&[5u32][..], &[1, 2, 3, 4], &[9; 40]] {
+            for tokens in [&[5u32][..], &[1, 2, 3, 4], &[9; 40], &[2; 70]] {
                 let (a, b) = (
                     flat(m.forward_dense(tokens).unwrap()),
                     flat(rows.forward_dense(tokens).unwrap()),
@@ -1225,6 +1257,26 @@ mod tests {
                     let yp = yp[0].flatten_all().unwrap().to_vec1::<f32>().unwrap();
                     assert!(yp == y, "{n}×{k}, rows {rows}: packed gives other bits");
                 }
+                // Packed, more rows take the path too (two inputs at a time, an odd one
+                // alone), up to its limit.
+                let p = PackedRows::from_tensor(&w).unwrap().unwrap();
+                for rows in [GEMV_MAX_ROWS + 1, 8, PACKED_GEMV_MAX_ROWS] {
+                    let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
+                    let y = gemv_many(&[Mat::Packed(&p)], &x).unwrap().expect("applies");
+                    let want = x.matmul(&w.t().unwrap()).unwrap();
+                    assert_eq!(y[0].dims(), want.dims());
+                    let diff = crate::compare::max_abs_diff(
+                        y[0].flatten_all()
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            .into_iter()
+                            .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
+                    );
+                    assert!(diff <= 1e-4, "packed {n}×{k}, rows {rows}: {diff}");
+                }
+                let x = Tensor::randn(0f32, 1.0, (PACKED_GEMV_MAX_ROWS + 1, k), &dev).unwrap();
+                assert!(gemv_many(&[Mat::Packed(&p)], &x).unwrap().is_none());
             }
         }
         let (n, k) = (133, 37);
