@@ -27,15 +27,17 @@ pub use error::{Error, Result};
 /// code paths (the same results within the checks' tolerances, not the same speed):
 /// the flash prefill kernel, the paged decode kernel, H2O's exact-statistics kernel,
 /// the fused projections, the fused elementwise kernels and CUDA graphs of decode
-/// steps (docs/cuda.md). A result depends on them, so a cell's identity includes the
-/// ones that are set.
-pub const KERNEL_SWITCHES: [&str; 6] = [
+/// steps (docs/cuda.md), and the CPU's packed f32 weights
+/// (docs/correctness-and-performance.md). A result depends on them, so a cell's
+/// identity includes the ones that are set.
+pub const KERNEL_SWITCHES: [&str; 7] = [
     "KVBENCH_FLASH_PREFILL",
     "KVBENCH_PAGED_DECODE",
     "KVBENCH_H2O_STATS",
     "KVBENCH_FUSED_PROJECTIONS",
     "KVBENCH_FUSED_KERNELS",
     "KVBENCH_CUDA_GRAPH",
+    "KVBENCH_PACKED_WEIGHTS",
 ];
 
 /// The [`KERNEL_SWITCHES`] set in this process's environment (non-empty), by name.

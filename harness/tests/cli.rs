@@ -131,6 +131,56 @@ fn generate_stores_rows_in_the_codec_given_and_names_a_bad_one() {
     assert!(e.contains("kv_codec=int3") && e.contains("int4"), "{e}");
 }
 
+/// SmolLM2's packed f32 weights (the default on the CPU) and the row layout
+/// (`KVBENCH_PACKED_WEIGHTS=0`) generate the same text, alone and in a batch that takes
+/// the packed two-input kernel; a value the switch does not take is refused by name.
+#[test]
+fn packed_weights_keep_the_text_and_the_switch_refuses_other_values() {
+    let run = |packed: Option<&str>, batch: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvbench"));
+        c.args([
+            "generate",
+            "--model",
+            "smollm2-135m-instruct",
+            "--dtype",
+            "f32",
+            "--prompt",
+            "The capital of France is",
+            "--max-new-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+            "--batch",
+            batch,
+        ])
+        .env("KVBENCH_MODELS_DIR", repo_models())
+        .env_remove("KVBENCH_MODEL")
+        .env_remove("KVBENCH_PACKED_WEIGHTS");
+        if let Some(v) = packed {
+            c.env("KVBENCH_PACKED_WEIGHTS", v);
+        }
+        c.output().expect("kvbench runs")
+    };
+    for batch in ["1", "6"] {
+        let text = |o: Output| {
+            assert!(o.status.success(), "{}", stderr(&o));
+            let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+            v["text"].as_str().unwrap().to_string()
+        };
+        let packed = text(run(None, batch));
+        assert!(packed.split_whitespace().count() >= 3, "{packed:?}");
+        assert_eq!(packed, text(run(Some("0"), batch)), "batch {batch}");
+        assert_eq!(packed, text(run(Some("1"), batch)), "batch {batch}");
+    }
+    let o = run(Some("off"), "1");
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(
+        e.contains("KVBENCH_PACKED_WEIGHTS=off") && e.contains("0, 1"),
+        "{e}"
+    );
+}
+
 #[test]
 fn generate_batch_submits_the_prompt_that_many_times() {
     let empty = tempfile::tempdir().unwrap();

@@ -551,12 +551,23 @@ impl Llama {
     /// batch-1 decode step reads 7–20 points of the read probe faster than rows one
     /// after another). A tied head keeps the row layout the embedding's lookups read.
     /// `KVBENCH_PACKED_WEIGHTS=0` keeps the row layout everywhere (the "before" of a
-    /// comparison in one sitting).
+    /// comparison in one sitting); `=1` or unset packs, anything else is an error.
     pub fn with_packed_rows(self) -> Result<Self> {
-        if matches!(std::env::var("KVBENCH_PACKED_WEIGHTS").as_deref(), Ok("0")) {
-            return Ok(self);
+        let var = "KVBENCH_PACKED_WEIGHTS";
+        let value = std::env::var(var).ok();
+        let (pack, _) = crate::parse_switch(
+            var,
+            value.as_deref(),
+            &[("0", false), ("1", true)],
+            true,
+            "packed",
+        )
+        .map_err(crate::error::Error::Config)?;
+        if pack {
+            self.pack_rows()
+        } else {
+            Ok(self)
         }
-        self.pack_rows()
     }
 
     /// [`Llama::with_packed_rows`] whatever the environment says. A model with fused
