@@ -129,6 +129,13 @@ impl Linear {
 
 /// Rows of input up to which [`gemv_many`] replaces gemm.
 const GEMV_MAX_ROWS: usize = 4;
+/// The layers' matrices' bytes from which the loader packs them
+/// ([`Llama::with_packed_rows`]): SmolLM2-135M's are 424 MB, the tiny preset's 0.2 MB.
+pub const PACK_MIN_LAYER_BYTES: u64 = 32 << 20;
+/// Multiply-adds below which a matrix-vector pass runs on the calling thread: about
+/// 20 µs of work, a few hand-offs to the pool (the tiny preset's products at a decode
+/// batch of 16 ran a third slower handed off).
+const GEMV_SERIAL_WORK: usize = 1 << 18;
 /// The same for packed matrices, which gemm reads only once unpacked: their groups of
 /// four rows dotted with two inputs at a time keep up with gemm on the row layout at a
 /// decode batch of 16 and 32.
@@ -220,13 +227,21 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
                 .map(|(y, w)| (y, w, packed)),
         );
     }
-    items.into_par_iter().for_each(|(ys, w, packed)| {
+    let run = |(ys, w, packed): (&mut [f32], &[f32], bool)| {
         if packed {
             gemv_packed_block(avx, w, &xs, k, rows, ys)
         } else {
             gemv_block(avx, w, &xs, k, rows, ys)
         }
-    });
+    };
+    // A few microseconds of work (a small model's products) cost less on this thread
+    // than a hand-off to the pool.
+    let work: usize = rows * k * heights.iter().map(|&(_, h)| h).sum::<usize>();
+    if work < GEMV_SERIAL_WORK || threads == 1 {
+        items.into_iter().for_each(run);
+    } else {
+        items.into_par_iter().for_each(run);
+    }
     drop(guards);
     let mut ys = Vec::with_capacity(outs.len());
     for (mut yt, (n, _)) in outs.into_iter().zip(heights) {
@@ -322,6 +337,21 @@ pub struct Layer {
     pub down: Linear,
     pub attn_norm: Tensor,
     pub ffn_norm: Tensor,
+}
+
+impl Layer {
+    /// The layer's seven matrices, in the order of the forward.
+    pub fn matrices_mut(&mut self) -> [&mut Linear; 7] {
+        [
+            &mut self.wq,
+            &mut self.wk,
+            &mut self.wv,
+            &mut self.wo,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
+    }
 }
 
 /// One layer's fused projections: K and V as one `[2, kv, hidden]` matrix, gate and up
@@ -546,7 +576,9 @@ impl Llama {
         }
     }
 
-    /// On the CPU, every dense f32 matrix but a head tied to the embedding packed for
+    /// On the CPU, when the layers' matrices take at least [`PACK_MIN_LAYER_BYTES`]
+    /// (more than a cache holds), every dense f32 matrix but a head tied to the
+    /// embedding packed for
     /// the matrix-vector path ([`packed`]: one stream per block of four rows, which a
     /// batch-1 decode step reads 7–20 points of the read probe faster than rows one
     /// after another). A tied head keeps the row layout the embedding's lookups read.
@@ -563,7 +595,15 @@ impl Llama {
             "packed",
         )
         .map_err(crate::error::Error::Config)?;
-        if pack {
+        // Layers whose matrices stay in cache are not streamed from memory, and the
+        // layout's unpacking would only add work (the tiny preset's prefill).
+        let layer_bytes: u64 = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+            .map(Linear::bytes)
+            .sum();
+        if pack && layer_bytes >= PACK_MIN_LAYER_BYTES {
             self.pack_rows()
         } else {
             Ok(self)
@@ -585,15 +625,7 @@ impl Llama {
             Ok(())
         };
         for l in &mut self.layers {
-            for w in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.gate,
-                &mut l.up,
-                &mut l.down,
-            ] {
+            for w in l.matrices_mut() {
                 pack(w)?;
             }
         }
@@ -608,15 +640,7 @@ impl Llama {
     /// [`Llama::pack_rows`]).
     pub fn unpack_rows(mut self) -> Result<Self> {
         for l in &mut self.layers {
-            for w in [
-                &mut l.wq,
-                &mut l.wk,
-                &mut l.wv,
-                &mut l.wo,
-                &mut l.gate,
-                &mut l.up,
-                &mut l.down,
-            ] {
+            for w in l.matrices_mut() {
                 *w = w.unpacked()?;
             }
         }
@@ -1036,7 +1060,11 @@ mod tests {
         use crate::model::load::load_preset;
         for (wd, tol) in [(WeightDtype::F32, 1e-4f32), (WeightDtype::Bf16, 2e-2)] {
             let cfg = crate::config::preset("tiny").unwrap();
-            let m = load_preset(cfg, wd, 11, &Device::Cpu).unwrap();
+            // Packed matrices (f32) go back to the row layout to be fused.
+            let m = load_preset(cfg, wd, 11, &Device::Cpu)
+                .unwrap()
+                .pack_rows()
+                .unwrap();
             assert!(!m.projections_fused(), "the CPU loader does not fuse");
             assert!(
                 !m.clone().with_fused_kernels().kernels_fused(),
@@ -1183,7 +1211,10 @@ mod tests {
         ] {
             let mut cfg = crate::config::preset("tiny").unwrap();
             cfg.tie_word_embeddings = tie;
-            let m = load_preset(cfg, wd, 7, &Device::Cpu).unwrap();
+            let m = load_preset(cfg, wd, 7, &Device::Cpu)
+                .unwrap()
+                .pack_rows()
+                .unwrap();
             let tied = |m: &Llama| matches!(&m.lm_head, Linear::Dense(w) if w.id() == m.embed.id());
             let before = m.forward_dense(&[1, 2, 3, 4]).unwrap();
             let moved = m.clone().with_weights_in_huge_pages().unwrap();
@@ -1213,7 +1244,12 @@ mod tests {
             let mut cfg = crate::config::preset("tiny").unwrap();
             cfg.tie_word_embeddings = tie;
             let m = load_preset(cfg, WeightDtype::F32, 3, &Device::Cpu).unwrap();
-            assert!(m.rows_packed(), "the CPU loader packs f32 matrices");
+            assert!(
+                !m.rows_packed(),
+                "tiny's matrices fit in a cache: not packed"
+            );
+            let m = m.pack_rows().unwrap();
+            assert!(m.rows_packed());
             let rows = m.clone().unpack_rows().unwrap();
             assert!(!rows.rows_packed());
             assert_eq!(

@@ -166,6 +166,15 @@ impl PackedRows {
     /// matrix-vector path (few rows) reads the packed rows directly instead
     /// (`super::gemv_many`).
     pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
+        // Leading dimensions (a batch of sequences) are rows like any other.
+        if x.rank() > 2 {
+            let dims = x.dims();
+            let k = dims[dims.len() - 1];
+            let y = self.matmul(&x.reshape(((), k))?)?;
+            let mut out = dims[..dims.len() - 1].to_vec();
+            out.push(self.n);
+            return Ok(y.reshape(out)?);
+        }
         let (t, k) = x.dims2()?;
         if k != self.k || x.dtype() != DType::F32 || !x.device().is_cpu() {
             return Err(Error::Config(format!(
@@ -178,7 +187,14 @@ impl PackedRows {
             )));
         }
         let n = self.n;
-        let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let x = x.contiguous()?;
+        let (x_storage, x_layout) = x.storage_and_layout();
+        let Storage::Cpu(CpuStorage::F32(x_data)) = &*x_storage else {
+            return Err(Error::Config(
+                "an f32 CPU tensor without f32 CPU storage".into(),
+            ));
+        };
+        let xs = &x_data[x_layout.start_offset()..][..t * k];
         let mut out = vec![0f32; t * n];
         let threads = candle_core::utils::get_num_threads();
         let parallelism = if threads > 1 {
@@ -258,6 +274,7 @@ impl PackedRows {
             }
         })?;
         SCRATCH.with(|c| c.replace(buf));
+        drop(x_storage);
         Ok(Tensor::from_vec(out, (t, n), &Device::Cpu)?)
     }
 }
@@ -356,6 +373,19 @@ mod tests {
             );
             assert!(diff <= 1e-4, "{n}×{k}, {t} rows: {diff}");
         }
+        // A batch of rows in a leading dimension.
+        let (n, k) = (12, 16);
+        let w = Tensor::from_vec(random(n * k, 7), (n, k), &Device::Cpu).unwrap();
+        let x = Tensor::from_vec(random(2 * 3 * k, 8), (2, 3, k), &Device::Cpu).unwrap();
+        let got = PackedRows::from_tensor(&w)
+            .unwrap()
+            .unwrap()
+            .matmul(&x)
+            .unwrap();
+        let want = x.broadcast_matmul(&w.t().unwrap()).unwrap();
+        assert_eq!(got.dims(), &[2, 3, n]);
+        let d = (got - want).unwrap().abs().unwrap().max_all().unwrap();
+        assert!(d.to_scalar::<f32>().unwrap() <= 1e-5);
         let p = PackedRows::from_tensor(&Tensor::zeros((8, 16), DType::F32, &Device::Cpu).unwrap())
             .unwrap()
             .unwrap();
