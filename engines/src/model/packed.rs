@@ -225,48 +225,26 @@ impl PackedRows {
                     let dst = out.as_mut_ptr().add(r0);
                     if t <= SMALL_M {
                         // The block's rows first: [nb, t] = W_b · xᵀ, written transposed.
-                        gemm::gemm(
+                        gemm_abt(
                             nb,
                             t,
                             k,
                             dst,
-                            n as isize,
-                            1,
-                            false,
+                            (1, n as isize),
                             buf.as_ptr(),
-                            1,
-                            k as isize,
                             xs.as_ptr(),
-                            k as isize,
-                            1,
-                            0f32,
-                            1f32,
-                            false,
-                            false,
-                            false,
                             parallelism,
                         );
                     } else {
                         // [t, nb] = x · W_bᵀ.
-                        gemm::gemm(
+                        gemm_abt(
                             t,
                             nb,
                             k,
                             dst,
-                            1,
-                            n as isize,
-                            false,
+                            (n as isize, 1),
                             xs.as_ptr(),
-                            1,
-                            k as isize,
                             buf.as_ptr(),
-                            k as isize,
-                            1,
-                            0f32,
-                            1f32,
-                            false,
-                            false,
-                            false,
                             parallelism,
                         );
                     }
@@ -277,6 +255,46 @@ impl PackedRows {
         drop(x_storage);
         Ok(Tensor::from_vec(out, (t, n), &Device::Cpu)?)
     }
+}
+
+/// `dst = a · bᵀ` for row-major `a` (`[m, k]`) and `b` (`[n, k]`), element `(i, j)` of
+/// `dst` at `dst + i·rs + j·cs` for `(rs, cs)` = `dst_strides`.
+///
+/// # Safety
+/// `a` and `b` must be valid for `m·k` and `n·k` floats, and every element of `dst`
+/// those strides reach must be inside one writable buffer.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_abt(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    (rs, cs): (isize, isize),
+    a: *const f32,
+    b: *const f32,
+    parallelism: gemm::Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        cs,
+        rs,
+        false,
+        a,
+        1,
+        k as isize,
+        b,
+        k as isize,
+        1,
+        0f32,
+        1f32,
+        false,
+        false,
+        false,
+        parallelism,
+    );
 }
 
 #[cfg(test)]
