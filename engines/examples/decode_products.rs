@@ -46,7 +46,7 @@ fn main() -> Result<()> {
     let bytes: u64 = model
         .layers()
         .iter()
-        .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+        .flat_map(|l| l.matrices())
         .chain([model.lm_head()])
         .map(Linear::bytes)
         .sum();

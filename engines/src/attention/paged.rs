@@ -526,8 +526,18 @@ pub fn dot4_packed_with(avx: bool, w: &[f32], x: &[f32]) -> [f32; 4] {
         // SAFETY: AVX2 and FMA checked just above.
         return unsafe { simd::dot4_packed(w, x) };
     }
-    let k = x.len();
-    std::array::from_fn(|r| dot(&crate::model::packed::row_of(w, k, r), x))
+    dot4_unpacked(w, &[x]).remove(0)
+}
+
+/// The portable form of the packed kernels: the group unpacked once, then each row
+/// dotted with each input as [`dot`] does for the row layout.
+fn dot4_unpacked(w: &[f32], xs: &[&[f32]]) -> Vec<[f32; 4]> {
+    let k = xs.first().map_or(0, |x| x.len());
+    let mut rows = vec![0f32; 4 * k];
+    crate::model::packed::unpack_group(w, k, &mut rows);
+    xs.iter()
+        .map(|x| std::array::from_fn(|r| dot(&rows[r * k..(r + 1) * k], x)))
+        .collect()
 }
 
 /// Four packed rows (as [`dot4_packed_with`] reads them) dotted with two inputs in one
@@ -541,10 +551,8 @@ pub fn dot4x2_packed_with(avx: bool, w: &[f32], x0: &[f32], x1: &[f32]) -> [[f32
         // SAFETY: AVX2 and FMA checked just above.
         return unsafe { simd::dot4x2_packed(w, x0, x1) };
     }
-    [
-        dot4_packed_with(false, w, x0),
-        dot4_packed_with(false, w, x1),
-    ]
+    let d = dot4_unpacked(w, &[x0, x1]);
+    [d[0], d[1]]
 }
 
 /// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.

@@ -341,6 +341,13 @@ pub struct Layer {
 
 impl Layer {
     /// The layer's seven matrices, in the order of the forward.
+    pub fn matrices(&self) -> [&Linear; 7] {
+        [
+            &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
+        ]
+    }
+
+    /// [`Layer::matrices`], to change them.
     pub fn matrices_mut(&mut self) -> [&mut Linear; 7] {
         [
             &mut self.wq,
@@ -600,7 +607,7 @@ impl Llama {
         let layer_bytes: u64 = self
             .layers
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down])
+            .flat_map(Layer::matrices)
             .map(Linear::bytes)
             .sum();
         if pack && layer_bytes >= PACK_MIN_LAYER_BYTES {
@@ -821,10 +828,7 @@ impl Llama {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|w| w.bytes())
-                    .sum::<u64>()
+                l.matrices().iter().map(|w| w.bytes()).sum::<u64>()
                     + tensor_bytes(&l.attn_norm)
                     + tensor_bytes(&l.ffn_norm)
             })

@@ -75,13 +75,6 @@ pub fn unpack_group(group: &[f32], k: usize, out: &mut [f32]) {
     }
 }
 
-/// Row `r` (0–3) of a packed group of rows of `k` columns.
-pub fn row_of(group: &[f32], k: usize, r: usize) -> Vec<f32> {
-    let mut rows = vec![0f32; GROUP * k];
-    unpack_group(group, k, &mut rows);
-    rows[r * k..(r + 1) * k].to_vec()
-}
-
 impl PackedRows {
     /// `w` packed, when it is a `[n, k]` f32 matrix on the CPU; `None` otherwise.
     pub fn from_tensor(w: &Tensor) -> Result<Option<Self>> {
@@ -324,8 +317,10 @@ mod tests {
             let back = p.unpack().unwrap().flatten_all().unwrap();
             assert_eq!(back.to_vec1::<f32>().unwrap(), w, "{n}×{k}");
             let packed = pack(&w, n, k);
+            let mut rows = vec![0f32; 4 * k];
             for (r, want) in w.chunks(k).enumerate() {
-                assert_eq!(row_of(&packed[r / 4 * 4 * k..], k, r % 4), want);
+                unpack_group(&packed[r / 4 * 4 * k..], k, &mut rows);
+                assert_eq!(&rows[r % 4 * k..][..k], want);
             }
         }
     }

@@ -345,7 +345,7 @@ pub fn calibrate(model: &Llama, tokens: &[u32]) -> Result<Skewing> {
 pub fn weights_fingerprint(model: &Llama) -> Result<u64> {
     let mut weights: Vec<Weight<'_>> = vec![Weight::Dense(model.embed())];
     for l in model.layers() {
-        for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down] {
+        for w in l.matrices() {
             weights.push(Weight::Linear(w));
         }
         weights.push(Weight::Dense(&l.attn_norm));
