@@ -15,8 +15,10 @@
 //!   sample each.
 //! - With `--relative-to ENGINE`, each point's timings are first divided by those of
 //!   the point of ENGINE in the same run with the same parameters (engine, its
-//!   parameters and the budget aside), and these within-run ratios are compared
-//!   between A and B: never absolute seconds across machines.
+//!   parameters and the budget aside), repeat by repeat (a sweep runs repeats in
+//!   rounds, so a pair ran seconds apart), the median of these ratios standing for
+//!   the point; these within-run ratios are compared between A and B: never absolute
+//!   seconds across machines.
 //! - Observed peaks (`mem_device_peak_bytes`, `mem_host_peak_bytes`) depend on the
 //!   machine: shown as ratios, never a regression.
 //!
@@ -357,6 +359,38 @@ impl Point<'_> {
         }
     }
 
+    /// Timing `i` relative to the point `r` of the reference engine: the median over
+    /// repeats of the ratio of this point's repeat to the reference's repeat of the
+    /// same number (both `ok`). A sweep runs repeats in rounds, so the two cells of a
+    /// pair ran seconds apart under the same load; the median leaves out a round where
+    /// either was disturbed, where the ratio of the two points' bests would divide
+    /// values measured at different times.
+    fn relative(&self, i: usize, r: &Point<'_>) -> Option<f64> {
+        let value = |p: &Point<'_>, repeat: &str| {
+            p.cells
+                .iter()
+                .find(|c| c.field("repeat") == repeat && c.outcome == "ok")
+                .and_then(|c| c.timings[i])
+                .filter(|v| v.is_finite())
+        };
+        let mut ratios: Vec<f64> = self
+            .cells
+            .iter()
+            .filter_map(|c| {
+                let repeat = c.field("repeat");
+                let (x, d) = (value(self, repeat)?, value(r, repeat)?);
+                (d > 0.0).then_some(x / d)
+            })
+            .collect();
+        ratios.sort_by(f64::total_cmp);
+        let n = ratios.len();
+        match n {
+            0 => None,
+            _ if n % 2 == 1 => Some(ratios[n / 2]),
+            _ => Some((ratios[n / 2 - 1] + ratios[n / 2]) / 2.0),
+        }
+    }
+
     /// Largest value of observed peak `i` over the point's repeats.
     fn observed(&self, i: usize) -> Option<f64> {
         self.cells
@@ -614,8 +648,8 @@ struct Timings {
     matched_points: usize,
 }
 
-/// Timings, point by point (best over repeats), as ratios B/A, or as ratios of ratios
-/// to the reference engine's point with `relative_to`.
+/// Timings, point by point (best over repeats), as ratios B/A, or with `relative_to`
+/// as ratios of ratios to the reference engine's point (repeat by repeat, the median).
 fn timing_rows(
     a: &Run,
     b: &Run,
@@ -674,13 +708,9 @@ fn timing_rows(
             }
             let pair = match refs {
                 None => va.zip(vb),
-                Some((ra, rb)) => {
-                    let rel = |v: Option<f64>, r: Option<&Point>| {
-                        let d = r?.best(i)?;
-                        (d > 0.0).then(|| v.map(|x| x / d)).flatten()
-                    };
-                    rel(va, ra).zip(rel(vb, rb))
-                }
+                Some((ra, rb)) => ra
+                    .and_then(|r| p.relative(i, r))
+                    .zip(rb.and_then(|r| q.relative(i, r))),
             };
             let Some((x, y)) = pair else {
                 row.push("-".into());
@@ -829,12 +859,14 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         .map(|t| t.column)
         .collect();
     println!(
-        "timings: ratios B/A of the best of each point's repeats{}",
-        args.relative_to
-            .as_deref()
-            .map_or(String::new(), |r| format!(
-                ", each first divided by the same parameters' `{r}` point of its own run (`ref`)"
-            ))
+        "timings: ratios B/A{}",
+        args.relative_to.as_deref().map_or(
+            " of the best of each point's repeats".to_string(),
+            |r| format!(
+                " of each point's timings relative to the same parameters' `{r}` point of its \
+                 own run (`ref`): the median over repeats of repeat-by-repeat ratios"
+            )
+        )
     );
     println!(
         "  a regression: more than {:.0}% worse ({:.2}×) in {}; TTFT99 and ITL99 shown only",
@@ -1018,6 +1050,49 @@ mod tests {
         assert!(rep.regressions[0]
             .what
             .contains("decode_tok_s relative to `full`"));
+    }
+
+    #[test]
+    fn relative_mode_pairs_repeats_so_one_disturbed_round_is_no_regression() {
+        let run = |full: [f64; 3], h2o: [f64; 3]| {
+            let mut cells = Vec::new();
+            for r in 0..3 {
+                cells.push(cell(&key("full", "", "1", r), "ok", full[r]));
+                cells.push(cell(&key("h2o", "", "0.5", r), "ok", h2o[r]));
+            }
+            run_of(cells)
+        };
+        let a = run([1000.0; 3], [400.0; 3]);
+        // Round 0 of h2o disturbed, rounds 1 and 2 of the whole machine slower: every
+        // undisturbed round keeps h2o at 0.4 of full. The ratio of the two bests
+        // (160 / 1000) would call it 2.5× slower.
+        let b = run([1000.0, 400.0, 400.0], [160.0, 160.0, 160.0]);
+        let rep = compare(&a, &b, 0.25, Some("full"));
+        assert!(rep.regressions.is_empty(), "{:?}", rep.regressions);
+        // Every round at 0.16 of full: a regression.
+        let c = run([1000.0; 3], [160.0; 3]);
+        let rep = compare(&a, &c, 0.25, Some("full"));
+        assert_eq!(rep.regressions.len(), 1, "{:?}", rep.regressions);
+        // The median of an even number of rounds is the mean of the middle two; a
+        // repeat missing on the reference's side is left out of the pairs.
+        let mut d = run([1000.0, 1000.0, 1000.0], [400.0, 300.0, 100.0]);
+        let all = points(&d);
+        let (h, f) = (
+            &all[&point_key(&parse_key(&key("h2o", "", "0.5", 0)))],
+            &all[&point_key(&parse_key(&key("full", "", "1", 0)))],
+        );
+        let i = TIMINGS
+            .iter()
+            .position(|t| t.column == "decode_tok_s")
+            .unwrap();
+        assert_eq!(h.relative(i, f), Some(0.3));
+        d.cells.retain(|k, _| k != &key("full", "", "1", 2));
+        let all = points(&d);
+        let (h, f) = (
+            &all[&point_key(&parse_key(&key("h2o", "", "0.5", 0)))],
+            &all[&point_key(&parse_key(&key("full", "", "1", 0)))],
+        );
+        assert_eq!(h.relative(i, f), Some(0.35));
     }
 
     #[test]

@@ -314,6 +314,17 @@ fn run_child(
     }))
 }
 
+/// The order cells run in: in rounds of repeats (repeat 0 of every point in the plan's
+/// order, then repeat 1, …). A machine whose speed drifts during a sweep (another
+/// tenant, a thermal limit) then slows every point's repeats alike instead of the
+/// points that happen to run last, so each point's best repeat and its ratio to
+/// another point of the same run are measured under the same conditions.
+fn run_order<'a>(cells: &[&'a Cell]) -> Vec<&'a Cell> {
+    let mut order = cells.to_vec();
+    order.sort_by_key(|c| (c.repeat, c.index));
+    order
+}
+
 pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let data_dir = plan.data_dir(a.data_dir.as_deref());
     match plan.exp.kind {
@@ -375,7 +386,7 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     let here = (!a.keep_other_processors)
         .then(|| crate::environment::processor(&plan.exp.device.name))
         .flatten();
-    for c in cells {
+    for c in run_order(cells) {
         if let Some(v) = recorded(&dir, c)?.filter(|_| !a.force) {
             let elsewhere = here
                 .as_deref()
@@ -451,6 +462,8 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     }
     bars.tokens.finish_and_clear();
     bar.finish_and_clear();
+    // Listed in the plan's order, whatever order they ran in.
+    rows.sort_by_key(|v| v["cell"]["index"].as_u64());
     println!(
         "{}: {} cells run{}, {} already recorded (under {})",
         plan.exp.name,
@@ -731,6 +744,29 @@ pub(crate) fn tidy_cells(a: &RunArgs, plan: &Plan, exp_dir: &Path) -> Result<()>
 mod tests {
     use super::*;
     use crate::cell::progress_line;
+
+    #[test]
+    fn cells_run_in_rounds_of_repeats() {
+        let text = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../experiments/ci/sweep.yaml"),
+        )
+        .unwrap();
+        let plan = Plan::parse(&text, Path::new("sweep.yaml"), Path::new("models")).unwrap();
+        let cells: Vec<&Cell> = plan.cells.iter().collect();
+        let repeats = plan.exp.repeats;
+        let points = cells.len() / repeats;
+        assert!(repeats > 1 && points > 1);
+        let order = run_order(&cells);
+        assert_eq!(order.len(), cells.len());
+        // Round r holds repeat r of every point, in the plan's order of points.
+        for (round, chunk) in order.chunks(points).enumerate() {
+            assert!(chunk.iter().all(|c| c.repeat == round), "round {round}");
+            let distinct: std::collections::BTreeSet<&str> =
+                chunk.iter().map(|c| c.point.as_str()).collect();
+            assert_eq!(distinct.len(), points, "every point once in round {round}");
+            assert!(chunk.windows(2).all(|w| w[0].index < w[1].index));
+        }
+    }
 
     #[test]
     fn progress_lines_round_trip_and_anything_else_is_not_one() {
