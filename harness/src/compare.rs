@@ -51,61 +51,61 @@ struct Timing {
 
 const TIMINGS: &[Timing] = &[
     Timing {
-        column: "ttft_mean_s",
+        column: schema::TTFT_MEAN_S,
         head: "TTFT",
         better: Better::Lower,
         gated: true,
     },
     Timing {
-        column: "ttft_p99_s",
+        column: schema::TTFT_P99_S,
         head: "TTFT99",
         better: Better::Lower,
         gated: false,
     },
     Timing {
-        column: "tpot_mean_s",
+        column: schema::TPOT_MEAN_S,
         head: "TPOT",
         better: Better::Lower,
         gated: true,
     },
     Timing {
-        column: "itl_p99_s",
+        column: schema::ITL_P99_S,
         head: "ITL99",
         better: Better::Lower,
         gated: false,
     },
     Timing {
-        column: "e2e_mean_s",
+        column: schema::E2E_MEAN_S,
         head: "E2E",
         better: Better::Lower,
         gated: true,
     },
     Timing {
-        column: "decode_tok_s",
+        column: schema::DECODE_TOK_S,
         head: "dec/s",
         better: Better::Higher,
         gated: true,
     },
     Timing {
-        column: "throughput_tok_s",
+        column: schema::THROUGHPUT_TOK_S,
         head: "tok/s",
         better: Better::Higher,
         gated: true,
     },
     Timing {
-        column: "wall_prefill_s",
+        column: schema::WALL_PREFILL_S,
         head: "prefill",
         better: Better::Lower,
         gated: true,
     },
     Timing {
-        column: "wall_decode_s",
+        column: schema::WALL_DECODE_S,
         head: "decode",
         better: Better::Lower,
         gated: true,
     },
     Timing {
-        column: "wall_cache_ops_s",
+        column: schema::WALL_CACHE_OPS_S,
         head: "cache",
         better: Better::Lower,
         gated: true,
@@ -114,16 +114,16 @@ const TIMINGS: &[Timing] = &[
 
 /// The ledger's byte counts: exact.
 const LEDGER: &[&str] = &[
-    "mem_weights_bytes",
-    "mem_kv_device_bytes",
-    "mem_kv_host_bytes",
-    "mem_activations_peak_bytes",
+    schema::MEM_WEIGHTS_BYTES,
+    schema::MEM_KV_DEVICE_BYTES,
+    schema::MEM_KV_HOST_BYTES,
+    schema::MEM_ACTIVATIONS_PEAK_BYTES,
 ];
 
 /// Observed peaks (vary by machine): shown, never a regression.
 const OBSERVED: &[(&str, &str)] = &[
-    ("mem_device_peak_bytes", "devpeak"),
-    ("mem_host_peak_bytes", "RSS"),
+    (schema::MEM_DEVICE_PEAK_BYTES, "devpeak"),
+    (schema::MEM_HOST_PEAK_BYTES, "RSS"),
 ];
 
 /// Columns compared exactly when both runs have them.

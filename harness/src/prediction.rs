@@ -610,7 +610,12 @@ pub fn calibrate(
 pub const NOT_MODELLED: &str = "not modelled";
 
 /// The metrics a validation compares, as runs.parquet names them.
-pub const VALIDATED: [&str; 4] = ["ttft_mean_s", "tpot_mean_s", "decode_tok_s", "e2e_mean_s"];
+pub const VALIDATED: [&str; 4] = [
+    schema::TTFT_MEAN_S,
+    schema::TPOT_MEAN_S,
+    schema::DECODE_TOK_S,
+    schema::E2E_MEAN_S,
+];
 
 /// Measured against predicted, cell by cell.
 #[derive(Debug, Clone)]
@@ -648,10 +653,10 @@ pub fn validate(m: &Measured, target: &Target) -> Result<Vec<CellCheck>> {
         let pm = serde_json::to_value(&p.metrics)?;
         let predicted = |name: &str| -> Option<f64> {
             match name {
-                "ttft_mean_s" => pm["ttft_s"]["mean"].as_f64(),
-                "tpot_mean_s" => pm["tpot_s"]["mean"].as_f64(),
-                "decode_tok_s" => pm["decode_throughput"].as_f64(),
-                "e2e_mean_s" => pm["e2e_s"]["mean"].as_f64(),
+                schema::TTFT_MEAN_S => pm["ttft_s"]["mean"].as_f64(),
+                schema::TPOT_MEAN_S => pm["tpot_s"]["mean"].as_f64(),
+                schema::DECODE_TOK_S => pm["decode_throughput"].as_f64(),
+                schema::E2E_MEAN_S => pm["e2e_s"]["mean"].as_f64(),
                 _ => None,
             }
         };

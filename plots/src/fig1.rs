@@ -39,9 +39,13 @@ pub fn prepare(t: &Tables) -> Prepared<Fig1> {
         ));
     }
     let runs = pin(&fixed, &[Dim::Prompt, Dim::Attention], &mut notes);
-    let s = series(&runs, |r| r.prompt.fixed(), |r| r.get("ttft_mean_s"));
+    let s = series(
+        &runs,
+        |r| r.prompt.fixed(),
+        |r| r.get(crate::schema::TTFT_MEAN_S),
+    );
     notes.extend(series_notes(&s, "TTFT", fmt_count));
-    notes.extend(missing_note(t, &["ttft_mean_s"]));
+    notes.extend(missing_note(t, &[crate::schema::TTFT_MEAN_S]));
     let xs: Vec<f64> = runs.iter().filter_map(|r| r.prompt.fixed()).collect();
     let mut panel = Panel::fit(
         "",

@@ -12,7 +12,11 @@ pub type Fig2 = TwoPanels<Panel, Panel>;
 
 /// Prefill walltime per request (the cell's prefill time over its requests).
 fn prefill_per_request(r: &crate::data::Run) -> Option<f64> {
-    Some(r.get("wall_prefill_s")? / r.get("metrics_num_requests").filter(|n| *n > 0.0)?)
+    Some(
+        r.get(crate::schema::WALL_PREFILL_S)?
+            / r.get(crate::schema::METRICS_NUM_REQUESTS)
+                .filter(|n| *n > 0.0)?,
+    )
 }
 
 pub fn prepare(t: &Tables) -> Prepared<Fig2> {
@@ -40,13 +44,16 @@ pub fn prepare(t: &Tables) -> Prepared<Fig2> {
     let runs = pin(&fixed, &[Dim::Prompt, Dim::Attention], &mut notes);
     let peak = runs
         .iter()
-        .filter_map(|r| r.get("mem_activations_peak_bytes"))
+        .filter_map(|r| r.get(crate::schema::MEM_ACTIVATIONS_PEAK_BYTES))
         .fold(0.0, f64::max);
     let (div, unit) = byte_unit(peak);
     let mem = series(
         &runs,
         |r| r.prompt.fixed(),
-        |r| r.get("mem_activations_peak_bytes").map(|b| b / div),
+        |r| {
+            r.get(crate::schema::MEM_ACTIVATIONS_PEAK_BYTES)
+                .map(|b| b / div)
+        },
     );
     // Prefill time: the step traces' prefill walltime per request where measured,
     // else TTFT (which includes queueing when requests wait for each other).
@@ -71,7 +78,11 @@ pub fn prepare(t: &Tables) -> Prepared<Fig2> {
             finished.len()
         ));
         (
-            series(&runs, |r| r.prompt.fixed(), |r| r.get("ttft_mean_s")),
+            series(
+                &runs,
+                |r| r.prompt.fixed(),
+                |r| r.get(crate::schema::TTFT_MEAN_S),
+            ),
             "TTFT, mean (s, log)",
         )
     };
@@ -84,7 +95,10 @@ pub fn prepare(t: &Tables) -> Prepared<Fig2> {
     );
     notes.extend(missing_note(
         t,
-        &["mem_activations_peak_bytes", "wall_prefill_s"],
+        &[
+            crate::schema::MEM_ACTIVATIONS_PEAK_BYTES,
+            crate::schema::WALL_PREFILL_S,
+        ],
     ));
     let mut memory = Panel::fit(
         "Peak activation memory",

@@ -27,24 +27,28 @@ pub fn prepare(t: &Tables) -> Prepared<Fig3> {
     let mut notes = Vec::new();
     let runs = pin(&all, &[Dim::Batch], &mut notes);
     let dev_cols = [
-        "mem_weights_bytes",
-        "mem_kv_device_bytes",
-        "mem_activations_peak_bytes",
+        crate::schema::MEM_WEIGHTS_BYTES,
+        crate::schema::MEM_KV_DEVICE_BYTES,
+        crate::schema::MEM_ACTIVATIONS_PEAK_BYTES,
     ];
-    let dev_max = max_of(&runs, &dev_cols).max(max_of(&runs, &["mem_device_peak_bytes"]));
-    let host_max =
-        max_of(&runs, &["mem_kv_host_bytes"]).max(max_of(&runs, &["mem_host_peak_bytes"]));
+    let dev_max =
+        max_of(&runs, &dev_cols).max(max_of(&runs, &[crate::schema::MEM_DEVICE_PEAK_BYTES]));
+    let host_max = max_of(&runs, &[crate::schema::MEM_KV_HOST_BYTES])
+        .max(max_of(&runs, &[crate::schema::MEM_HOST_PEAK_BYTES]));
     let (dd, du) = byte_unit(dev_max);
     let (hd, hu) = byte_unit(host_max);
     let d = |c: &'static str| move |r: &Run| r.get(c).map(|v| v / dd);
     let h = |c: &'static str| move |r: &Run| r.get(c).map(|v| v / hd);
     let (w, k, a, p) = (
-        d("mem_weights_bytes"),
-        d("mem_kv_device_bytes"),
-        d("mem_activations_peak_bytes"),
-        d("mem_device_peak_bytes"),
+        d(crate::schema::MEM_WEIGHTS_BYTES),
+        d(crate::schema::MEM_KV_DEVICE_BYTES),
+        d(crate::schema::MEM_ACTIVATIONS_PEAK_BYTES),
+        d(crate::schema::MEM_DEVICE_PEAK_BYTES),
     );
-    let (hk, rss) = (h("mem_kv_host_bytes"), h("mem_host_peak_bytes"));
+    let (hk, rss) = (
+        h(crate::schema::MEM_KV_HOST_BYTES),
+        h(crate::schema::MEM_HOST_PEAK_BYTES),
+    );
     let batch = |r: &Run| r.batch;
     let device = Bars::build(
         "Device memory",
@@ -88,10 +92,10 @@ pub fn prepare(t: &Tables) -> Prepared<Fig3> {
     notes.extend(missing_note(
         t,
         &[
-            "mem_weights_bytes",
-            "mem_kv_device_bytes",
-            "mem_activations_peak_bytes",
-            "mem_kv_host_bytes",
+            crate::schema::MEM_WEIGHTS_BYTES,
+            crate::schema::MEM_KV_DEVICE_BYTES,
+            crate::schema::MEM_ACTIVATIONS_PEAK_BYTES,
+            crate::schema::MEM_KV_HOST_BYTES,
         ],
     ));
     let mut legend: Vec<LegendItem> = device.legend_items(false);

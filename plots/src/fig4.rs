@@ -18,8 +18,12 @@ pub fn prepare(t: &Tables) -> Prepared<Fig4> {
     let all: Vec<&Run> = t.runs.iter().collect();
     let mut notes = Vec::new();
     let runs = pin(&all, &[Dim::Batch, Dim::Attention], &mut notes);
-    let tput = series(&runs, |r| r.batch, |r| r.get("decode_tok_s"));
-    let per_gb = series(&runs, |r| r.batch, |r| r.get("decode_tok_s_per_gb"));
+    let tput = series(&runs, |r| r.batch, |r| r.get(crate::schema::DECODE_TOK_S));
+    let per_gb = series(
+        &runs,
+        |r| r.batch,
+        |r| r.get(crate::schema::DECODE_TOK_S_PER_GB),
+    );
     let nothing =
         |v: &[crate::select::Series]| v.iter().all(|s| s.points.is_empty() && s.fails.is_empty());
     if nothing(&tput) && nothing(&per_gb) {
@@ -40,7 +44,13 @@ pub fn prepare(t: &Tables) -> Prepared<Fig4> {
         "Per GB: decode tokens/s over the engine's device memory (weights + device KV + activation peak, 10⁹ B)."
             .into(),
     );
-    notes.extend(missing_note(t, &["decode_tok_s", "decode_tok_s_per_gb"]));
+    notes.extend(missing_note(
+        t,
+        &[
+            crate::schema::DECODE_TOK_S,
+            crate::schema::DECODE_TOK_S_PER_GB,
+        ],
+    ));
     let mut throughput = Panel::fit(
         "Decode throughput",
         "batch size",

@@ -17,12 +17,15 @@ pub fn walltime_bars(
     runs: &[&Run],
     x: &dyn Fn(&Run) -> Option<f64>,
 ) -> Bars {
-    let prefill = |r: &Run| r.get("wall_prefill_s");
-    let decode = |r: &Run| r.get("wall_decode_s");
-    let cache = |r: &Run| r.get("wall_cache_ops_s");
+    let prefill = |r: &Run| r.get(crate::schema::WALL_PREFILL_S);
+    let decode = |r: &Run| r.get(crate::schema::WALL_DECODE_S);
+    let cache = |r: &Run| r.get(crate::schema::WALL_CACHE_OPS_S);
     // Both or nothing: a missing half is not measured, not 0.
     let other = |r: &Run| {
-        Some(r.get("metrics_breakdown_scheduling_s")? + r.get("metrics_breakdown_sampling_s")?)
+        Some(
+            r.get(crate::schema::METRICS_BREAKDOWN_SCHEDULING_S)?
+                + r.get(crate::schema::METRICS_BREAKDOWN_SAMPLING_S)?,
+        )
     };
     Bars::build(
         caption,
@@ -69,7 +72,11 @@ pub fn prepare(t: &Tables) -> Prepared<Fig5> {
     if breakdown.is_empty() {
         return Err("no cell has a batch size".into());
     }
-    let total = series(&runs, |r| r.batch, |r| r.get("metrics_duration_s"));
+    let total = series(
+        &runs,
+        |r| r.batch,
+        |r| r.get(crate::schema::METRICS_DURATION_S),
+    );
     notes.extend(
         breakdown
             .notes()
@@ -84,12 +91,12 @@ pub fn prepare(t: &Tables) -> Prepared<Fig5> {
     notes.extend(missing_note(
         t,
         &[
-            "wall_prefill_s",
-            "wall_decode_s",
-            "wall_cache_ops_s",
-            "metrics_breakdown_scheduling_s",
-            "metrics_breakdown_sampling_s",
-            "metrics_duration_s",
+            crate::schema::WALL_PREFILL_S,
+            crate::schema::WALL_DECODE_S,
+            crate::schema::WALL_CACHE_OPS_S,
+            crate::schema::METRICS_BREAKDOWN_SCHEDULING_S,
+            crate::schema::METRICS_BREAKDOWN_SAMPLING_S,
+            crate::schema::METRICS_DURATION_S,
         ],
     ));
     let mut total = Panel::fit(

@@ -20,7 +20,7 @@ pub fn prepare(t: &Tables) -> Prepared<Fig6> {
     let mut notes = Vec::new();
     let runs = pin(&all, &[Dim::Output], &mut notes);
     let output = |r: &Run| r.output;
-    let tput = series(&runs, |r| r.output, |r| r.get("decode_tok_s"));
+    let tput = series(&runs, |r| r.output, |r| r.get(crate::schema::DECODE_TOK_S));
     let walltime = walltime_bars(
         "Walltime breakdown",
         "output length (tokens)",
@@ -52,10 +52,10 @@ pub fn prepare(t: &Tables) -> Prepared<Fig6> {
     notes.extend(missing_note(
         t,
         &[
-            "decode_tok_s",
-            "wall_prefill_s",
-            "wall_decode_s",
-            "wall_cache_ops_s",
+            crate::schema::DECODE_TOK_S,
+            crate::schema::WALL_PREFILL_S,
+            crate::schema::WALL_DECODE_S,
+            crate::schema::WALL_CACHE_OPS_S,
         ],
     ));
     let mut throughput = Panel::fit(

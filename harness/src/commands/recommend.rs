@@ -218,11 +218,11 @@ fn measured_points(dirs: &[PathBuf], models_dir: &Path) -> Result<Vec<(Point, Me
             Ok(floats(&df, n)?.unwrap_or_else(|| vec![None; df.height()]))
         };
         let (ttft, tpot, tok) = (
-            col("ttft_mean_s")?,
-            col("tpot_mean_s")?,
-            col("throughput_tok_s")?,
+            col(schema::TTFT_MEAN_S)?,
+            col(schema::TPOT_MEAN_S)?,
+            col(schema::THROUGHPUT_TOK_S)?,
         );
-        let reqs = col("metrics_num_requests")?;
+        let reqs = col(schema::METRICS_NUM_REQUESTS)?;
         for r in m.runs()? {
             out.push((
                 point(&m.plan, &r.cell),

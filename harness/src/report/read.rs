@@ -252,28 +252,28 @@ pub(crate) fn runs_of(df: &DataFrame) -> Vec<Run> {
         .collect();
     let (engine, attention, prompt, outcome) =
         (s("engine"), s("attention"), s("prompt_len"), s("outcome"));
-    let reservation = s("mem_kv_reservation");
+    let reservation = s(schema::MEM_KV_RESERVATION);
     let cols: Vec<Vec<Option<f64>>> = [
         "batch",
         "output_len",
         "budget",
-        "ttft_mean_s",
-        "e2e_mean_s",
-        "decode_tok_s",
-        "decode_tok_s_per_gb",
-        "mem_weights_bytes",
-        "mem_kv_device_bytes",
-        "mem_activations_peak_bytes",
-        "mem_kv_host_bytes",
-        "mem_host_peak_bytes",
-        "mem_kv_device_used_peak_bytes",
-        "goodput_req_s",
-        "slo_ttft_ms",
-        "slo_tpot_ms",
-        "slo_e2e_ms",
+        schema::TTFT_MEAN_S,
+        schema::E2E_MEAN_S,
+        schema::DECODE_TOK_S,
+        schema::DECODE_TOK_S_PER_GB,
+        schema::MEM_WEIGHTS_BYTES,
+        schema::MEM_KV_DEVICE_BYTES,
+        schema::MEM_ACTIVATIONS_PEAK_BYTES,
+        schema::MEM_KV_HOST_BYTES,
+        schema::MEM_HOST_PEAK_BYTES,
+        schema::MEM_KV_DEVICE_USED_PEAK_BYTES,
+        schema::GOODPUT_REQ_S,
+        schema::SLO_TTFT_MS,
+        schema::SLO_TPOT_MS,
+        schema::SLO_E2E_MS,
         "h2d_bytes",
         "metrics_output_tokens",
-        "metrics_breakdown_transfer_s",
+        schema::METRICS_BREAKDOWN_TRANSFER_S,
         "metrics_breakdown_cache_ops_s",
         "metrics_breakdown_decode_compute_s",
     ]
@@ -341,9 +341,9 @@ const BREAKDOWN: [&str; 6] = [
     "metrics_breakdown_prefill_s",
     "metrics_breakdown_decode_compute_s",
     "metrics_breakdown_cache_ops_s",
-    "metrics_breakdown_transfer_s",
-    "metrics_breakdown_sampling_s",
-    "metrics_breakdown_scheduling_s",
+    schema::METRICS_BREAKDOWN_TRANSFER_S,
+    schema::METRICS_BREAKDOWN_SAMPLING_S,
+    schema::METRICS_BREAKDOWN_SCHEDULING_S,
 ];
 
 /// The points of `runs`: the rows of one cell but for their repeat merged into one, in
