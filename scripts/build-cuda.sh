@@ -58,7 +58,8 @@ if [ ! -d "$cutlass/include/cute" ]; then
 fi
 export KVBENCH_CUTLASS_DIR="$cutlass"
 
-# The patch rewrites the lock file's candle-core entry; the repository's copy is kept.
+# The patch rewrites the lock file's candle-core entry; the repository's copy is put back
+# when the script ends (commit nothing while it runs: the patched lock would go with it).
 cp Cargo.lock "$root/Cargo.lock.orig"
 trap 'cp "$root/Cargo.lock.orig" Cargo.lock' EXIT
 # The first build with flash-attn compiles FlashAttention-2's two kernel files (about 8
