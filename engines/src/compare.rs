@@ -15,6 +15,13 @@ pub fn max_abs_diff(pairs: impl IntoIterator<Item = (f32, f32)>) -> f32 {
     worst
 }
 
+/// [`max_abs_diff`] over two tensors' elements, flattened (f32).
+#[cfg(test)]
+pub(crate) fn max_abs_diff_tensors(a: &candle_core::Tensor, b: &candle_core::Tensor) -> f32 {
+    let flat = |t: &candle_core::Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    max_abs_diff(flat(a).into_iter().zip(flat(b)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -366,19 +366,14 @@ impl Point<'_> {
     /// either was disturbed, where the ratio of the two points' bests would divide
     /// values measured at different times.
     fn relative(&self, i: usize, r: &Point<'_>) -> Option<f64> {
-        let value = |p: &Point<'_>, repeat: &str| {
-            p.cells
-                .iter()
-                .find(|c| c.field("repeat") == repeat && c.outcome == "ok")
-                .and_then(|c| c.timings[i])
-                .filter(|v| v.is_finite())
-        };
+        let value = |c: &Cell| c.timings[i].filter(|v| c.outcome == "ok" && v.is_finite());
         let mut ratios: Vec<f64> = self
             .cells
             .iter()
             .filter_map(|c| {
                 let repeat = c.field("repeat");
-                let (x, d) = (value(self, repeat)?, value(r, repeat)?);
+                let d = r.cells.iter().find(|rc| rc.field("repeat") == repeat)?;
+                let (x, d) = (value(c)?, value(d)?);
                 (d > 0.0).then_some(x / d)
             })
             .collect();

@@ -1316,14 +1316,7 @@ mod tests {
                     let y = gemv_many(&[Mat::Packed(&p)], &x).unwrap().expect("applies");
                     let want = x.matmul(&w.t().unwrap()).unwrap();
                     assert_eq!(y[0].dims(), want.dims());
-                    let diff = crate::compare::max_abs_diff(
-                        y[0].flatten_all()
-                            .unwrap()
-                            .to_vec1::<f32>()
-                            .unwrap()
-                            .into_iter()
-                            .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
-                    );
+                    let diff = crate::compare::max_abs_diff_tensors(&y[0], &want);
                     assert!(diff <= 1e-4, "packed {n}×{k}, rows {rows}: {diff}");
                 }
                 let x = Tensor::randn(0f32, 1.0, (PACKED_GEMV_MAX_ROWS + 1, k), &dev).unwrap();
@@ -1355,14 +1348,7 @@ mod tests {
                 let Linear::Dense(w) = l else { unreachable!() };
                 let want = x.matmul(&w.t().unwrap()).unwrap();
                 assert_eq!(g.dims(), want.dims());
-                let diff = crate::compare::max_abs_diff(
-                    g.flatten_all()
-                        .unwrap()
-                        .to_vec1::<f32>()
-                        .unwrap()
-                        .into_iter()
-                        .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
-                );
+                let diff = crate::compare::max_abs_diff_tensors(g, &want);
                 assert!(diff <= 1e-4, "rows {rows}: {diff}");
             }
         }

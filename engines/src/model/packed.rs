@@ -376,14 +376,7 @@ mod tests {
             let got = p.matmul(&x).unwrap();
             let want = x.matmul(&w.t().unwrap()).unwrap();
             assert_eq!(got.dims(), want.dims());
-            let diff = crate::compare::max_abs_diff(
-                got.flatten_all()
-                    .unwrap()
-                    .to_vec1::<f32>()
-                    .unwrap()
-                    .into_iter()
-                    .zip(want.flatten_all().unwrap().to_vec1::<f32>().unwrap()),
-            );
+            let diff = crate::compare::max_abs_diff_tensors(&got, &want);
             assert!(diff <= 1e-4, "{n}×{k}, {t} rows: {diff}");
         }
         // A batch of rows in a leading dimension.
