@@ -58,13 +58,38 @@ if [ ! -d "$cutlass/include/cute" ]; then
 fi
 export KVBENCH_CUTLASS_DIR="$cutlass"
 
+# FlashAttention-3 (engines/vendor/flash-attn3) pins a later CUTLASS, the commit
+# candle-flash-attn-v3 0.11.1 builds against; fetched the same way, or taken from
+# KVBENCH_CUTLASS3_DIR.
+cutlass3_commit=4c42f73fdab5787e3bb57717f35a8cb1b3c0dc6d
+cutlass3="${KVBENCH_CUTLASS3_DIR:-$HOME/.cache/kvbench/cutlass-${cutlass3_commit:0:12}}"
+if [ ! -d "$cutlass3/include/cute" ]; then
+  if [ -n "${KVBENCH_CUTLASS3_DIR:-}" ]; then
+    echo "KVBENCH_CUTLASS3_DIR=$cutlass3 has no include/cute" >&2
+    exit 1
+  fi
+  echo "== CUTLASS headers ($cutlass3_commit) into $cutlass3"
+  tmp="$(mktemp -d)"
+  git -C "$tmp" init -q
+  git -C "$tmp" fetch -q --depth 1 https://github.com/NVIDIA/cutlass "$cutlass3_commit"
+  git -C "$tmp" checkout -q FETCH_HEAD
+  mkdir -p "$cutlass3"
+  cp -r "$tmp/include" "$tmp/LICENSE.txt" "$cutlass3/"
+  rm -rf "$tmp"
+fi
+export KVBENCH_CUTLASS3_DIR="$cutlass3"
+# The compiled FlashAttention libraries, kept across feature sets and profiles (a clippy
+# run with the flash features reuses them).
+export KVBENCH_FLASH_CACHE="$root/flash-cache"
+
 # The patch rewrites the lock file's candle-core entry; the repository's copy is put back
 # when the script ends (commit nothing while it runs: the patched lock would go with it).
 cp Cargo.lock "$root/Cargo.lock.orig"
 trap 'cp "$root/Cargo.lock.orig" Cargo.lock' EXIT
 # The first build with flash-attn compiles FlashAttention-2's two kernel files (about 8
-# minutes on 2 cores, 3.8 GB of memory each); later builds reuse them.
-cargo build --release -p kvbench --features flash-attn --target-dir "$root/build" \
+# minutes on 2 cores, 3.8 GB of memory each) and FlashAttention-3's (about a minute,
+# 2.9 GB); later builds reuse them.
+cargo build --release -p kvbench --features flash-attn,flash-attn3 --target-dir "$root/build" \
   --config "patch.crates-io.candle-core.path=\"$patch\""
 
 bin="$root/build/release/kvbench"

@@ -63,6 +63,8 @@ steps=(
   "decode-graph-arrivals|run experiments/gpu/decode-graph-arrivals.yaml --results \$RES/decode-graph-arrivals/on|KVBENCH_CUDA_GRAPH=on"
   "profile-decode|sh:scripts/gpu-profile-decode.sh \$RES/profile-decode"
   "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"
+  "verify-fa3|verify --device cuda --model preset:llama-3.1-8b|KVBENCH_FLASH_PREFILL=fa3"
+  "prefill-fa3|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa3|KVBENCH_FLASH_PREFILL=fa3"
   "prefill-stats64|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/stats64|KVBENCH_H2O_STATS=mma64"
   "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
@@ -76,14 +78,15 @@ steps=(
 # its time on a step the limit then kills (sweeps resume by cell and start whenever
 # 30 s are left).
 declare -A need=(
-  [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [profile-decode]=240
+  [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
   [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
 )
 
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
-declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph)
-declare -A optional=([verify-graph]=1)
+declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
+  [prefill-fa3]=verify-fa3)
+declare -A optional=([verify-graph]=1 [verify-fa3]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"

@@ -440,9 +440,10 @@ fn reference_columns(
 
 /// The flash prefill kernels checked for head dim `d`, each with its check's name (of
 /// the attention, or with `stats` of H2O's exact statistics after it): `mma` and
-/// `wmma`, and FlashAttention-2 when the run prefills with it (the default in builds
-/// with the `flash-attn` feature, at head dim 128), so a verify checks the kernel its
-/// runs use and a build without the vendored kernels does not need them.
+/// `wmma`, and FlashAttention-2 or -3 when the run prefills with it (FlashAttention-2
+/// is the default in builds with the `flash-attn` feature, at head dim 128; `fa3` is
+/// named), so a verify checks the kernel its runs use and a build without the vendored
+/// kernels does not need them.
 fn flash_kernels(d: usize, stats: bool) -> Result<Vec<(FlashKernel, &'static str)>> {
     use crate::policy::evicting::cuda::{stats_choice, StatsChoice};
     let names = if stats {
@@ -455,17 +456,21 @@ fn flash_kernels(d: usize, stats: bool) -> Result<Vec<(FlashKernel, &'static str
             },
             "h2o exact statistics (wmma)",
             "h2o exact statistics (fa2)",
+            "h2o exact statistics (fa3)",
         ]
     } else {
         [
             "flash_prefill (mma)",
             "flash_prefill (wmma)",
             "flash_prefill (fa2)",
+            "flash_prefill (fa3)",
         ]
     };
     let mut ks = vec![(FlashKernel::Mma, names[0]), (FlashKernel::Wmma, names[1])];
-    if FlashKernel::chosen_for(d)? == FlashKernel::Fa2 {
-        ks.push((FlashKernel::Fa2, names[2]));
+    match FlashKernel::chosen_for(d)? {
+        FlashKernel::Fa2 => ks.push((FlashKernel::Fa2, names[2])),
+        FlashKernel::Fa3 => ks.push((FlashKernel::Fa3, names[3])),
+        _ => {}
     }
     Ok(ks)
 }

@@ -1,7 +1,9 @@
-//! FlashAttention-2's forward kernel (vendored and trimmed to bf16, head dim 128:
-//! `vendor/flash-attn`, feature `flash-attn`) as kvbench's `fa2` flash prefill: one
-//! sequence's rows against its K/V gathered contiguous from the paged pool, causal with
-//! the rows at the end of the keys (a cached prefix before them).
+//! FlashAttention's forward kernels, vendored and trimmed to bf16, head dim 128, as
+//! kvbench's `fa2` flash prefill (FlashAttention-2: `vendor/flash-attn`, feature
+//! `flash-attn`) and `fa3` (FlashAttention-3, Hopper only: `vendor/flash-attn3`, feature
+//! `flash-attn3`): one sequence's rows against its K/V gathered contiguous from the
+//! paged pool, causal with the rows at the end of the keys (a cached prefix before
+//! them).
 
 use super::{as_i32, device_of, kv_gather, tensor_from, upload_i32, view, LayerCache};
 use crate::error::{Error, Result};
@@ -11,6 +13,7 @@ use candle_core::Tensor;
 use core::ffi::{c_int, c_void};
 use half::bf16;
 
+#[cfg(feature = "flash-attn")]
 extern "C" {
     // vendor/flash-attn/flash_api.cu: fills FlashAttention-2's parameters and launches
     // the forward kernel on `stream_ptr`.
@@ -63,6 +66,53 @@ extern "C" {
     );
 }
 
+#[cfg(feature = "flash-attn3")]
+extern "C" {
+    // vendor/flash-attn3/flash_api.cu: fills FlashAttention-3's parameters for one
+    // causal sequence and launches its forward kernel on `stream_ptr`.
+    fn run_mha_v3(
+        q_ptr: *const c_void,
+        k_ptr: *const c_void,
+        v_ptr: *const c_void,
+        o_ptr: *const c_void,
+        softmax_lse_ptr: *const c_void,
+        tile_count_semaphore_ptr: *const i32,
+        q_row_stride: u32,
+        k_row_stride: u32,
+        v_row_stride: u32,
+        o_row_stride: u32,
+        q_head_stride: u32,
+        k_head_stride: u32,
+        v_head_stride: u32,
+        o_head_stride: u32,
+        h: u32,
+        h_k: u32,
+        d: u32,
+        softmax_scale: f32,
+        seqlen_q: u32,
+        seqlen_k: u32,
+        seqlen_q_rounded: u32,
+        seqlen_k_rounded: u32,
+        stream_ptr: *mut c_void,
+    );
+}
+
+/// Which vendored FlashAttention runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Vendored {
+    Fa2,
+    Fa3,
+}
+
+impl Vendored {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Fa2 => "fa2",
+            Self::Fa3 => "fa3",
+        }
+    }
+}
+
 /// A size as FlashAttention's `u32` arguments take it, within the i32 range every
 /// kvbench kernel argument keeps to (`as_i32`).
 fn u32_of(x: usize, what: &str) -> Result<u32> {
@@ -71,8 +121,9 @@ fn u32_of(x: usize, what: &str) -> Result<u32> {
 
 /// Causal attention of `q` (`[T, H, 128]` bf16, the rows at positions `ctx_before..`)
 /// over the sequence's first `ctx_before + T` keys in `cache` (through `table`), with
-/// FlashAttention-2. Writes each row's log-sum-exp per head (`[T, H]` f32, natural
-/// log of the scaled scores' softmax denominator) into `lse` when given.
+/// the vendored FlashAttention `which`. Writes each row's log-sum-exp per head (`[T, H]`
+/// f32, natural log of the scaled scores' softmax denominator) into `lse` when given.
+#[allow(clippy::too_many_arguments)]
 pub fn prefill(
     cache: &LayerCache,
     q: &Tensor,
@@ -81,18 +132,20 @@ pub fn prefill(
     num_kv_heads: usize,
     block_size: usize,
     lse: Option<&mut CudaSlice<f32>>,
+    which: Vendored,
 ) -> Result<Tensor> {
     let dev = device_of(q.device())?;
     let (t, h, d) = q.dims3()?;
+    let name = which.name();
     if d != 128 {
         return Err(Error::Config(format!(
-            "the fa2 flash prefill is built for head dim 128, not {d}: use \
+            "the {name} flash prefill is built for head dim 128, not {d}: use \
              KVBENCH_FLASH_PREFILL=mma"
         )));
     }
     if num_kv_heads == 0 || h % num_kv_heads != 0 {
         return Err(Error::Config(format!(
-            "fa2 prefill: {h} query heads over {num_kv_heads} KV heads"
+            "{name} prefill: {h} query heads over {num_kv_heads} KV heads"
         )));
     }
     // (The block count and the log-sum-exp buffer were checked by the caller,
@@ -106,9 +159,9 @@ pub fn prefill(
     let (ks, kl) = k.storage_and_layout();
     let (vs, vl) = v.storage_and_layout();
     let (qv, kv, vv) = (
-        view(&qs, ql, "fa2 q")?,
-        view(&ks, kl, "fa2 k")?,
-        view(&vs, vl, "fa2 v")?,
+        view(&qs, ql, "flash-attn q")?,
+        view(&ks, kl, "flash-attn k")?,
+        view(&vs, vl, "flash-attn v")?,
     );
     let cu_q = upload_i32(&dev, &[0, as_i32(t, "rows")?])?;
     let cu_k = upload_i32(&dev, &[0, as_i32(n, "keys")?])?;
@@ -119,6 +172,8 @@ pub fn prefill(
     let stream = dev.cuda_stream();
     let (row_q, row_kv) = (u32_of(h * d, "q row")?, u32_of(num_kv_heads * d, "k row")?);
     let n_u = u32_of(n, "keys")?;
+    // FlashAttention-3's causal kernel hands out its tiles through this counter.
+    let semaphore = dev.alloc_zeros::<i32>(1)?;
     {
         let (qp, _g1) = qv.device_ptr(&stream);
         let (kp, _g2) = kv.device_ptr(&stream);
@@ -127,60 +182,32 @@ pub fn prefill(
         let (lp, _g5) = lse_hq.device_ptr_mut(&stream);
         let (cqp, _g6) = cu_q.device_ptr(&stream);
         let (ckp, _g7) = cu_k.device_ptr(&stream);
+        let (sp, _g8) = semaphore.device_ptr(&stream);
+        let p = Launch {
+            q: qp as *const c_void,
+            k: kp as *const c_void,
+            v: vp as *const c_void,
+            o: op as *const c_void,
+            lse: lp as *const c_void,
+            cu_q: cqp as *const i32,
+            cu_k: ckp as *const i32,
+            semaphore: sp as *const i32,
+            row_q,
+            row_kv,
+            h: u32_of(h, "heads")?,
+            h_k: u32_of(num_kv_heads, "KV heads")?,
+            d: d as u32,
+            t: u32_of(t, "rows")?,
+            n: n_u,
+            t_rounded: u32_of(round(t), "rows rounded")?,
+            n_rounded: u32_of(round(n), "keys rounded")?,
+            stream: stream.cu_stream() as *mut c_void,
+        };
         // SAFETY: every pointer is a live device buffer of the size FlashAttention reads
         // or writes for these shapes (q and out [t, h, 128], k and v [n, kvh, 128], lse
-        // [h, t], the cumulative lengths [2]), on the stream the buffers are ordered on.
-        unsafe {
-            run_mha(
-                qp as *const c_void,
-                kp as *const c_void,
-                vp as *const c_void,
-                op as *const c_void,
-                lp as *const c_void,
-                std::ptr::null(),
-                cqp as *const i32,
-                ckp as *const i32,
-                0,
-                0,
-                0,
-                0,
-                0,
-                row_q,
-                row_kv,
-                row_kv,
-                row_q,
-                d as u32,
-                d as u32,
-                d as u32,
-                d as u32,
-                1,
-                u32_of(h, "heads")?,
-                u32_of(num_kv_heads, "KV heads")?,
-                d as u32,
-                d as u32,
-                1.0 / (d as f32).sqrt(),
-                u32_of(t, "rows")?,
-                n_u,
-                u32_of(round(t), "rows rounded")?,
-                u32_of(round(n), "keys rounded")?,
-                u32_of(t, "rows")?,
-                1,
-                1,
-                1,
-                // Causal as FlashAttention's API expresses it: no limit to the left (the
-                // whole sequence), none to the right of each row's own position.
-                n_u as c_int,
-                0,
-                0.0,
-                std::ptr::null(),
-                0,
-                0,
-                std::ptr::null(),
-                0,
-                0,
-                stream.cu_stream() as *mut c_void,
-            );
-        }
+        // [h, t], the cumulative lengths [2], the counter [1]), on the stream the
+        // buffers are ordered on.
+        unsafe { launch(which, &p)? };
     }
     drop((qs, ks, vs));
     if let Some(l) = lse {
@@ -196,8 +223,125 @@ pub fn prefill(
         );
         let by_row = by_head.t()?.contiguous()?;
         let (s, layout) = by_row.storage_and_layout();
-        let src = super::view_of::<f32>(&s, layout, "fa2 lse")?;
+        let src = super::view_of::<f32>(&s, layout, "flash-attn lse")?;
         stream.memcpy_dtod(&src, &mut l.slice_mut(0..t * h)).w()?;
     }
     Ok(tensor_from(&dev, out, (t, h, d)))
+}
+
+/// One launch's arguments, as both vendored entry points take them.
+struct Launch {
+    q: *const c_void,
+    k: *const c_void,
+    v: *const c_void,
+    o: *const c_void,
+    lse: *const c_void,
+    cu_q: *const i32,
+    cu_k: *const i32,
+    semaphore: *const i32,
+    row_q: u32,
+    row_kv: u32,
+    h: u32,
+    h_k: u32,
+    d: u32,
+    t: u32,
+    n: u32,
+    t_rounded: u32,
+    n_rounded: u32,
+    stream: *mut c_void,
+}
+
+/// Launch the vendored kernel `which` (an error where this build lacks it).
+///
+/// # Safety
+/// Every pointer in `p` is a live device buffer of the size the kernel uses for the
+/// shapes in `p`, ordered on `p.stream`.
+unsafe fn launch(which: Vendored, p: &Launch) -> Result<()> {
+    let scale = 1.0 / (p.d as f32).sqrt();
+    match which {
+        #[cfg(feature = "flash-attn")]
+        Vendored::Fa2 => run_mha(
+            p.q,
+            p.k,
+            p.v,
+            p.o,
+            p.lse,
+            std::ptr::null(),
+            p.cu_q,
+            p.cu_k,
+            0,
+            0,
+            0,
+            0,
+            0,
+            p.row_q,
+            p.row_kv,
+            p.row_kv,
+            p.row_q,
+            p.d,
+            p.d,
+            p.d,
+            p.d,
+            1,
+            p.h,
+            p.h_k,
+            p.d,
+            p.d,
+            scale,
+            p.t,
+            p.n,
+            p.t_rounded,
+            p.n_rounded,
+            p.t,
+            1,
+            1,
+            1,
+            // Causal as FlashAttention's API expresses it: no limit to the left (the
+            // whole sequence), none to the right of each row's own position.
+            p.n as c_int,
+            0,
+            0.0,
+            std::ptr::null(),
+            0,
+            0,
+            std::ptr::null(),
+            0,
+            0,
+            p.stream,
+        ),
+        #[cfg(feature = "flash-attn3")]
+        Vendored::Fa3 => run_mha_v3(
+            p.q,
+            p.k,
+            p.v,
+            p.o,
+            p.lse,
+            p.semaphore,
+            p.row_q,
+            p.row_kv,
+            p.row_kv,
+            p.row_q,
+            p.d,
+            p.d,
+            p.d,
+            p.d,
+            p.h,
+            p.h_k,
+            p.d,
+            scale,
+            p.t,
+            p.n,
+            p.t_rounded,
+            p.n_rounded,
+            p.stream,
+        ),
+        #[allow(unreachable_patterns)]
+        other => {
+            return Err(Error::Config(format!(
+                "KVBENCH_FLASH_PREFILL={}: this build has no such kernels",
+                other.name()
+            )))
+        }
+    }
+    Ok(())
 }

@@ -4,7 +4,7 @@
 //! [`check`] compares every kernel with the CPU reference on random inputs.
 
 pub mod check;
-#[cfg(feature = "flash-attn")]
+#[cfg(any(feature = "flash-attn", feature = "flash-attn3"))]
 pub mod flash_attn;
 pub mod graph;
 
@@ -951,16 +951,20 @@ pub enum FlashKernel {
     /// feature `flash-attn`), over K/V gathered contiguous. H2O's statistics pass then
     /// runs the `Mma` one.
     Fa2,
+    /// FlashAttention-3's forward kernel for Hopper (vendored, bf16, head dim 128,
+    /// causal; the build feature `flash-attn3`), the same way.
+    Fa3,
 }
 
 impl FlashKernel {
     /// The kernel for head dim `d`: the one `KVBENCH_FLASH_PREFILL` names (`mma`,
-    /// `wmma` or `fa2`), else the default: `Fa2` in builds with the `flash-attn` feature
-    /// (the fastest, verified on an H100), `Mma` otherwise. FlashAttention-2 is built
-    /// for head dim 128 only: as the default it gives way to `Mma` at other head dims;
-    /// asked for by name it is refused there, and without the feature, with a named
-    /// error. `wmma` is the earlier kernel (a fallback, and the "before" of a
-    /// comparison). Read once per process; any other value is an error.
+    /// `wmma`, `fa2` or `fa3`), else the default: `Fa2` in builds with the `flash-attn`
+    /// feature (the fastest verified on an H100), `Mma` otherwise. FlashAttention is
+    /// built for head dim 128 only: as the default it gives way to `Mma` at other head
+    /// dims; asked for by name it is refused there, and without its feature, with a
+    /// named error. `fa3` is chosen by name only until it has run on a GPU. `wmma` is
+    /// the earlier kernel (a fallback, and the "before" of a comparison). Read once per
+    /// process; any other value is an error.
     pub fn chosen_for(d: usize) -> Result<Self> {
         static CHOSEN: std::sync::OnceLock<std::result::Result<(FlashKernel, bool), String>> =
             std::sync::OnceLock::new();
@@ -985,7 +989,12 @@ impl FlashKernel {
         crate::parse_switch(
             "KVBENCH_FLASH_PREFILL",
             v,
-            &[("mma", Self::Mma), ("wmma", Self::Wmma), ("fa2", Self::Fa2)],
+            &[
+                ("mma", Self::Mma),
+                ("wmma", Self::Wmma),
+                ("fa2", Self::Fa2),
+                ("fa3", Self::Fa3),
+            ],
             unset,
             unset_is,
         )
@@ -994,7 +1003,7 @@ impl FlashKernel {
     /// The kernel of H2O's exact statistics pass that goes with this attention kernel.
     pub fn stats(self) -> Self {
         match self {
-            Self::Fa2 => Self::Mma,
+            Self::Fa2 | Self::Fa3 => Self::Mma,
             k => k,
         }
     }
@@ -1005,7 +1014,7 @@ impl FlashKernel {
             Self::Mma => 5 * 64 * (d + 8) * 2,
             Self::Wmma => flash_smem_bytes(d),
             // Launched by FlashAttention's own code.
-            Self::Fa2 => 0,
+            Self::Fa2 | Self::Fa3 => 0,
         }
     }
 }
@@ -1064,11 +1073,39 @@ pub fn flash_prefill_with(
     }
     if kernel == FlashKernel::Fa2 {
         #[cfg(feature = "flash-attn")]
-        return flash_attn::prefill(cache, q, table, ctx_before, num_kv_heads, block_size, lse);
+        return flash_attn::prefill(
+            cache,
+            q,
+            table,
+            ctx_before,
+            num_kv_heads,
+            block_size,
+            lse,
+            flash_attn::Vendored::Fa2,
+        );
         #[cfg(not(feature = "flash-attn"))]
         return Err(Error::Config(
             "KVBENCH_FLASH_PREFILL=fa2: this build has no FlashAttention-2 kernels (the \
              `flash-attn` feature; `just build-cuda` builds them)"
+                .into(),
+        ));
+    }
+    if kernel == FlashKernel::Fa3 {
+        #[cfg(feature = "flash-attn3")]
+        return flash_attn::prefill(
+            cache,
+            q,
+            table,
+            ctx_before,
+            num_kv_heads,
+            block_size,
+            lse,
+            flash_attn::Vendored::Fa3,
+        );
+        #[cfg(not(feature = "flash-attn3"))]
+        return Err(Error::Config(
+            "KVBENCH_FLASH_PREFILL=fa3: this build has no FlashAttention-3 kernels (the \
+             `flash-attn3` feature; `just build-cuda` builds them)"
                 .into(),
         ));
     }

@@ -1078,7 +1078,7 @@ pub fn colsum(
     let (keys, threads, smem) = match kernel {
         // The block's keys, then two query tiles of 64 rows, D + 8 bf16 a row, and two
         // tiles' lse.
-        FlashKernel::Mma | FlashKernel::Fa2 => {
+        FlashKernel::Mma | FlashKernel::Fa2 | FlashKernel::Fa3 => {
             let keys = if keys64 { 64 } else { 128 };
             (
                 keys,
