@@ -65,6 +65,8 @@ steps=(
   "prefill-fa2|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa2"
   "verify-fa3|verify --device cuda --model preset:llama-3.1-8b|KVBENCH_FLASH_PREFILL=fa3"
   "prefill-fa3|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/fa3|KVBENCH_FLASH_PREFILL=fa3"
+  "prefill-long-fa2|run experiments/gpu/prefill-long.yaml --results \$RES/prefill-long/fa2"
+  "prefill-long-fa3|run experiments/gpu/prefill-long.yaml --results \$RES/prefill-long/fa3|KVBENCH_FLASH_PREFILL=fa3"
   "prefill-stats64|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/stats64|KVBENCH_H2O_STATS=mma64"
   "paradigms|run experiments/gpu/paradigms.yaml --results \$RES"
   "output-scaling|run experiments/gpu/output-scaling.yaml --results \$RES --adopt-legacy"
@@ -85,7 +87,7 @@ declare -A need=(
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
-  [prefill-fa3]=verify-fa3)
+  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3)
 declare -A optional=([verify-graph]=1 [verify-fa3]=1)
 
 if [ "$dry" = 1 ]; then
