@@ -109,6 +109,15 @@ impl Linear {
         Ok(<[Tensor; N]>::try_from(ys).unwrap_or_else(|_| unreachable!("one output per input")))
     }
 
+    /// Whether both are the same weights in memory (a head tied to its embedding).
+    pub fn same_as(&self, other: &Linear) -> bool {
+        match (self, other) {
+            (Linear::Dense(a), Linear::Dense(b)) => a.id() == b.id(),
+            (Linear::Packed(a), Linear::Packed(b)) => a.data().id() == b.data().id(),
+            _ => false,
+        }
+    }
+
     pub fn bytes(&self) -> u64 {
         match self {
             Linear::Quantized { bytes, .. } => *bytes,
@@ -387,7 +396,10 @@ fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 pub struct Llama {
     pub cfg: ModelConfig,
     pub weight_dtype: WeightDtype,
-    embed: Tensor,
+    /// The token embedding table `[vocab, hidden]`: dense, or packed with the output
+    /// head tied to it ([`Llama::with_packed_rows`]), whose products read it far more
+    /// often than the lookups do.
+    embed: Linear,
     layers: Vec<Layer>,
     norm: Tensor,
     lm_head: Linear,
@@ -410,8 +422,28 @@ impl Llama {
         norm: Tensor,
         lm_head: Linear,
     ) -> Self {
-        let inv_freq = rope_inv_freq(&cfg);
         let device = embed.device().clone();
+        Self::assemble(
+            cfg,
+            weight_dtype,
+            Linear::Dense(embed),
+            layers,
+            norm,
+            lm_head,
+            device,
+        )
+    }
+
+    fn assemble(
+        cfg: ModelConfig,
+        weight_dtype: WeightDtype,
+        embed: Linear,
+        layers: Vec<Layer>,
+        norm: Tensor,
+        lm_head: Linear,
+        device: Device,
+    ) -> Self {
+        let inv_freq = rope_inv_freq(&cfg);
         Self {
             cfg,
             weight_dtype,
@@ -460,13 +492,14 @@ impl Llama {
             WeightDtype::Quantized => WeightDtype::Quantized,
             _ => WeightDtype::F32,
         };
-        Ok(Llama::new(
+        Ok(Llama::assemble(
             self.cfg.clone(),
             weight_dtype,
-            self.embed.to_dtype(DType::F32)?,
+            lin(&self.embed)?,
             layers,
             self.norm.to_dtype(DType::F32)?,
             lin(&self.lm_head)?,
+            self.device.clone(),
         ))
     }
 
@@ -490,9 +523,9 @@ impl Llama {
             inv_freq,
             device,
         } = self;
-        let tied = matches!(&lm_head, Linear::Dense(w) if w.id() == embed.id());
+        let tied = lm_head.same_as(&embed);
         // Dense matrices are handed over; quantized ones wait here, in order.
-        let mut ts = vec![embed];
+        let mut ts = Vec::new();
         let mut kept: Vec<Linear> = Vec::new();
         // What became of each matrix, in order.
         enum Moved {
@@ -516,6 +549,7 @@ impl Llama {
                 kept.push(q)
             }
         };
+        hand(embed, &mut ts);
         let mut norms = Vec::with_capacity(layers.len());
         for l in layers {
             for w in [l.wq, l.wk, l.wv, l.wo, l.gate, l.up, l.down] {
@@ -531,7 +565,6 @@ impl Llama {
         let mut moved = pages::in_one_huge_buffer(ts)?.into_iter();
         let mut kept = kept.into_iter();
         let missing = || crate::error::Error::Config("a weight went missing".into());
-        let embed = moved.next().ok_or_else(missing)?;
         let mut order = order.into_iter();
         let mut next = || -> Result<Linear> {
             Ok(match order.next().ok_or_else(missing)? {
@@ -544,6 +577,7 @@ impl Llama {
                 Moved::Kept => kept.next().ok_or_else(missing)?,
             })
         };
+        let embed = next()?;
         let mut layers = Vec::with_capacity(norms.len());
         for (attn_norm, ffn_norm) in norms {
             layers.push(Layer {
@@ -558,11 +592,7 @@ impl Llama {
                 ffn_norm,
             });
         }
-        let lm_head = if tied {
-            Linear::Dense(embed.clone())
-        } else {
-            next()?
-        };
+        let lm_head = if tied { embed.clone() } else { next()? };
         let model = Llama {
             cfg,
             weight_dtype,
@@ -584,11 +614,10 @@ impl Llama {
     }
 
     /// On the CPU, when the layers' matrices take at least [`PACK_MIN_LAYER_BYTES`]
-    /// (more than a cache holds), every dense f32 matrix but a head tied to the
-    /// embedding packed for
-    /// the matrix-vector path ([`packed`]: one stream per block of four rows, which a
-    /// batch-1 decode step reads 7–20 points of the read probe faster than rows one
-    /// after another). A tied head keeps the row layout the embedding's lookups read.
+    /// (more than a cache holds), every dense f32 matrix packed for the matrix-vector
+    /// path ([`packed`]: one stream per block of four rows, which a batch-1 decode step
+    /// reads 7–20 points of the read probe faster than rows one after another). A head
+    /// tied to the embedding is packed with it: the lookups unpack their rows.
     /// `KVBENCH_PACKED_WEIGHTS=0` keeps the row layout everywhere (the "before" of a
     /// comparison in one sitting); `=1` or unset packs, anything else is an error.
     pub fn with_packed_rows(self) -> Result<Self> {
@@ -636,9 +665,12 @@ impl Llama {
                 pack(w)?;
             }
         }
-        let tied = matches!(&self.lm_head, Linear::Dense(w) if w.id() == self.embed.id());
-        if !tied {
-            pack(&mut self.lm_head)?;
+        // A tied head is packed with its embedding table, and stays tied: the lookups
+        // unpack their rows ([`PackedRows::rows`]).
+        let tied = self.lm_head.same_as(&self.embed);
+        pack(&mut self.lm_head)?;
+        if tied {
+            self.embed = self.lm_head.clone();
         }
         Ok(self)
     }
@@ -651,7 +683,13 @@ impl Llama {
                 *w = w.unpacked()?;
             }
         }
+        let tied = self.lm_head.same_as(&self.embed);
         self.lm_head = self.lm_head.unpacked()?;
+        self.embed = if tied {
+            self.lm_head.clone()
+        } else {
+            self.embed.unpacked()?
+        };
         Ok(self)
     }
 
@@ -807,9 +845,25 @@ impl Llama {
         &self.layers
     }
 
-    /// Token embedding table `[vocab, hidden]`.
-    pub fn embed(&self) -> &Tensor {
+    /// Token embedding table `[vocab, hidden]`, dense or packed with its tied head.
+    pub fn embed(&self) -> &Linear {
         &self.embed
+    }
+
+    /// Whether the output head is the embedding table itself.
+    pub fn head_tied(&self) -> bool {
+        self.lm_head.same_as(&self.embed)
+    }
+
+    /// The embedding rows of `ids` (`[T]` u32 on the model's device): `[T, hidden]`.
+    fn embed_rows(&self, ids: &Tensor) -> Result<Tensor> {
+        match &self.embed {
+            Linear::Dense(t) => Ok(t.index_select(ids, 0)?),
+            Linear::Packed(p) => p.rows(&ids.to_vec1::<u32>()?),
+            Linear::Quantized { .. } => Err(crate::error::Error::Config(
+                "a quantized embedding table cannot be looked up".into(),
+            )),
+        }
     }
 
     /// Final RMSNorm weight.
@@ -833,9 +887,12 @@ impl Llama {
                     + tensor_bytes(&l.ffn_norm)
             })
             .sum();
-        let tied_dense = matches!(&self.lm_head, Linear::Dense(w) if w.id() == self.embed.id());
-        let head = if tied_dense { 0 } else { self.lm_head.bytes() };
-        layers + tensor_bytes(&self.embed) + tensor_bytes(&self.norm) + head
+        let head = if self.head_tied() {
+            0
+        } else {
+            self.lm_head.bytes()
+        };
+        layers + self.embed.bytes() + tensor_bytes(&self.norm) + head
     }
 
     /// Activation bytes alive at the peak of one step of `tokens` rows of which
@@ -960,7 +1017,7 @@ impl Llama {
         let c = &self.cfg;
         let t = ids.dim(0)?;
         let eps = c.rms_norm_eps as f32;
-        let mut x = self.embed.index_select(ids, 0)?;
+        let mut x = self.embed_rows(ids)?;
         let (cos, sin) = (cos.clone(), sin.clone());
         // The previous layer's MLP output, added to the residual together with the
         // next norm (one kernel where `add_norm` fuses them).
@@ -1219,20 +1276,22 @@ mod tests {
                 .unwrap()
                 .pack_rows()
                 .unwrap();
-            let tied = |m: &Llama| matches!(&m.lm_head, Linear::Dense(w) if w.id() == m.embed.id());
             let before = m.forward_dense(&[1, 2, 3, 4]).unwrap();
             let moved = m.clone().with_weights_in_huge_pages().unwrap();
-            assert_eq!(tied(&moved), tied(&m), "tie {tie} {wd:?}");
+            assert_eq!(m.head_tied(), tie, "tie {tie} {wd:?}");
+            assert_eq!(moved.head_tied(), tie, "tie {tie} {wd:?}");
             assert_eq!(moved.weights_bytes(), m.weights_bytes());
             let after = moved.forward_dense(&[1, 2, 3, 4]).unwrap();
             let d = (before - after).unwrap().abs().unwrap().max_all().unwrap();
             assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "tie {tie} {wd:?}");
             if wd == WeightDtype::F32 {
-                // The packed matrices are views of one buffer, and so is an untied head.
+                // The packed matrices are views of one buffer, the head among them
+                // (tied, it is the embedding table, packed with it).
                 assert!(
                     matches!(&moved.layers[0].wq, Linear::Packed(p) if p.data().layout().start_offset() > 0)
                 );
-                assert_eq!(matches!(&moved.lm_head, Linear::Packed(_)), !tie);
+                assert!(matches!(&moved.lm_head, Linear::Packed(_)));
+                assert_eq!(matches!(moved.embed(), Linear::Packed(_)), tie);
             }
         }
     }
@@ -1254,8 +1313,11 @@ mod tests {
             );
             let m = m.pack_rows().unwrap();
             assert!(m.rows_packed());
+            assert_eq!(m.head_tied(), tie);
             let rows = m.clone().unpack_rows().unwrap();
             assert!(!rows.rows_packed());
+            assert_eq!(rows.head_tied(), tie);
+            assert!(matches!(rows.embed(), Linear::Dense(_)));
             assert_eq!(
                 rows.weights_bytes(),
                 m.weights_bytes(),

@@ -154,6 +154,32 @@ impl PackedRows {
         Ok(Tensor::from_vec(rows, (n, k), &Device::Cpu)?)
     }
 
+    /// Rows `ids` of the matrix (`[ids.len(), k]`): the lookup of an embedding table
+    /// packed for the output head it is tied to, so the table is not held twice.
+    pub fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        let (n, k) = (self.n, self.k);
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= n) {
+            return Err(Error::Config(format!(
+                "row {bad} of a packed {n}×{k} matrix"
+            )));
+        }
+        let full = k / 8 * 8;
+        let tail = k - full;
+        let out = self.with_slice(|d| {
+            let mut out = vec![0f32; ids.len() * k];
+            for (row, &id) in out.chunks_exact_mut(k).zip(ids) {
+                let (g, r) = (id as usize / GROUP, id as usize % GROUP);
+                let group = &d[g * GROUP * k..][..GROUP * k];
+                for c in (0..full).step_by(8) {
+                    row[c..c + 8].copy_from_slice(&group[GROUP * c + 8 * r..][..8]);
+                }
+                row[full..].copy_from_slice(&group[GROUP * full + r * tail..][..tail]);
+            }
+            out
+        })?;
+        Ok(Tensor::from_vec(out, (ids.len(), k), &Device::Cpu)?)
+    }
+
     /// `x·Wᵀ` for an f32 `x` (`[t, k]`) of any number of rows, through gemm on blocks
     /// of [`UNPACK_ROWS`] rows unpacked one after another into one buffer. The
     /// matrix-vector path (few rows) reads the packed rows directly instead
@@ -328,6 +354,31 @@ mod tests {
     /// The packed kernel gives each row's dot product to the bit as the row kernel
     /// does (the same accumulators and order of sums), on the AVX2 path and the
     /// portable one.
+    #[test]
+    fn rows_of_a_packed_matrix_are_its_rows() {
+        for (n, k) in [(1, 1), (7, 37), (130, 96), (9, 5), (13, 576)] {
+            let w = random(n * k, 2);
+            let p = PackedRows::from_tensor(
+                &Tensor::from_vec(w.clone(), (n, k), &Device::Cpu).unwrap(),
+            )
+            .unwrap()
+            .unwrap();
+            let ids: Vec<u32> = (0..n as u32)
+                .rev()
+                .chain([0, n as u32 - 1, (n / 2) as u32])
+                .collect();
+            let got = p.rows(&ids).unwrap().to_vec2::<f32>().unwrap();
+            for (row, &id) in got.iter().zip(&ids) {
+                assert_eq!(
+                    row.as_slice(),
+                    &w[id as usize * k..][..k],
+                    "{n}×{k}, row {id}"
+                );
+            }
+            assert!(p.rows(&[n as u32]).is_err(), "row {n} of {n}");
+        }
+    }
+
     #[test]
     fn packed_dots_match_the_row_kernel_to_the_bit() {
         for k in [1, 7, 8, 16, 24, 37, 576] {

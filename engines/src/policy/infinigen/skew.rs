@@ -343,7 +343,8 @@ pub fn calibrate(model: &Llama, tokens: &[u32]) -> Result<Skewing> {
 /// its dtype and shape, plus the config and weight dtype. Tensors are hashed in
 /// parallel and the per-tensor hashes combined in a fixed order.
 pub fn weights_fingerprint(model: &Llama) -> Result<u64> {
-    let mut weights: Vec<Weight<'_>> = vec![Weight::Dense(model.embed())];
+    // A packed table hashes as its rows do (`Weight::hash`): the layout is not the weights.
+    let mut weights: Vec<Weight<'_>> = vec![Weight::Linear(model.embed())];
     for l in model.layers() {
         for w in l.matrices() {
             weights.push(Weight::Linear(w));
@@ -354,8 +355,7 @@ pub fn weights_fingerprint(model: &Llama) -> Result<u64> {
     weights.push(Weight::Dense(model.final_norm()));
     // A tied dense head is the embedding table again: hashing it twice would double
     // the cost of the largest tensor for nothing (the config records the tying).
-    let tied = matches!(model.lm_head(), Linear::Dense(w) if w.id() == model.embed().id());
-    if !tied {
+    if !model.head_tied() {
         weights.push(Weight::Linear(model.lm_head()));
     }
     let hashes: Vec<u64> = weights
