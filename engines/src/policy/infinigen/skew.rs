@@ -709,6 +709,20 @@ mod tests {
         let bf16 =
             load_preset(preset("tiny").unwrap(), WeightDtype::Bf16, 7, &Device::Cpu).unwrap();
         assert_ne!(a, weights_fingerprint(&bf16).unwrap());
+        // The layout is not the weights: packed (the tied head and its table too), the
+        // same model has the same fingerprint, so its calibration is found again.
+        for tie in [false, true] {
+            let mut cfg = preset("tiny").unwrap();
+            cfg.tie_word_embeddings = tie;
+            let rows = load_preset(cfg, WeightDtype::F32, 7, &Device::Cpu).unwrap();
+            let packed = rows.clone().pack_rows().unwrap();
+            assert!(packed.rows_packed() && packed.head_tied() == tie);
+            assert_eq!(
+                weights_fingerprint(&rows).unwrap(),
+                weights_fingerprint(&packed).unwrap(),
+                "tie {tie}"
+            );
+        }
     }
 
     #[test]
