@@ -37,47 +37,33 @@ if [ ! -f "$patch/Cargo.toml" ]; then
   sed -i 's/"dynamic-linking"/"dynamic-loading"/' "$patch/Cargo.toml"
 fi
 
-# CUTLASS's headers for the vendored FlashAttention-2 kernels (engines/vendor/flash-attn),
-# at the commit candle-flash-attn 0.11.1 pins; fetched once (13 MB of headers), or taken
-# from KVBENCH_CUTLASS_DIR.
-cutlass_commit=7d49e6c7e2f8896c47f586706e67e1fb215529dc
-cutlass="${KVBENCH_CUTLASS_DIR:-$HOME/.cache/kvbench/cutlass-${cutlass_commit:0:12}}"
-if [ ! -d "$cutlass/include/cute" ]; then
-  if [ -n "${KVBENCH_CUTLASS_DIR:-}" ]; then
-    echo "KVBENCH_CUTLASS_DIR=$cutlass has no include/cute" >&2
-    exit 1
+# CUTLASS's headers at a commit, into ~/.cache/kvbench/cutlass-<commit> once (13 MB of
+# headers), or taken from the directory the variable named by $2 holds; exported in it.
+cutlass_headers() {
+  local commit="$1" var="$2" dir tmp
+  dir="${!var:-$HOME/.cache/kvbench/cutlass-${commit:0:12}}"
+  if [ ! -d "$dir/include/cute" ]; then
+    if [ -n "${!var:-}" ]; then
+      echo "$var=$dir has no include/cute" >&2
+      exit 1
+    fi
+    echo "== CUTLASS headers ($commit) into $dir"
+    tmp="$(mktemp -d)"
+    git -C "$tmp" init -q
+    git -C "$tmp" fetch -q --depth 1 https://github.com/NVIDIA/cutlass "$commit"
+    git -C "$tmp" checkout -q FETCH_HEAD
+    mkdir -p "$dir"
+    cp -r "$tmp/include" "$tmp/LICENSE.txt" "$dir/"
+    rm -rf "$tmp"
   fi
-  echo "== CUTLASS headers ($cutlass_commit) into $cutlass"
-  tmp="$(mktemp -d)"
-  git -C "$tmp" init -q
-  git -C "$tmp" fetch -q --depth 1 https://github.com/NVIDIA/cutlass "$cutlass_commit"
-  git -C "$tmp" checkout -q FETCH_HEAD
-  mkdir -p "$cutlass"
-  cp -r "$tmp/include" "$tmp/LICENSE.txt" "$cutlass/"
-  rm -rf "$tmp"
-fi
-export KVBENCH_CUTLASS_DIR="$cutlass"
+  export "$var=$dir"
+}
+# For the vendored FlashAttention-2 kernels (engines/vendor/flash-attn): the commit
+# candle-flash-attn 0.11.1 pins. For FlashAttention-3 (engines/vendor/flash-attn3): the
+# later one candle-flash-attn-v3 0.11.1 builds against.
+cutlass_headers 7d49e6c7e2f8896c47f586706e67e1fb215529dc KVBENCH_CUTLASS_DIR
+cutlass_headers 4c42f73fdab5787e3bb57717f35a8cb1b3c0dc6d KVBENCH_CUTLASS3_DIR
 
-# FlashAttention-3 (engines/vendor/flash-attn3) pins a later CUTLASS, the commit
-# candle-flash-attn-v3 0.11.1 builds against; fetched the same way, or taken from
-# KVBENCH_CUTLASS3_DIR.
-cutlass3_commit=4c42f73fdab5787e3bb57717f35a8cb1b3c0dc6d
-cutlass3="${KVBENCH_CUTLASS3_DIR:-$HOME/.cache/kvbench/cutlass-${cutlass3_commit:0:12}}"
-if [ ! -d "$cutlass3/include/cute" ]; then
-  if [ -n "${KVBENCH_CUTLASS3_DIR:-}" ]; then
-    echo "KVBENCH_CUTLASS3_DIR=$cutlass3 has no include/cute" >&2
-    exit 1
-  fi
-  echo "== CUTLASS headers ($cutlass3_commit) into $cutlass3"
-  tmp="$(mktemp -d)"
-  git -C "$tmp" init -q
-  git -C "$tmp" fetch -q --depth 1 https://github.com/NVIDIA/cutlass "$cutlass3_commit"
-  git -C "$tmp" checkout -q FETCH_HEAD
-  mkdir -p "$cutlass3"
-  cp -r "$tmp/include" "$tmp/LICENSE.txt" "$cutlass3/"
-  rm -rf "$tmp"
-fi
-export KVBENCH_CUTLASS3_DIR="$cutlass3"
 # The compiled FlashAttention libraries, kept across feature sets and profiles (a clippy
 # run with the flash features reuses them).
 export KVBENCH_FLASH_CACHE="$root/flash-cache"

@@ -14,26 +14,13 @@ mod common;
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
-use common::{median, probe_best, Args};
+use common::{median, probe_best, products, Args};
 use kvbench_engines::config::preset;
 use kvbench_engines::engine::{Engine, EngineConfig, Request, StepOutcome};
 use kvbench_engines::model::load::load_preset;
 use kvbench_engines::model::pages::huge_vec;
-use kvbench_engines::model::{Linear, Llama, WeightDtype};
+use kvbench_engines::model::WeightDtype;
 use std::time::Instant;
-
-/// Every product of a decode step for one sequence, the output head included, as
-/// `examples/decode_products.rs` times them: the step less these is its other work.
-fn products(model: &Llama, h: &Tensor, a: &Tensor, m: &Tensor) -> Result<()> {
-    for l in model.layers() {
-        Linear::forward_many([&l.wq, &l.wk, &l.wv], h)?;
-        l.wo.forward(a)?;
-        Linear::forward_many([&l.gate, &l.up], h)?;
-        l.down.forward(m)?;
-    }
-    model.lm_head().forward(h)?;
-    Ok(())
-}
 
 fn main() -> Result<()> {
     let mut args = Args::new();

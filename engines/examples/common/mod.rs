@@ -48,3 +48,24 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }
+
+/// Every product of a batch-1 decode step, the output head included, through the
+/// engine's own `Linear` path: `h` the normed input, `a` the attention output, `m`
+/// SwiGLU's product (their values do not matter, only their shapes).
+#[allow(dead_code)] // each example compiles this module; not all of them run products
+pub fn products(
+    model: &kvbench_engines::model::Llama,
+    h: &candle_core::Tensor,
+    a: &candle_core::Tensor,
+    m: &candle_core::Tensor,
+) -> Result<()> {
+    use kvbench_engines::model::Linear;
+    for l in model.layers() {
+        Linear::forward_many([&l.wq, &l.wk, &l.wv], h)?;
+        l.wo.forward(a)?;
+        Linear::forward_many([&l.gate, &l.up], h)?;
+        l.down.forward(m)?;
+    }
+    model.lm_head().forward(h)?;
+    Ok(())
+}

@@ -1000,6 +1000,16 @@ impl FlashKernel {
         )
     }
 
+    /// For a vendored FlashAttention: its name in `KVBENCH_FLASH_PREFILL`, its build
+    /// feature and whether this build has it.
+    fn vendored(self) -> Option<(&'static str, &'static str, bool)> {
+        match self {
+            Self::Fa2 => Some(("fa2", "flash-attn", cfg!(feature = "flash-attn"))),
+            Self::Fa3 => Some(("fa3", "flash-attn3", cfg!(feature = "flash-attn3"))),
+            Self::Mma | Self::Wmma => None,
+        }
+    }
+
     /// The kernel of H2O's exact statistics pass that goes with this attention kernel.
     pub fn stats(self) -> Self {
         match self {
@@ -1071,8 +1081,14 @@ pub fn flash_prefill_with(
             "flash_prefill: log-sum-exp buffer smaller than {t} rows x {h} heads"
         )));
     }
-    if kernel == FlashKernel::Fa2 {
-        #[cfg(feature = "flash-attn")]
+    if let Some((name, feature, built)) = kernel.vendored() {
+        if !built {
+            return Err(Error::Config(format!(
+                "KVBENCH_FLASH_PREFILL={name}: this build has no such kernels (the `{feature}` \
+                 feature; `just build-cuda` builds them)"
+            )));
+        }
+        #[cfg(any(feature = "flash-attn", feature = "flash-attn3"))]
         return flash_attn::prefill(
             cache,
             q,
@@ -1081,33 +1097,12 @@ pub fn flash_prefill_with(
             num_kv_heads,
             block_size,
             lse,
-            flash_attn::Vendored::Fa2,
+            if kernel == FlashKernel::Fa2 {
+                flash_attn::Vendored::Fa2
+            } else {
+                flash_attn::Vendored::Fa3
+            },
         );
-        #[cfg(not(feature = "flash-attn"))]
-        return Err(Error::Config(
-            "KVBENCH_FLASH_PREFILL=fa2: this build has no FlashAttention-2 kernels (the \
-             `flash-attn` feature; `just build-cuda` builds them)"
-                .into(),
-        ));
-    }
-    if kernel == FlashKernel::Fa3 {
-        #[cfg(feature = "flash-attn3")]
-        return flash_attn::prefill(
-            cache,
-            q,
-            table,
-            ctx_before,
-            num_kv_heads,
-            block_size,
-            lse,
-            flash_attn::Vendored::Fa3,
-        );
-        #[cfg(not(feature = "flash-attn3"))]
-        return Err(Error::Config(
-            "KVBENCH_FLASH_PREFILL=fa3: this build has no FlashAttention-3 kernels (the \
-             `flash-attn3` feature; `just build-cuda` builds them)"
-                .into(),
-        ));
     }
     let dev = device_of(q.device())?;
     let name = match (kernel, d) {
