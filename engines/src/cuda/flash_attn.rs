@@ -10,7 +10,9 @@ use crate::error::{Error, Result};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::Tensor;
-use core::ffi::{c_int, c_void};
+#[cfg(feature = "flash-attn")]
+use core::ffi::c_int;
+use core::ffi::c_void;
 use half::bf16;
 
 #[cfg(feature = "flash-attn")]
@@ -163,8 +165,13 @@ pub fn prefill(
         view(&ks, kl, "flash-attn k")?,
         view(&vs, vl, "flash-attn v")?,
     );
-    let cu_q = upload_i32(&dev, &[0, as_i32(t, "rows")?])?;
-    let cu_k = upload_i32(&dev, &[0, as_i32(n, "keys")?])?;
+    // One small buffer for what each kernel reads beside the tensors: FlashAttention-2
+    // the cumulative lengths of its one sequence ([0, t] for the rows, [0, n] for the
+    // keys), FlashAttention-3's causal kernel a counter, from 0, that hands out its tiles.
+    let aux = match which {
+        Vendored::Fa2 => upload_i32(&dev, &[0, as_i32(t, "rows")?, 0, as_i32(n, "keys")?])?,
+        Vendored::Fa3 => upload_i32(&dev, &[0])?,
+    };
     // SAFETY: the kernel writes every element of both.
     let (mut out, mut lse_hq) =
         unsafe { (dev.alloc::<bf16>(t * h * d)?, dev.alloc::<f32>(h * t)?) };
@@ -172,26 +179,27 @@ pub fn prefill(
     let stream = dev.cuda_stream();
     let (row_q, row_kv) = (u32_of(h * d, "q row")?, u32_of(num_kv_heads * d, "k row")?);
     let n_u = u32_of(n, "keys")?;
-    // FlashAttention-3's causal kernel hands out its tiles through this counter.
-    let semaphore = dev.alloc_zeros::<i32>(1)?;
     {
         let (qp, _g1) = qv.device_ptr(&stream);
         let (kp, _g2) = kv.device_ptr(&stream);
         let (vp, _g3) = vv.device_ptr(&stream);
         let (op, _g4) = out.device_ptr_mut(&stream);
         let (lp, _g5) = lse_hq.device_ptr_mut(&stream);
-        let (cqp, _g6) = cu_q.device_ptr(&stream);
-        let (ckp, _g7) = cu_k.device_ptr(&stream);
-        let (sp, _g8) = semaphore.device_ptr(&stream);
+        let (ap, _g6) = aux.device_ptr(&stream);
+        let aux = ap as *const i32;
+        let (cu_q, cu_k, semaphore) = match which {
+            Vendored::Fa2 => (aux, aux.wrapping_add(2), std::ptr::null()),
+            Vendored::Fa3 => (std::ptr::null(), std::ptr::null(), aux),
+        };
         let p = Launch {
             q: qp as *const c_void,
             k: kp as *const c_void,
             v: vp as *const c_void,
             o: op as *const c_void,
             lse: lp as *const c_void,
-            cu_q: cqp as *const i32,
-            cu_k: ckp as *const i32,
-            semaphore: sp as *const i32,
+            cu_q,
+            cu_k,
+            semaphore,
             row_q,
             row_kv,
             h: u32_of(h, "heads")?,
@@ -205,8 +213,8 @@ pub fn prefill(
         };
         // SAFETY: every pointer is a live device buffer of the size FlashAttention reads
         // or writes for these shapes (q and out [t, h, 128], k and v [n, kvh, 128], lse
-        // [h, t], the cumulative lengths [2], the counter [1]), on the stream the
-        // buffers are ordered on.
+        // [h, t], the cumulative lengths [2] each or the counter [1]; null what the
+        // kernel does not read), on the stream the buffers are ordered on.
         unsafe { launch(which, &p)? };
     }
     drop((qs, ks, vs));
@@ -229,7 +237,12 @@ pub fn prefill(
     Ok(tensor_from(&dev, out, (t, h, d)))
 }
 
-/// One launch's arguments, as both vendored entry points take them.
+/// One launch's arguments, as both vendored entry points take them (a build with one of
+/// them leaves the other's fields unread).
+#[cfg_attr(
+    not(all(feature = "flash-attn", feature = "flash-attn3")),
+    allow(dead_code)
+)]
 struct Launch {
     q: *const c_void,
     k: *const c_void,
