@@ -19,7 +19,8 @@
 //!   bytes; portable code),
 //! - one row after another with eight accumulators (more loads in flight than the
 //!   engine's two; another order of sums, so other bits),
-//! - the packed layout as 576-row matrices with a pass over the pool each,
+//! - the packed layout as 576-row matrices with a pass over the pool each, and in one
+//!   region with fixed shares as above,
 //! - the matrices stored transposed (`[in, out]`): each block of input columns adds
 //!   its rows, scaled by the input, into a partial output held in L1 (one stream per
 //!   thread, the layout gemm reads as it is), partials summed after the pass; one row
@@ -116,8 +117,10 @@ fn shares<'a>(y: &'a mut [f32], w: &'a [f32], threads: usize) -> Vec<Vec<Share<'
     let mut out: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
     for (mut ym, mut wm) in y.chunks_mut(576).zip(w.chunks(576 * K)) {
         let n = ym.len();
+        let groups = n / 4;
         for (t, share) in out.iter_mut().enumerate() {
-            let take = n * (t + 1) / threads - n * t / threads;
+            // Whole groups of four rows, so that a share of a packed matrix is packed.
+            let take = 4 * (groups * (t + 1) / threads - groups * t / threads);
             let (yt, yrest) = std::mem::take(&mut ym).split_at_mut(take);
             let (wt, wrest) = wm.split_at(take * K);
             share.push((yt, wt));
@@ -314,6 +317,7 @@ fn main() -> Result<()> {
         "transposed, one row at a time",
         "transposed, two rows at a time",
         "transposed, columns split",
+        "packed, 576-row matrices, one region",
     ];
     let mut runs: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
     for _ in 0..rounds {
@@ -398,6 +402,18 @@ fn main() -> Result<()> {
             }
         });
         runs[6].push(gb(t.elapsed().as_secs_f64()));
+        // The same region over the packed layout: each share is whole groups of four.
+        let t = Instant::now();
+        pool.broadcast(|ctx| {
+            let mut mine = slots[ctx.index()].lock().unwrap_or_else(|e| e.into_inner());
+            for (ym, wm) in mine.iter_mut() {
+                for (yq, wq) in ym.chunks_exact_mut(4).zip(wm.chunks_exact(4 * K)) {
+                    yq.copy_from_slice(&dot4_packed(wq, &x));
+                }
+                barrier.wait();
+            }
+        });
+        runs[13].push(gb(t.elapsed().as_secs_f64()));
         // The same shares with a hand-off per matrix, by broadcast rather than by
         // splitting the matrix into stolen blocks.
         {

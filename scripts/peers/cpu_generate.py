@@ -4,8 +4,9 @@
 The same GGUF (SmolLM2-135M-Instruct, Q4_1), the same prompt file, greedy decoding,
 the same thread count, one engine at a time, repeated and interleaved so that drift of
 the machine lands on every engine alike. Also measures the machine's memory read
-bandwidth with the same threads, so decode can be set against its bound: an f32 decode
-step must read every weight once (plus the KV cache), so tok/s <= bandwidth / bytes.
+bandwidth with the same threads before each round, so decode can be set against its
+bound: an f32 decode step must read every weight once (plus the KV cache), so
+tok/s <= bandwidth / bytes; each kvbench f32 batch-1 run is set against its round's.
 
   python3 scripts/peers/cpu_generate.py --kvbench target/release/kvbench \
       --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -26,6 +27,7 @@ import json
 import warnings
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -54,6 +56,13 @@ def bandwidth_gb_s(threads, probe=None):
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+def peer_versions():
+    """The peers' package versions: their speed moves from release to release."""
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("llama_cpp_python", "transformers", "torch")}
 
 
 def run_kvbench(binary, gguf, prompt_file, threads, n, batch, dtype):
@@ -174,11 +183,14 @@ def main():
     print("loading llama.cpp and transformers ...", file=sys.stderr)
     lcpp = LlamaCpp(a.gguf, a.threads, n_ctx=4096)
     hf = Transformers(a.gguf, a.threads)
-    bw = bandwidth_gb_s(a.threads, a.read_bandwidth)
-    print(f"read bandwidth, {a.threads} threads: {bw:.1f} GB/s", file=sys.stderr)
-
     rows = []
+    bws = []
     for rep in range(a.repeats):
+        # The probe before each round: this shared machine's memory drifts between
+        # rounds, and a round's runs are set against the bandwidth of their round.
+        bw = bandwidth_gb_s(a.threads, a.read_bandwidth)
+        bws.append(bw)
+        print(f"read bandwidth, {a.threads} threads: {bw:.1f} GB/s", file=sys.stderr)
         for b in batches:
             runs = []
             if b == 1:
@@ -193,7 +205,12 @@ def main():
                                  a.new_tokens, b, dtype)))
             for name, f in runs:
                 r = f()
-                r.update(engine=name, batch=b, repeat=rep)
+                r.update(engine=name, batch=b, repeat=rep, read_bandwidth_gb_s=bw)
+                if r.get("weights_dtype") == "f32" and b == 1:
+                    # An f32 decode step reads every weight once and the request's KV
+                    # (at the end of the run): tok/s <= bandwidth / those bytes.
+                    bound = bw * 1e9 / (r["weights_bytes"] + r["kv_device_bytes"])
+                    r.update(f32_decode_bound_tok_s=bound, of_bound=r["decode_tok_s"] / bound)
                 print(json.dumps(r), file=sys.stderr)
                 rows.append(r)
 
@@ -202,30 +219,30 @@ def main():
         "cpu_count": os.cpu_count(),
         "threads": a.threads,
         "new_tokens": a.new_tokens,
-        "read_bandwidth_gb_s": bw,
+        "read_bandwidth_gb_s": bws,
         "read_bandwidth_probe": "kvbench read_bandwidth" if a.read_bandwidth else "torch sum",
         "date": time.strftime("%Y-%m-%d"),
+        "versions": peer_versions(),
     }
     with open(a.out, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
-    # At batch 1 an f32 decode step reads every weight once and the request's KV:
-    # tok/s <= bandwidth / (weights + KV at the end of the run).
-    f32 = [r for r in rows if r.get("weights_dtype") == "f32" and r["batch"] == 1]
-    bound = (bw * 1e9 / (f32[0]["weights_bytes"] + f32[0]["kv_device_bytes"])
-             if f32 else None)
-    meta["f32_decode_bound_tok_s"] = bound
-    with open(a.out, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\n{a.threads} threads, {a.new_tokens} generated tokens, "
-          f"read bandwidth {bw:.1f} GB/s"
-          + (f", f32 decode bound (weights + KV read once per step) {bound:.1f} tok/s"
-             " at batch 1" if bound else ""))
-    print("\n| engine | batch | prompt tokens | TTFT s | decode tok/s |")
-    print("|---|---|---|---|---|")
+    print(f"\n{a.threads} threads, {a.new_tokens} generated tokens, {a.repeats} rounds, "
+          f"read bandwidth {min(bws):.1f}-{max(bws):.1f} GB/s; medians over the rounds")
+    print("\n| engine | batch | prompt tokens | TTFT s | decode tok/s | of the f32 bound |")
+    print("|---|---|---|---|---|---|")
+    keys = []
     for r in rows:
-        print(f"| {r['engine']} | {r['batch']} | {r['prompt_tokens']} | "
-              f"{r['ttft_s']:.2f} | {r['decode_tok_s']:.1f} |")
+        if (r["engine"], r["batch"]) not in keys:
+            keys.append((r["engine"], r["batch"]))
+    for engine, batch in keys:
+        rs = [r for r in rows if r["engine"] == engine and r["batch"] == batch]
+        ratios = [r["of_bound"] for r in rs if "of_bound" in r]
+        share = (f"{100 * statistics.median(ratios):.0f} % "
+                 f"({100 * min(ratios):.0f}-{100 * max(ratios):.0f})" if ratios else "")
+        print(f"| {engine} | {batch} | {rs[0]['prompt_tokens']} | "
+              f"{statistics.median(r['ttft_s'] for r in rs):.2f} | "
+              f"{statistics.median(r['decode_tok_s'] for r in rs):.1f} | {share} |")
 
 
 if __name__ == "__main__":
