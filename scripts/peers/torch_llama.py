@@ -181,7 +181,10 @@ def decode(dev, shapes, batches, prompt, new, reps, done=lambda rows: None, eage
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=["sdpa", "decode", "all"])
-    ap.add_argument("--lengths", default="4096,16384,32768,65536,131072")
+    ap.add_argument("--lengths", default=None,
+                    help="prefill lengths (default 4096,16384,32768,65536,131072; "
+                         "with --tiny 256,512: the CPU's math backend holds the whole "
+                         "score matrix, 68 GB at 131072)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=128, help="decode tokens timed per run")
@@ -213,8 +216,9 @@ def main():
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
 
+    lengths = a.lengths or ("256,512" if a.tiny else "4096,16384,32768,65536,131072")
     if a.what in ("sdpa", "all"):
-        res["sdpa"] = sdpa(dev, shapes, [int(x) for x in a.lengths.split(",")])
+        res["sdpa"] = sdpa(dev, shapes, [int(x) for x in lengths.split(",")])
         save()
     if a.what in ("decode", "all"):
         def done(rows):
