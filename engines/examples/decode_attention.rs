@@ -7,7 +7,9 @@
 //! same K/V bytes. Each is timed as the best of three passes per round; prints the
 //! medians over the rounds for each context length.
 //!
-//!   cargo run --release -p kvbench-engines --example decode_attention -- [threads] [rounds]
+//! The block size (16, as vLLM's) can be set to see what longer runs of K/V give.
+//!
+//!   cargo run --release -p kvbench-engines --example decode_attention -- [threads] [rounds] [block size]
 
 mod common;
 
@@ -26,11 +28,12 @@ fn main() -> Result<()> {
     let mut args = Args::new();
     let threads = args.next("threads", 2)?.max(1);
     let rounds = args.next("rounds", 7)?.max(1);
+    let block_size = args.next("block size", 16)?.max(1);
     let s = AttnShape {
         num_heads: 9,
         num_kv_heads: 3,
         head_dim: 64,
-        block_size: 16,
+        block_size,
     };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
