@@ -59,10 +59,17 @@ def bandwidth_gb_s(threads, probe=None):
 
 
 def peer_versions():
-    """The peers' package versions: their speed moves from release to release."""
-    from importlib.metadata import version
+    """The peers' package versions (None where a distribution goes by another name):
+    their speed moves from release to release."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {p: version(p) for p in ("llama_cpp_python", "transformers", "torch")}
+    def of(p):
+        try:
+            return version(p)
+        except PackageNotFoundError:
+            return None
+
+    return {p: of(p) for p in ("llama_cpp_python", "transformers", "torch")}
 
 
 def run_kvbench(binary, gguf, prompt_file, threads, n, batch, dtype):
@@ -180,11 +187,28 @@ def main():
     with open(prompt_path, "w", encoding="utf-8") as f:
         f.write(prompt)
 
+    versions = peer_versions()
     print("loading llama.cpp and transformers ...", file=sys.stderr)
     lcpp = LlamaCpp(a.gguf, a.threads, n_ctx=4096)
     hf = Transformers(a.gguf, a.threads)
     rows = []
     bws = []
+    meta = {
+        "machine": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "threads": a.threads,
+        "new_tokens": a.new_tokens,
+        "read_bandwidth_gb_s": bws,
+        "read_bandwidth_probe": "kvbench read_bandwidth" if a.read_bandwidth else "torch sum",
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": versions,
+    }
+
+    # Written after every run, so that a run that fails keeps those before it.
+    def save():
+        with open(a.out, "w", encoding="utf-8") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
     for rep in range(a.repeats):
         # The probe before each round: this shared machine's memory drifts between
         # rounds, and a round's runs are set against the bandwidth of their round.
@@ -213,19 +237,7 @@ def main():
                     r.update(f32_decode_bound_tok_s=bound, of_bound=r["decode_tok_s"] / bound)
                 print(json.dumps(r), file=sys.stderr)
                 rows.append(r)
-
-    meta = {
-        "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": a.threads,
-        "new_tokens": a.new_tokens,
-        "read_bandwidth_gb_s": bws,
-        "read_bandwidth_probe": "kvbench read_bandwidth" if a.read_bandwidth else "torch sum",
-        "date": time.strftime("%Y-%m-%d"),
-        "versions": peer_versions(),
-    }
-    with open(a.out, "w", encoding="utf-8") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+                save()
 
     print(f"\n{a.threads} threads, {a.new_tokens} generated tokens, {a.repeats} rounds, "
           f"read bandwidth {min(bws):.1f}-{max(bws):.1f} GB/s; medians over the rounds")
