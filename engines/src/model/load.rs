@@ -120,12 +120,21 @@ pub fn random_tensors(
     let mut out = HashMap::with_capacity(specs.len());
     for (name, shape, random) in specs {
         let n: usize = shape.iter().product();
-        let data = if random {
-            random_uniform(n, seed ^ fnv1a(name.as_bytes()))
+        let t = if !random {
+            Tensor::ones(shape, dtype, device)?
         } else {
-            vec![1f32; n]
+            let data = random_uniform(n, seed ^ fnv1a(name.as_bytes()));
+            // Rounded to a 16-bit dtype here, in parallel, so that a device gets half
+            // the bytes (16 GB rather than 32 for an 8B preset); the same rounding
+            // (to nearest, ties to even) as a cast on the device, so the same weights.
+            match dtype {
+                DType::BF16 => {
+                    Tensor::from_vec(rounded(&data, half::bf16::from_f32), shape, device)?
+                }
+                DType::F16 => Tensor::from_vec(rounded(&data, half::f16::from_f32), shape, device)?,
+                _ => Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?,
+            }
         };
-        let t = Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?;
         out.insert(name, t);
     }
     Ok(out)
@@ -144,6 +153,11 @@ fn random_uniform(n: usize, seed: u64) -> Vec<f32> {
         }
     });
     data
+}
+
+/// `data` rounded element by element with `f`, in parallel.
+fn rounded<T: Send>(data: &[f32], f: impl Fn(f32) -> T + Sync) -> Vec<T> {
+    data.par_iter().map(|&x| f(x)).collect()
 }
 
 fn fnv1a(b: &[u8]) -> u64 {
@@ -712,4 +726,46 @@ pub fn load_safetensors(
         device: device.clone(),
     };
     build(cfg, wd, &mut src)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Weights generated in a 16-bit dtype are the f32 weights cast to it, bit for bit
+    /// (what a cast on the device gave before they were rounded on the host).
+    #[test]
+    fn preset_weights_in_16_bits_are_the_f32_weights_cast() {
+        let cfg = crate::config::preset("tiny").unwrap();
+        let f32s = random_tensors(&cfg, 3, DType::F32, &Device::Cpu).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            let narrow = random_tensors(&cfg, 3, dtype, &Device::Cpu).unwrap();
+            assert_eq!(narrow.len(), f32s.len());
+            for (name, w) in &f32s {
+                let cast = w.to_dtype(dtype).unwrap();
+                let got = &narrow[name];
+                assert_eq!(got.dtype(), dtype, "{name}");
+                assert_eq!(got.dims(), cast.dims(), "{name}");
+                // Compared as the bits of the 16-bit values, so that -0 and NaN count.
+                let bits = |t: &Tensor| -> Vec<u16> {
+                    let flat = t.flatten_all().unwrap();
+                    match dtype {
+                        DType::BF16 => flat
+                            .to_vec1::<half::bf16>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect(),
+                        _ => flat
+                            .to_vec1::<half::f16>()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect(),
+                    }
+                };
+                assert_eq!(bits(got), bits(&cast), "{name} in {dtype:?}");
+            }
+        }
+    }
 }

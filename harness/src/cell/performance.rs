@@ -161,12 +161,21 @@ fn workload(plan: &Plan, cell: &Cell, setup: &Setup) -> Result<Vec<Request>> {
                 .collect()
         }
     };
+    let warmup_tokens = e.warmup_tokens.unwrap_or(shape.output_len);
     Ok(prompts
         .into_iter()
         .zip(&shape.arrivals)
-        .map(|(p, &arrival_s)| Request {
-            arrival_s,
-            ..Request::greedy(p, shape.output_len)
+        .enumerate()
+        .map(|(i, (p, &arrival_s))| {
+            let tokens = if i < shape.warmup {
+                warmup_tokens
+            } else {
+                shape.output_len
+            };
+            Request {
+                arrival_s,
+                ..Request::greedy(p, tokens)
+            }
         })
         .collect())
 }
@@ -386,4 +395,35 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
     }
     result.wall_s = t0.elapsed().as_secs_f64();
     Ok(result)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(extra: &str) -> Plan {
+        let text = format!(
+            "name: t\nmodel: preset:tiny\nengines:\n  - name: full\nmatrix:\n  batch: [2]\n  \
+             prompt_len: [16]\n  output_len: [8]\nworkload:\n  num_requests: 2\n{extra}"
+        );
+        Plan::parse(&text, Path::new("exp.yaml"), Path::new("models")).unwrap()
+    }
+
+    fn lengths(plan: &Plan) -> Vec<usize> {
+        let setup = load_setup(plan, Path::new("models")).unwrap();
+        workload(plan, &plan.cells[0], &setup)
+            .unwrap()
+            .iter()
+            .map(|r| r.max_new_tokens)
+            .collect()
+    }
+
+    #[test]
+    fn warmup_requests_generate_warmup_tokens_and_the_measured_ones_the_output_length() {
+        assert_eq!(lengths(&plan("warmup: 2\n")), [8, 8, 8, 8]);
+        assert_eq!(
+            lengths(&plan("warmup: 2\nwarmup_tokens: 3\n")),
+            [3, 3, 8, 8]
+        );
+    }
 }

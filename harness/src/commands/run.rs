@@ -116,7 +116,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
     let e = &plan.exp;
     println!(
-        "{}: experiment `{}`, model {} on {}, context {}, {} (+{} warm-up), {} repeat(s), seed {}",
+        "{}: experiment `{}`, model {} on {}, context {}, {} (+{} warm-up{}), {} repeat(s), seed {}",
         a.experiment.display(),
         e.name,
         e.model,
@@ -126,6 +126,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             .as_ref()
             .map_or("no requests".into(), |w| w.describe()),
         e.warmup,
+        e.warmup_tokens
+            .map_or(String::new(), |t| format!(" of {t} tokens")),
         e.repeats,
         e.seed
     );

@@ -59,6 +59,10 @@ fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) ->
         "retention": retention,
         "threads": threads,
     });
+    // Only when set, so that the cells of experiments without it keep their identity.
+    if let Some(t) = exp.warmup_tokens {
+        all["warmup_tokens"] = serde_json::json!(t);
+    }
     let switches = kvbench_engines::kernel_switches();
     if !switches.is_empty() {
         all["switches"] = serde_json::json!(switches);

@@ -125,6 +125,21 @@ impl Plan {
         if exp.repeats == 0 {
             return Err(err("repeats", "expected at least 1".into()));
         }
+        match exp.warmup_tokens {
+            Some(0) => {
+                return Err(err(
+                    "warmup_tokens",
+                    "expected at least 1 (a request generates a token)".into(),
+                ))
+            }
+            Some(_) if exp.warmup == 0 => {
+                return Err(err(
+                    "warmup_tokens",
+                    "set, but `warmup` runs no warm-up requests".into(),
+                ))
+            }
+            _ => {}
+        }
         let s = &exp.scheduler;
         if !["chunked", "sequential"].contains(&s.prefill.as_str()) {
             return Err(err(
@@ -297,6 +312,33 @@ repeats: 2
         parse(text)
             .err()
             .map_or(String::new(), |e| format!("{e:#}"))
+    }
+
+    #[test]
+    fn warmup_tokens_need_warmup_requests_and_change_the_identity_only_when_set() {
+        let with = |extra: &str| GOOD.replace("repeats: 2", &format!("repeats: 2\n{extra}"));
+        let e = err(&with("warmup_tokens: 4"));
+        assert!(
+            e.contains("warmup_tokens") && e.contains("no warm-up requests"),
+            "{e}"
+        );
+        let e = err(&with("warmup: 1\nwarmup_tokens: 0"));
+        assert!(
+            e.contains("warmup_tokens") && e.contains("at least 1"),
+            "{e}"
+        );
+        let ids = |text: &str| -> Vec<String> {
+            parse(text)
+                .unwrap()
+                .cells
+                .into_iter()
+                .map(|c| c.id)
+                .collect()
+        };
+        let plain = ids(&with("warmup: 1"));
+        let short = ids(&with("warmup: 1\nwarmup_tokens: 4"));
+        assert!(plain.iter().zip(&short).all(|(a, b)| a != b));
+        assert_eq!(ids(&with("warmup: 1\nwarmup_tokens: 4")), short);
     }
 
     #[test]
@@ -571,6 +613,7 @@ retention:
             GOOD.replace("num_requests: 4", "num_requests: 4\n  source: Cargo.toml"),
             GOOD.replace("num_requests: 4", "batches: 4"),
             GOOD.replace("repeats: 2", "repeats: 2\nwarmup: 1"),
+            GOOD.replace("repeats: 2", "repeats: 2\nwarmup: 1\nwarmup_tokens: 4"),
             GOOD.replace(
                 "repeats: 2",
                 "repeats: 2\nscheduler:\n  max_batched_tokens: 64",

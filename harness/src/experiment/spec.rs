@@ -64,6 +64,12 @@ pub struct Experiment {
     /// Requests run and discarded before each cell's measured requests.
     #[serde(default)]
     pub warmup: usize,
+    /// New tokens each warm-up request generates (default: the cell's output length).
+    /// A warm-up is there to pay the one-time costs (kernel loading, allocation, the
+    /// first graphs) before the clock starts; a few tokens do that without a long
+    /// decode that nothing measures (512 steps of InfiniGen at batch 1 are half a
+    /// minute of GPU time per cell).
+    pub warmup_tokens: Option<usize>,
     /// Service-level objectives for goodput (performance experiments); `kvbench run
     /// --slo` replaces them.
     pub slo: Option<SloSpec>,
