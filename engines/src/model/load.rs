@@ -123,16 +123,19 @@ pub fn random_tensors(
         let t = if !random {
             Tensor::ones(shape, dtype, device)?
         } else {
-            let data = random_uniform(n, seed ^ fnv1a(name.as_bytes()));
-            // Rounded to a 16-bit dtype here, in parallel, so that a device gets half
+            let seed = seed ^ fnv1a(name.as_bytes());
+            // Rounded to a 16-bit dtype as they are drawn, so that a device gets half
             // the bytes (16 GB rather than 32 for an 8B preset); the same rounding
             // (to nearest, ties to even) as a cast on the device, so the same weights.
             match dtype {
                 DType::BF16 => {
-                    Tensor::from_vec(rounded(&data, half::bf16::from_f32), shape, device)?
+                    Tensor::from_vec(random_uniform(n, seed, half::bf16::from_f32), shape, device)?
                 }
-                DType::F16 => Tensor::from_vec(rounded(&data, half::f16::from_f32), shape, device)?,
-                _ => Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?,
+                DType::F16 => {
+                    Tensor::from_vec(random_uniform(n, seed, half::f16::from_f32), shape, device)?
+                }
+                _ => Tensor::from_vec(random_uniform(n, seed, |x| x), shape, device)?
+                    .to_dtype(dtype)?,
             }
         };
         out.insert(name, t);
@@ -140,24 +143,27 @@ pub fn random_tensors(
     Ok(out)
 }
 
-/// Uniform in ±0.02·√3 (std 0.02), generated in parallel chunks with per-chunk seeds so
-/// the values do not depend on the thread count.
-fn random_uniform(n: usize, seed: u64) -> Vec<f32> {
+/// Uniform in ±0.02·√3 (std 0.02), each value passed through `f` (a rounding to the
+/// weights' dtype), generated in parallel chunks with per-chunk seeds so the values do
+/// not depend on the thread count.
+fn random_uniform<T: Send>(n: usize, seed: u64, f: impl Fn(f32) -> T + Sync) -> Vec<T> {
     const CHUNK: usize = 1 << 16;
     let a = 0.02f32 * 3f32.sqrt();
-    let mut data = vec![0f32; n];
-    data.par_chunks_mut(CHUNK).enumerate().for_each(|(i, c)| {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(i as u64));
-        for x in c {
-            *x = rng.random_range(-a..a);
-        }
-    });
+    // Written in place by the threads: a buffer filled first would be one more pass
+    // over 16 GB on one thread for an 8B preset.
+    let mut data = Vec::with_capacity(n);
+    data.spare_capacity_mut()[..n]
+        .par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(i, c)| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+            for x in c {
+                x.write(f(rng.random_range(-a..a)));
+            }
+        });
+    // SAFETY: the chunks above cover all `n` elements, and each was written.
+    unsafe { data.set_len(n) };
     data
-}
-
-/// `data` rounded element by element with `f`, in parallel.
-fn rounded<T: Send>(data: &[f32], f: impl Fn(f32) -> T + Sync) -> Vec<T> {
-    data.par_iter().map(|&x| f(x)).collect()
 }
 
 fn fnv1a(b: &[u8]) -> u64 {
