@@ -196,6 +196,8 @@ pub fn predict_cell(
         d2h_bytes: None,
         attended_fraction: None,
         wall_s: 0.0,
+        load_s: None,
+        warmup_s: None,
         process_rss_peak_bytes: None,
         gpu_used_peak_bytes: None,
         samples: Vec::new(),

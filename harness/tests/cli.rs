@@ -664,6 +664,10 @@ fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     assert!(m["ttft_s"]["p99"].as_f64().unwrap() > 0.0);
     assert!(v["attended_fraction"].as_f64().unwrap() < 0.5, "{v}");
     assert!(v["key"].as_str().unwrap().contains("engine=h2o"));
+    // Where the time outside the measurement went: loading, then the warm-up.
+    let secs = |k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+    let (load, warm, wall) = (secs("load_s"), secs("warmup_s"), secs("wall_s"));
+    assert!(load > 0.0 && warm > 0.0 && load + warm < wall, "{v}");
     // Run by hand, the cell reports no progress.
     assert!(!stderr(&o).contains("kvbench-progress"), "{}", stderr(&o));
     // A device smaller than the weights: the cell's outcome is oom, still one object.
@@ -671,6 +675,8 @@ fn run_cell_prints_one_result_with_ok_and_oom_outcomes() {
     assert!(o.status.success(), "{}", stderr(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["outcome"], "oom", "{v}");
+    // The engine never started its warm-up: no time is made up for it.
+    assert!(v["warmup_s"].is_null(), "{v}");
     assert!(
         v["error"].as_str().unwrap().contains("out of memory"),
         "{v}"

@@ -43,6 +43,13 @@ pub struct CellResult {
     pub attended_fraction: Option<f64>,
     /// Seconds the cell took, set-up included.
     pub wall_s: f64,
+    /// Of those, seconds before the engine was built (the model loaded onto its device,
+    /// the workload drawn) and from then to the measured requests' start (the engine's
+    /// construction and allocation, the warm-up requests): where a cell's time outside
+    /// the measurement goes. Null where not measured (a prediction; a run that failed
+    /// before that point).
+    pub load_s: Option<f64>,
+    pub warmup_s: Option<f64>,
     /// Where it ran.
     pub env: crate::environment::Environment,
     /// Most resident memory of this process and most GPU memory in use (NVML) while
@@ -317,6 +324,8 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         d2h_bytes: None,
         attended_fraction: None,
         wall_s: 0.0,
+        load_s: None,
+        warmup_s: None,
         process_rss_peak_bytes: None,
         gpu_used_peak_bytes: None,
         samples: Vec::new(),
@@ -324,8 +333,11 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         steps: Vec::new(),
         predicted: false,
     };
+    result.load_s = Some(t0.elapsed().as_secs_f64());
     let sampler = crate::sampler::Sampler::start(std::time::Duration::from_millis(100), gpu);
+    let mut warmup_s = None;
     let mut run = || -> Result<(Engine, usize, usize)> {
+        let built = Instant::now();
         let mut eng = engine(plan, cell, &setup, models_dir)?;
         // At most `batch` requests are held at once: room for the longest ones is
         // allocated before anything is timed.
@@ -343,11 +355,13 @@ pub fn run_cell(plan: &Plan, cell: &Cell, models_dir: &Path) -> Result<CellResul
         // Warm-up requests all go at once, whatever the cap.
         drive_live(&mut eng, warm, None, &mut progress)?;
         let (skip_out, skip_steps) = (eng.finished().len(), eng.traces().len());
+        warmup_s = Some(built.elapsed().as_secs_f64());
         eng.reset_clock();
         drive_live(&mut eng, measured, cell.max_concurrency, &mut progress)?;
         Ok((eng, skip_out, skip_steps))
     };
     let outcome = run();
+    result.warmup_s = warmup_s;
     progress.finish();
     let samples = sampler.finish();
     result.process_rss_peak_bytes = samples.iter().filter_map(|x| x.process_rss_bytes).max();
