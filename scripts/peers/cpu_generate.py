@@ -10,7 +10,8 @@ tok/s <= bandwidth / bytes; each kvbench f32 batch-1 run is set against its roun
 
   python3 scripts/peers/cpu_generate.py --kvbench target/release/kvbench \
       --gguf models/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --prompt-file datasets/fixtures/prose/pride_and_prejudice_pg42671.txt --prompt-chars 2600
+      --prompt-file datasets/fixtures/prose/pride_and_prejudice_pg42671.txt --prompt-chars 2600 \
+      [--f32-gguf models/SmolLM2-135M-Instruct.f32.gguf]
 
 Needs (PyPI): llama-cpp-python (builds llama.cpp from source), torch, transformers and
 gguf (transformers reads the GGUF and dequantizes it to f32). Prints a Markdown table
@@ -90,6 +91,20 @@ def run_kvbench(binary, gguf, prompt_file, threads, n, batch, dtype):
         "weights_bytes": j["weights_bytes"],
         "weights_dtype": j["weights_dtype"],
     }
+
+
+def gguf_decode_bytes(gguf):
+    """(bytes of a GGUF's tensors, bytes of llama.cpp's K/V per token): what an f32
+    decode step of llama.cpp reads, its weights once (a tied head is the embedding)
+    and its f16 K/V cache (the default)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(gguf)
+    arch = r.fields["general.architecture"].contents()
+    meta = lambda k: int(r.fields[f"{arch}.{k}"].contents())
+    head_dim = meta("embedding_length") // meta("attention.head_count")
+    kv_per_token = meta("block_count") * 2 * meta("attention.head_count_kv") * head_dim * 2
+    return sum(int(t.n_bytes) for t in r.tensors), kv_per_token
 
 
 class LlamaCpp:
@@ -173,6 +188,10 @@ def main():
     p.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="results/peers-cpu.json")
+    p.add_argument("--f32-gguf", default=None,
+                   help="the same model's weights in f32 (scripts/peers/gguf_to_f32.py): "
+                        "llama.cpp also decodes them at batch 1, against the same bound as "
+                        "kvbench's f32")
     p.add_argument("--read-bandwidth", default=None,
                    help="kvbench's read bandwidth probe (cargo build --release -p "
                         "kvbench-engines --examples: target/release/examples/read_bandwidth); "
@@ -190,6 +209,8 @@ def main():
     versions = peer_versions()
     print("loading llama.cpp and transformers ...", file=sys.stderr)
     lcpp = LlamaCpp(a.gguf, a.threads, n_ctx=4096)
+    lcpp32 = LlamaCpp(a.f32_gguf, a.threads, n_ctx=4096) if a.f32_gguf else None
+    lcpp32_bytes = gguf_decode_bytes(a.f32_gguf) if a.f32_gguf else None
     hf = Transformers(a.gguf, a.threads)
     rows = []
     bws = []
@@ -219,6 +240,8 @@ def main():
             runs = []
             if b == 1:
                 runs.append(("llama.cpp (Q4_1)", lambda: lcpp.run(prompt, a.new_tokens)))
+                if lcpp32:
+                    runs.append(("llama.cpp (f32)", lambda: lcpp32.run(prompt, a.new_tokens)))
             runs.append(("HF transformers (f32)", lambda b=b: hf.run(prompt, a.new_tokens, b)))
             # Q4_1 prefill is slow in candle on this CPU (a 16 x 500-token batch would
             # take minutes): the quantized path is measured at batch 1 only.
@@ -230,10 +253,16 @@ def main():
             for name, f in runs:
                 r = f()
                 r.update(engine=name, batch=b, repeat=rep, read_bandwidth_gb_s=bw)
+                step_bytes = None
                 if r.get("weights_dtype") == "f32" and b == 1:
                     # An f32 decode step reads every weight once and the request's KV
                     # (at the end of the run): tok/s <= bandwidth / those bytes.
-                    bound = bw * 1e9 / (r["weights_bytes"] + r["kv_device_bytes"])
+                    step_bytes = r["weights_bytes"] + r["kv_device_bytes"]
+                elif name == "llama.cpp (f32)":
+                    weights, kv_per_token = lcpp32_bytes
+                    step_bytes = weights + kv_per_token * (r["prompt_tokens"] + a.new_tokens)
+                if step_bytes:
+                    bound = bw * 1e9 / step_bytes
                     r.update(f32_decode_bound_tok_s=bound, of_bound=r["decode_tok_s"] / bound)
                 print(json.dumps(r), file=sys.stderr)
                 rows.append(r)
