@@ -391,29 +391,30 @@ fn main() -> Result<()> {
             .into_iter()
             .map(Mutex::new)
             .collect();
-        let t = Instant::now();
-        pool.broadcast(|ctx| {
-            let mut mine = slots[ctx.index()].lock().unwrap_or_else(|e| e.into_inner());
-            for (ym, wm) in mine.iter_mut() {
-                for (yr, wr) in ym.iter_mut().zip(wm.chunks_exact(K)) {
-                    *yr = dot_row_with(avx, wr, &x);
+        // Seconds for every thread to do `share` over each of its matrices in turn,
+        // waiting for the others between matrices.
+        let region = |share: &(dyn Fn(&mut [f32], &[f32]) + Sync)| {
+            let t = Instant::now();
+            pool.broadcast(|ctx| {
+                let mut mine = slots[ctx.index()].lock().unwrap_or_else(|e| e.into_inner());
+                for (ym, wm) in mine.iter_mut() {
+                    share(ym, wm);
+                    barrier.wait();
                 }
-                barrier.wait();
+            });
+            t.elapsed().as_secs_f64()
+        };
+        runs[6].push(gb(region(&|ym, wm| {
+            for (yr, wr) in ym.iter_mut().zip(wm.chunks_exact(K)) {
+                *yr = dot_row_with(avx, wr, &x);
             }
-        });
-        runs[6].push(gb(t.elapsed().as_secs_f64()));
+        })));
         // The same region over the packed layout: each share is whole groups of four.
-        let t = Instant::now();
-        pool.broadcast(|ctx| {
-            let mut mine = slots[ctx.index()].lock().unwrap_or_else(|e| e.into_inner());
-            for (ym, wm) in mine.iter_mut() {
-                for (yq, wq) in ym.chunks_exact_mut(4).zip(wm.chunks_exact(4 * K)) {
-                    yq.copy_from_slice(&dot4_packed(wq, &x));
-                }
-                barrier.wait();
+        runs[13].push(gb(region(&|ym, wm| {
+            for (yq, wq) in ym.chunks_exact_mut(4).zip(wm.chunks_exact(4 * K)) {
+                yq.copy_from_slice(&dot4_packed(wq, &x));
             }
-        });
-        runs[13].push(gb(t.elapsed().as_secs_f64()));
+        })));
         // The same shares with a hand-off per matrix, by broadcast rather than by
         // splitting the matrix into stolen blocks.
         {
