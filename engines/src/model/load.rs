@@ -231,11 +231,13 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
-        let mut f = std::fs::File::open(path).map_err(|e| Error::Io {
+        let f = std::fs::File::open(path).map_err(|e| Error::Io {
             path: path.into(),
             source: e,
         })?;
-        let content = gguf_file::Content::read(&mut f)
+        // Buffered: the metadata is read a few bytes at a time (every token string of
+        // the vocabulary and merges), one system call each from a bare file.
+        let content = gguf_file::Content::read(&mut std::io::BufReader::new(f))
             .map_err(|e| Error::model(path.display(), format!("not a readable GGUF file: {e}")))?;
         let file = Self {
             path: path.into(),
