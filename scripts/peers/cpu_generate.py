@@ -209,8 +209,10 @@ def main():
     versions = peer_versions()
     print("loading llama.cpp and transformers ...", file=sys.stderr)
     lcpp = LlamaCpp(a.gguf, a.threads, n_ctx=4096)
-    lcpp32 = LlamaCpp(a.f32_gguf, a.threads, n_ctx=4096) if a.f32_gguf else None
-    lcpp32_bytes = gguf_decode_bytes(a.f32_gguf) if a.f32_gguf else None
+    lcpp32, lcpp32_bytes = None, None
+    if a.f32_gguf:
+        lcpp32 = LlamaCpp(a.f32_gguf, a.threads, n_ctx=4096)
+        lcpp32_bytes = gguf_decode_bytes(a.f32_gguf)
     hf = Transformers(a.gguf, a.threads)
     rows = []
     bws = []

@@ -67,8 +67,7 @@ pub struct Experiment {
     /// New tokens each warm-up request generates (default: the cell's output length).
     /// A warm-up is there to pay the one-time costs (kernel loading, allocation, the
     /// first graphs) before the clock starts; a few tokens do that without a long
-    /// decode that nothing measures (512 steps of InfiniGen at batch 1 are half a
-    /// minute of GPU time per cell).
+    /// decode that nothing measures (docs/experiments.md has what it cost on the H100).
     pub warmup_tokens: Option<usize>,
     /// Service-level objectives for goodput (performance experiments); `kvbench run
     /// --slo` replaces them.
