@@ -653,10 +653,7 @@ impl Engine {
         let next = if self.model.device().is_cuda() && !wants_rows && !sample_ids.is_empty() {
             // The argmax on the device: copying [rows, vocab] f32 logits to the host and
             // scanning them there costs tens of milliseconds a step at large batches.
-            let mut next = logits
-                .argmax(candle_core::D::Minus1)?
-                .to_dtype(DType::U32)?
-                .to_vec1::<u32>()?;
+            let mut next = device_argmax(&logits)?;
             for (i, id) in sample_ids.iter().enumerate() {
                 let forced = self
                     .sched
@@ -920,21 +917,57 @@ impl Engine {
     }
 }
 
-/// Greedy choice per row; ties go to the smallest token id.
+/// Greedy choice per row: the index of the largest logit, ties to the smallest index,
+/// NaN skipped (0 for a row of NaN only).
 pub fn argmax_rows(logits: &candle_core::Tensor) -> Result<Vec<u32>> {
     Ok(argmax(&logits.to_dtype(DType::F32)?.to_vec2::<f32>()?))
 }
 
-fn argmax(rows: &[Vec<f32>]) -> Vec<u32> {
+/// [`argmax_rows`] of logits on a CUDA device, computed there (kvbench's kernel, or
+/// candle's with `KVBENCH_ARGMAX=candle`, whose ties are its own): only the ids come back.
+fn device_argmax(logits: &candle_core::Tensor) -> Result<Vec<u32>> {
+    #[cfg(feature = "cuda")]
+    if crate::cuda::argmax_choice()? == crate::cuda::ArgmaxChoice::Kvbench {
+        return crate::cuda::argmax_rows(logits);
+    }
+    Ok(logits
+        .argmax(candle_core::D::Minus1)?
+        .to_dtype(DType::U32)?
+        .to_vec1::<u32>()?)
+}
+
+/// The greedy rule of [`argmax_rows`] on host rows (the CUDA kernel `argmax_part_f32`
+/// follows the same rule).
+pub fn argmax(rows: &[Vec<f32>]) -> Vec<u32> {
     rows.iter()
         .map(|r| {
-            let mut best = 0;
+            let mut best: Option<usize> = None;
             for (i, &x) in r.iter().enumerate() {
-                if x > r[best] {
-                    best = i;
+                if !x.is_nan() && best.is_none_or(|b| x > r[b]) {
+                    best = Some(i);
                 }
             }
-            best as u32
+            best.unwrap_or(0) as u32
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax;
+
+    #[test]
+    fn greedy_choice_takes_the_first_largest_and_skips_nan() {
+        let nan = f32::NAN;
+        let ninf = f32::NEG_INFINITY;
+        let rows = vec![
+            vec![1.0, 3.0, 2.0, 3.0],     // a tie: the smaller index
+            vec![nan, 0.5, 2.0, nan],     // NaN first: skipped, not kept as the best
+            vec![ninf, ninf, ninf],       // nothing larger than -inf: the first
+            vec![nan, nan],               // NaN only: 0
+            vec![ninf, -0.0, 0.0, 1e-30], // -0 and 0 tie; a tiny value beats both
+            vec![],                       // an empty row: 0
+        ];
+        assert_eq!(argmax(&rows), vec![1, 2, 0, 0, 3, 0]);
+    }
 }

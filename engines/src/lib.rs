@@ -30,13 +30,14 @@ pub use error::{Error, Result};
 /// steps (docs/cuda.md), and the CPU's packed f32 weights
 /// (docs/correctness-and-performance.md). A result depends on them, so a cell's
 /// identity includes the ones that are set.
-pub const KERNEL_SWITCHES: [&str; 7] = [
+pub const KERNEL_SWITCHES: [&str; 8] = [
     "KVBENCH_FLASH_PREFILL",
     "KVBENCH_PAGED_DECODE",
     "KVBENCH_H2O_STATS",
     "KVBENCH_FUSED_PROJECTIONS",
     "KVBENCH_FUSED_KERNELS",
     "KVBENCH_CUDA_GRAPH",
+    "KVBENCH_ARGMAX",
     "KVBENCH_PACKED_WEIGHTS",
 ];
 

@@ -308,6 +308,45 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         out.extend(rolling_check(dev, &mut rng, h, kvh, d, bs)?);
     }
     out.extend(fused_elementwise_checks(dev, &mut rng)?);
+    out.extend(argmax_checks(dev, &mut rng)?);
+    Ok(out)
+}
+
+/// The greedy choice on the device (`argmax_rows`) against the host's rule, exactly:
+/// rows with their largest value planted twice (ties to the smaller index), NaN (also
+/// first in a row), a row of NaN only and a row of -inf only, over vocabularies of
+/// SmolLM2 and Llama-3.1-8B, an odd one and one shorter than a block's chunk.
+fn argmax_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
+    let mut out = Vec::new();
+    for &vocab in &[49_152usize, 128_256, 1_003, 5] {
+        for rows in [1usize, 3, 16] {
+            let mut logits: Vec<Vec<f32>> = (0..rows)
+                .map(|_| (0..vocab).map(|_| rng.random_range(-8.0f32..8.0)).collect())
+                .collect();
+            for (r, row) in logits.iter_mut().enumerate() {
+                let top = rng.random_range(0..vocab);
+                row[top] = 100.0;
+                // The same value again, before or after it: the smaller index wins.
+                row[rng.random_range(0..vocab)] = 100.0;
+                row[rng.random_range(0..vocab)] = f32::NAN;
+                match r % 4 {
+                    1 => row[0] = f32::NAN,
+                    2 if r + 1 == rows => row.fill(f32::NAN),
+                    3 => row.fill(f32::NEG_INFINITY),
+                    _ => {}
+                }
+            }
+            let want = crate::engine::argmax(&logits);
+            let flat: Vec<f32> = logits.concat();
+            let t = Tensor::from_slice(&flat, (rows, vocab), dev)?;
+            let got = super::argmax_rows(&t)?;
+            out.push(exact_check(
+                "argmax",
+                format!("{rows} rows x vocab {vocab}"),
+                got == want,
+            ));
+        }
+    }
     Ok(out)
 }
 

@@ -1932,3 +1932,90 @@ extern "C" __global__ void add_rms_norm_bf16(const __nv_bfloat16* __restrict__ x
         hv[i] = pack8(s);
     }
 }
+
+// Greedy sampling on the device: each row's index of its largest logit, ties to the
+// smallest index, NaN skipped (index 0 for a row of NaN only), the rule of the host's
+// argmax (engine.rs). Two kernels: blocks (part, row) each scan `chunk` logits of a
+// row and write their candidate; one warp per row then merges the row's candidates.
+// candle's argmax runs one block per row (96 us for 16 rows of 128K logits on an H100,
+// results/baselines/h100/profile-decode). A candidate is (value, index), index
+// ARGMAX_NONE when it holds none; the order is total over the candidates (larger
+// value, then smaller index), so the merge order does not matter.
+#define ARGMAX_THREADS 256
+#define ARGMAX_NONE 0x7fffffff
+
+__device__ __forceinline__ bool argmax_beats(float v, int i, float bv, int bi) {
+    if (i == ARGMAX_NONE) return false;
+    if (bi == ARGMAX_NONE) return true;
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void argmax_warp(float& v, int& i) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_beats(ov, oi, v, i)) {
+            v = ov;
+            i = oi;
+        }
+    }
+}
+
+// logits [rows, vocab] f32; grid (parts, rows), blockDim ARGMAX_THREADS; candidates
+// [rows, parts] (part_v values, part_i indices).
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_part_f32(const float* __restrict__ logits, int vocab, int chunk,
+                    float* __restrict__ part_v, int* __restrict__ part_i) {
+    __shared__ float sv[ARGMAX_THREADS / WARP];
+    __shared__ int si[ARGMAX_THREADS / WARP];
+    const float* row = logits + (int64_t)blockIdx.y * vocab;
+    const int lo = blockIdx.x * chunk;
+    const int hi = min(vocab, lo + chunk);
+    float v = 0.f;
+    int i = ARGMAX_NONE;
+    // Each thread's indices ascend: a strict > keeps the smallest index of a tie.
+    for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+        const float x = row[j];
+        if (!isnan(x) && (i == ARGMAX_NONE || x > v)) {
+            v = x;
+            i = j;
+        }
+    }
+    argmax_warp(v, i);
+    const int w = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    if (lane == 0) {
+        sv[w] = v;
+        si[w] = i;
+    }
+    __syncthreads();
+    if (w == 0) {
+        const bool has = lane < (int)(blockDim.x / WARP);
+        v = has ? sv[lane] : 0.f;
+        i = has ? si[lane] : ARGMAX_NONE;
+        argmax_warp(v, i);
+        if (lane == 0) {
+            const int64_t at = (int64_t)blockIdx.y * gridDim.x + blockIdx.x;
+            part_v[at] = v;
+            part_i[at] = i;
+        }
+    }
+}
+
+// One warp per row (grid rows, blockDim WARP): the row's `parts` candidates merged
+// into its token id.
+extern "C" __global__ void argmax_merge(const float* __restrict__ part_v,
+                                        const int* __restrict__ part_i, int parts,
+                                        uint32_t* __restrict__ ids) {
+    const int64_t base = (int64_t)blockIdx.x * parts;
+    float v = 0.f;
+    int i = ARGMAX_NONE;
+    for (int p = threadIdx.x; p < parts; p += WARP) {
+        if (argmax_beats(part_v[base + p], part_i[base + p], v, i)) {
+            v = part_v[base + p];
+            i = part_i[base + p];
+        }
+    }
+    argmax_warp(v, i);
+    if (threadIdx.x == 0) ids[blockIdx.x] = i == ARGMAX_NONE ? 0u : (uint32_t)i;
+}

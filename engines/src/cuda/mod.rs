@@ -243,6 +243,97 @@ pub fn add_rms_norm(
     )))
 }
 
+/// Which kernel makes the greedy choice on a CUDA device (`KVBENCH_ARGMAX`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArgmaxChoice {
+    /// kvbench's [`argmax_rows`]: many blocks per row, then one warp per row.
+    Kvbench,
+    /// candle's `argmax` (one block per row): the fallback, and the "before".
+    Candle,
+}
+
+/// [`ArgmaxChoice`] from the environment, read once per process; any other value is an
+/// error naming it.
+pub fn argmax_choice() -> Result<ArgmaxChoice> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<ArgmaxChoice, String>> =
+        std::sync::OnceLock::new();
+    crate::switch_once(
+        &CHOICE,
+        "KVBENCH_ARGMAX",
+        &[("candle", ArgmaxChoice::Candle)],
+        ArgmaxChoice::Kvbench,
+        "kvbench's kernel",
+    )
+}
+
+/// Blocks the greedy choice aims for over all rows: two per SM of a 132-SM card.
+const ARGMAX_MIN_BLOCKS: usize = 264;
+/// Logits a block scans at least (eight per thread).
+const ARGMAX_MIN_CHUNK: usize = 2048;
+
+/// Each row's greedy token of `logits` (`[rows, vocab]` on a CUDA device): the index of
+/// its largest value, ties to the smallest index, NaN skipped (0 for a row of NaN
+/// only), as the host's [`crate::engine::argmax_rows`]. Only the ids come back to the
+/// host. A row is split over enough blocks to fill the card (candle's `argmax` scans a
+/// row with one block).
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    let (rows, vocab) = logits.dims2()?;
+    if rows == 0 || vocab == 0 {
+        return Ok(vec![0; rows]);
+    }
+    if rows > 65_535 {
+        return Err(Error::Config(format!(
+            "argmax over {rows} rows: at most 65,535 (the grid's second dimension)"
+        )));
+    }
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let dev = device_of(logits.device())?;
+    let vocab_i = as_i32(vocab, "vocabulary")?;
+    let parts = ARGMAX_MIN_BLOCKS
+        .div_ceil(rows)
+        .min(vocab.div_ceil(ARGMAX_MIN_CHUNK))
+        .max(1);
+    let chunk = vocab.div_ceil(parts);
+    // No empty part: the last one starts before the end of the row.
+    let parts = vocab.div_ceil(chunk);
+    let (s, l) = logits.storage_and_layout();
+    let x = view_of::<f32>(&s, l, "argmax logits")?;
+    // SAFETY: the first kernel writes every candidate, the second every id.
+    let (mut part_v, mut part_i, mut ids) = unsafe {
+        (
+            dev.alloc::<f32>(rows * parts)?,
+            dev.alloc::<i32>(rows * parts)?,
+            dev.alloc::<u32>(rows)?,
+        )
+    };
+    let f = dev.get_or_load_custom_func("argmax_part_f32", MODULE, PTX)?;
+    let mut b = f.builder();
+    let chunk_i = as_i32(chunk, "argmax chunk")?;
+    b.arg(&x)
+        .arg(&vocab_i)
+        .arg(&chunk_i)
+        .arg(&mut part_v)
+        .arg(&mut part_i);
+    let cfg = LaunchConfig {
+        grid_dim: (parts as u32, rows as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop(s);
+    let f = dev.get_or_load_custom_func("argmax_merge", MODULE, PTX)?;
+    let mut b = f.builder();
+    let parts_i = as_i32(parts, "argmax parts")?;
+    b.arg(&part_v).arg(&part_i).arg(&parts_i).arg(&mut ids);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(dev.cuda_stream().clone_dtoh(&ids).w()?)
+}
+
 pub(crate) fn upload_i32(dev: &CudaDevice, v: &[i32]) -> Result<CudaSlice<i32>> {
     Ok(dev.cuda_stream().clone_htod(v).w()?)
 }
