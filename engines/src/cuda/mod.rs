@@ -268,6 +268,9 @@ pub fn argmax_choice() -> Result<ArgmaxChoice> {
 
 /// Blocks the greedy choice aims for over all rows: two per SM of a 132-SM card.
 const ARGMAX_MIN_BLOCKS: usize = 264;
+/// Threads of an `argmax_part_f32` block: `ARGMAX_THREADS` in kernels.cu, which sizes
+/// the block's shared candidates by it.
+const ARGMAX_THREADS: u32 = 256;
 /// Logits a block scans at least (eight per thread).
 const ARGMAX_MIN_CHUNK: usize = 2048;
 
@@ -316,7 +319,7 @@ pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
         .arg(&mut part_i);
     let cfg = LaunchConfig {
         grid_dim: (parts as u32, rows as u32, 1),
-        block_dim: (256, 1, 1),
+        block_dim: (ARGMAX_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     unsafe { b.launch(cfg) }.w()?;
