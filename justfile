@@ -66,6 +66,7 @@ build-cuda:
 emulate-kernels:
     python3 scripts/emulate/flash_mma.py
     python3 scripts/emulate/paged_decode_vec.py
+    python3 scripts/emulate/paged_decode_pipe.py
     python3 scripts/emulate/argmax.py
 
 # The GPU plan as resumable steps of under 9 minutes (verify, then the sweeps): on the GPU machine `just gpu-campaign OUTDIR`; anywhere `just gpu-campaign --dry-run` lists the steps and checks their YAML.

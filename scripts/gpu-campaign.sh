@@ -40,6 +40,8 @@ fi
 steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
+  "verify-pipe|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_PAGED_DECODE=pipe"
+  "bench-decode|bench-decode --device cuda --out \$RES/bench-decode.json"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
   "decode-unroll|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec"
@@ -81,14 +83,14 @@ steps=(
 # 30 s are left).
 declare -A need=(
   [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
-  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60
+  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-pipe]=45 [bench-decode]=90
 )
 
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
   [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3)
-declare -A optional=([verify-graph]=1 [verify-fa3]=1)
+declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"

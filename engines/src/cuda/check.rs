@@ -188,17 +188,11 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             part_size: part,
         };
         let last = lens.len() - 1;
-        // The vector kernel in the form the runs use (four rows in flight per lane, or
-        // one under KVBENCH_PAGED_DECODE=vec1).
-        let vector = if super::decode_choice()? == super::DecodeChoice::VectorOneRow {
-            "paged_decode (vector, 1 row)"
-        } else {
-            "paged_decode (vector)"
-        };
-        for (kernel, name) in [
-            (DecodeKernel::Vector, vector),
-            (DecodeKernel::Scalar, "paged_decode (scalar)"),
-        ] {
+        // The vector kernel in the form the runs use (four rows in flight per lane, one
+        // under KVBENCH_PAGED_DECODE=vec1, tiles staged in shared memory under `pipe`).
+        let vector = DecodeKernel::vector_form(super::decode_choice()?);
+        for kernel in [vector, DecodeKernel::Scalar] {
+            let name = kernel.label();
             if !kernel.applies(d, h / kvh) {
                 continue;
             }
@@ -1474,11 +1468,19 @@ fn rolling_check(
         ));
     }
     let mut out = Vec::new();
-    for (kernel, name) in [
-        (
+    // The vector kernel the runs use for rolling keys (the pipelined kernel takes none).
+    let vector = match DecodeKernel::vector_form(super::decode_choice()?) {
+        DecodeKernel::VectorOneRow => (
+            DecodeKernel::VectorOneRow,
+            "paged_decode (rolling positions, vector, 1 row)",
+        ),
+        _ => (
             DecodeKernel::Vector,
             "paged_decode (rolling positions, vector)",
         ),
+    };
+    for (kernel, name) in [
+        vector,
         (
             DecodeKernel::Scalar,
             "paged_decode (rolling positions, scalar)",

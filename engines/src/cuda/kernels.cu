@@ -26,6 +26,17 @@ __device__ __forceinline__ float warp_max(float x) {
     return x;
 }
 
+// Keeps the device busy for `ns` nanoseconds (one thread): `kvbench bench-decode` queues
+// a round of launches behind it, so they run back to back whatever the host's pace.
+extern "C" __global__ void spin_ns(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
 // k/v rows [T, KVH, D] into the cache at slots[T]; grid T, any block size.
 extern "C" __global__ void kv_write_bf16(
     const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
@@ -997,6 +1008,222 @@ extern "C" __global__ void __launch_bounds__(128) flash_prefill_d128_bf16(
     flash_prefill<128>(q, k_cache, v_cache, table, out, lse, T, ctx_before, num_heads,
                        num_kv_heads, block_size, scale);
 }
+
+// ---------------------------------------------------------------------------------
+// Paged decode, pipelined: the partition pass with K and V staged through shared memory by cp.async
+// (KVBENCH_PAGED_DECODE=pipe): same grid, outputs, scratch layout and arithmetic as
+// paged_decode_part_vec (lanes, shuffles and warps take keys alike), but a key row reaches
+// its lanes from a ring of PIPE_STAGES tiles of PIPE_TILE keys that the whole block fills
+// ahead of use, so up to PIPE_STAGES - 1 tiles of each block are in flight whatever the
+// registers allow (the vector kernel keeps DECODE_UNROLL 16-byte loads a lane, 32 KB an
+// SM at four blocks). Tile i of a pass sits in slot i % PIPE_STAGES; at step i the block
+// waits for tile i (cp.async.wait_group PIPE_STAGES - 2: all but the newest groups), syncs
+// (every lane done with tile i - 1, whose slot the next copy reuses), issues tile
+// i + PIPE_STAGES - 1 (an empty group past the last), then computes on tile i. Rows past
+// the partition are zero-filled and skipped. V's first tiles are issued before the
+// softmax, which reads only the scores. Shared memory: the ring (PIPE_STAGES * PIPE_TILE *
+// D bf16), then G * P floats of scores; the warps' partial outputs reuse the ring once
+// the V pass is done. Not rolling: streaming's rolling positions run the vector kernel.
+#define PIPE_TILE 32
+#define PIPE_STAGES 4
+
+// Tile `tile` of the partition's keys [start, end) of KV head kvh into ring slot
+// tile % PIPE_STAGES, one 16-byte cp.async per chunk, then one commit (an empty group
+// for a tile past the last, so every step commits exactly one).
+template <int D>
+__device__ __forceinline__ void pipe_issue(const __nv_bfloat16* __restrict__ cache,
+                                           const int32_t* __restrict__ table, __nv_bfloat16* ring,
+                                           int tile, int tiles, int start, int end,
+                                           int block_size, int64_t row_elems, int kvh) {
+    constexpr int CH = D / 8;
+    if (tile < tiles) {
+        __nv_bfloat16* dst = ring + (tile % PIPE_STAGES) * PIPE_TILE * D;
+        for (int i = threadIdx.x; i < PIPE_TILE * CH; i += blockDim.x) {
+            const int j = i / CH, c = (i % CH) * 8;
+            const int t = start + tile * PIPE_TILE + j;
+            const bool ok = t < end;
+            int64_t off = 0;
+            if (ok) {
+                const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+                off = slot * row_elems + (int64_t)kvh * D + c;
+            }
+            cp_async16(smem_u32(dst + j * D + c), cache + off, ok);
+        }
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+__device__ __forceinline__ void pipe_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PIPE_STAGES - 2));
+}
+
+template <int D, int MAXG>
+__device__ __forceinline__ void paged_decode_part_pipe(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
+    const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
+    float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
+    int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
+    int part_size, float scale) {
+    constexpr int LPR = D / 8;          // lanes per key row
+    constexpr int RPW = WARP / LPR;     // keys per warp step
+    static_assert(PIPE_TILE % (RPW * (DECODE_THREADS / WARP)) == 0,
+                  "a tile is whole block steps");
+    extern __shared__ uint4 pipe_smem[];
+    __nv_bfloat16* ring = reinterpret_cast<__nv_bfloat16*>(pipe_smem);
+    float* ss = reinterpret_cast<float*>(ring + PIPE_STAGES * PIPE_TILE * D);  // [G, P]
+    float* sacc = reinterpret_cast<float*>(ring);  // [warps, G, D], after the V pass
+    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int parts = gridDim.z;
+    const int H = num_kv_heads * group;
+    const int ctx = ctx_lens[row];
+    const int start = part * part_size;
+    const int end = min(ctx, start + part_size);
+    const int n = end - start;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    const int sub = lane / LPR, sl = lane % LPR;
+    const int64_t head0 = (int64_t)row * H + kvh * group;
+
+    if (n <= 0) {
+        empty_partition(part_m, part_l, part_acc, head0, group, D, parts, part);
+        return;
+    }
+    const int32_t* table = tables + (int64_t)row * max_blocks;
+    const int64_t row_elems = (int64_t)num_kv_heads * D;
+    const int tiles = (n + PIPE_TILE - 1) / PIPE_TILE;
+    for (int s = 0; s < PIPE_STAGES - 1; ++s)
+        pipe_issue<D>(k_cache, table, ring, s, tiles, start, end, block_size, row_elems, kvh);
+
+    float qr[MAXG][8];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                qr[g][i] = __bfloat162float(q[(head0 + g) * D + sl * 8 + i]);
+        }
+    }
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        pipe_wait();
+        __syncthreads();
+        pipe_issue<D>(k_cache, table, ring, tile + PIPE_STAGES - 1, tiles, start, end,
+                      block_size, row_elems, kvh);
+        const __nv_bfloat16* buf = ring + (tile % PIPE_STAGES) * PIPE_TILE * D;
+        for (int jl = warp * RPW + sub; jl < PIPE_TILE; jl += warps * RPW) {
+            const int j = tile * PIPE_TILE + jl;
+            const uint4 r = *reinterpret_cast<const uint4*>(buf + jl * D + sl * 8);
+            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&r);
+            float k8[8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 f = __bfloat1622float2(h2[i]);
+                k8[2 * i] = f.x;
+                k8[2 * i + 1] = f.y;
+            }
+#pragma unroll
+            for (int g = 0; g < MAXG; ++g) {
+                if (g < group) {
+                    float acc = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
+#pragma unroll
+                    for (int o = LPR / 2; o > 0; o >>= 1)
+                        acc += __shfl_xor_sync(0xffffffffu, acc, o);
+                    if (j < n && sl == 0) {
+                        ss[g * part_size + j] = acc * scale;
+                        if (raw != nullptr)
+                            raw[(head0 + g) * raw_stride + start + j] = acc * scale;
+                    }
+                }
+            }
+        }
+    }
+    // Every copy landed (the groups left are empty) and every lane is done with the
+    // ring and has written its scores: V's tiles may fill it.
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
+    for (int s = 0; s < PIPE_STAGES - 1; ++s)
+        pipe_issue<D>(v_cache, table, ring, s, tiles, start, end, block_size, row_elems, kvh);
+
+    partition_softmax(ss, part_m, part_l, head0, group, part_size, n, parts, part);
+
+    float acc[MAXG][8];
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    for (int tile = 0; tile < tiles; ++tile) {
+        pipe_wait();
+        // Also orders the softmax's probabilities before the first tile's use.
+        __syncthreads();
+        pipe_issue<D>(v_cache, table, ring, tile + PIPE_STAGES - 1, tiles, start, end,
+                      block_size, row_elems, kvh);
+        const __nv_bfloat16* buf = ring + (tile % PIPE_STAGES) * PIPE_TILE * D;
+        for (int jl = warp * RPW + sub; jl < PIPE_TILE; jl += warps * RPW) {
+            const int j = tile * PIPE_TILE + jl;
+            if (j < n) {
+                const uint4 r = *reinterpret_cast<const uint4*>(buf + jl * D + sl * 8);
+                const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&r);
+                float v8[8];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = __bfloat1622float2(h2[i]);
+                    v8[2 * i] = f.x;
+                    v8[2 * i + 1] = f.y;
+                }
+#pragma unroll
+                for (int g = 0; g < MAXG; ++g) {
+                    if (g < group) {
+                        const float p = ss[g * part_size + j];
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
+                    }
+                }
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();  // the ring is free: the warps' partial outputs go there
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float x = acc[g][i];
+#pragma unroll
+                for (int o = LPR; o < WARP; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (sub == 0) sacc[(warp * group + g) * D + sl * 8 + i] = x;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        float x = 0.f;
+        for (int w = 0; w < warps; ++w) x += sacc[w * group * D + i];
+        const int64_t o = (head0 + i / D) * parts + part;
+        part_acc[o * D + i % D] = x;
+    }
+}
+
+#define PAGED_DECODE_PIPE(D, MAXG)                                                           \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
+        paged_decode_part_pipe_d##D##_g##MAXG##_bf16(                                        \
+            const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,  \
+            const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,   \
+            const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
+            float* __restrict__ part_l, float* __restrict__ part_acc,                        \
+            float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
+        paged_decode_part_pipe<D, MAXG>(q, k_cache, v_cache, tables, ctx_lens, part_m,       \
+                                        part_l, part_acc, raw, raw_stride, num_kv_heads,     \
+                                        group, block_size, max_blocks, part_size, scale);    \
+    }
+PAGED_DECODE_PIPE(64, 4)
+PAGED_DECODE_PIPE(64, 8)
+PAGED_DECODE_PIPE(128, 4)
+PAGED_DECODE_PIPE(128, 8)
 
 // ---------------------------------------------------------------------------------
 // Evicting strategies (H2O, StreamingLLM). Slot i of (sequence, KV head) holds any

@@ -3,6 +3,7 @@
 //! compiled to PTX at build time (engines/build.rs) and loaded through candle's device.
 //! [`check`] compares every kernel with the CPU reference on random inputs.
 
+pub mod bench;
 pub mod check;
 #[cfg(any(feature = "flash-attn", feature = "flash-attn3"))]
 pub mod flash_attn;
@@ -502,40 +503,96 @@ pub struct DecodeShape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeKernel {
     /// 16-byte loads, each K/V row read once for the whole query group, keys split
-    /// across lanes and warps in both passes (rolling keys rotated as they are read):
-    /// head dims 64 and 128, groups of up to 8.
+    /// across lanes and warps in both passes, four rows in flight per lane (rolling keys
+    /// rotated as they are read): head dims 64 and 128, groups of up to 8.
     Vector,
+    /// [`DecodeKernel::Vector`] with one row in flight per lane (earlier builds' form).
+    VectorOneRow,
+    /// The vector kernel's arithmetic over K/V tiles that the block stages through
+    /// shared memory with `cp.async`, several tiles in flight a block: same shapes, not
+    /// rolling keys.
+    Pipelined,
     /// One warp per key with 2-byte loads, and one thread per output element walking
     /// the partition's keys: any shape, and keys rotated as they are read.
     Scalar,
 }
 
+/// Keys a tile of the pipelined decode kernel holds, and tiles in its ring (kernels.cu's
+/// PIPE_TILE and PIPE_STAGES).
+pub(crate) const PIPE_TILE: usize = 32;
+pub(crate) const PIPE_STAGES: usize = 4;
+
 impl DecodeKernel {
-    /// The vector kernel where it applies, unless `KVBENCH_PAGED_DECODE=scalar`.
-    fn choose(head_dim: usize, group: usize, choice: DecodeChoice) -> Self {
-        if choice != DecodeChoice::Scalar && Self::Vector.applies(head_dim, group) {
-            Self::Vector
+    /// The kernel `choice` asks for where it applies: the vector kernels for head dims
+    /// 64 and 128 and groups of up to 8 (the pipelined one not for rolling keys, which
+    /// take the four-row vector kernel), the scalar kernel otherwise.
+    pub fn choose(head_dim: usize, group: usize, choice: DecodeChoice, rolling: bool) -> Self {
+        let k = match choice {
+            DecodeChoice::Scalar => return Self::Scalar,
+            DecodeChoice::Pipelined if rolling => Self::Vector,
+            other => Self::vector_form(other),
+        };
+        if k.applies(head_dim, group) {
+            k
         } else {
             Self::Scalar
         }
     }
 
-    fn applies(self, head_dim: usize, group: usize) -> bool {
+    /// The form of the vector kernel `choice` names (the four-row one for `Default` and
+    /// `Scalar`): the one `kvbench verify` checks beside the scalar kernel.
+    pub fn vector_form(choice: DecodeChoice) -> Self {
+        match choice {
+            DecodeChoice::VectorOneRow => Self::VectorOneRow,
+            DecodeChoice::Pipelined => Self::Pipelined,
+            DecodeChoice::Default | DecodeChoice::Scalar => Self::Vector,
+        }
+    }
+
+    pub fn applies(self, head_dim: usize, group: usize) -> bool {
         match self {
-            Self::Vector => matches!(head_dim, 64 | 128) && (1..=8).contains(&group),
+            Self::Vector | Self::VectorOneRow | Self::Pipelined => {
+                matches!(head_dim, 64 | 128) && (1..=8).contains(&group)
+            }
             Self::Scalar => true,
+        }
+    }
+
+    /// The name `kvbench verify` and the decode benchmark give it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Vector => "paged_decode (vector)",
+            Self::VectorOneRow => "paged_decode (vector, 1 row)",
+            Self::Pipelined => "paged_decode (pipelined)",
+            Self::Scalar => "paged_decode (scalar)",
+        }
+    }
+
+    /// Shared memory of one block (bytes) for a group of `group` heads of dim `d` and
+    /// partitions of `part_size` keys.
+    fn shared_bytes(self, group: usize, d: usize, part_size: usize) -> usize {
+        let warps = DECODE_THREADS as usize / 32;
+        match self {
+            Self::Scalar => (group * d + group * part_size) * 4,
+            Self::Vector | Self::VectorOneRow => (group * part_size + warps * group * d) * 4,
+            // The warps' partial outputs reuse the ring (at most half of it: groups of
+            // up to 8, tiles of 32 keys).
+            Self::Pipelined => PIPE_STAGES * PIPE_TILE * d * 2 + group * part_size * 4,
         }
     }
 }
 
 /// What `KVBENCH_PAGED_DECODE` asks for: unset, the vector kernel with four K/V rows in
-/// flight per lane; `vec1`, the vector kernel with one (earlier builds' form); `scalar`,
-/// the scalar kernel with the callers' fixed partitions. The other two are fallbacks
-/// should the default fail on a card, and the "before" of a comparison in one sitting.
+/// flight per lane; `vec1`, the vector kernel with one (earlier builds' form); `pipe`,
+/// the pipelined kernel (K/V tiles staged through shared memory; not yet the default:
+/// it has not been timed on a GPU); `scalar`, the scalar kernel with the callers' fixed
+/// partitions. The others are fallbacks should the default fail on a card, and the
+/// "before" or "after" of a comparison in one sitting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeChoice {
     Default,
     VectorOneRow,
+    Pipelined,
     Scalar,
 }
 
@@ -549,6 +606,7 @@ pub fn decode_choice() -> Result<DecodeChoice> {
         "KVBENCH_PAGED_DECODE",
         &[
             ("vec1", DecodeChoice::VectorOneRow),
+            ("pipe", DecodeChoice::Pipelined),
             ("scalar", DecodeChoice::Scalar),
         ],
         DecodeChoice::Default,
@@ -744,11 +802,16 @@ pub(crate) fn paged_decode_impl(
     let max_blocks = t.max_blocks;
     let group = h / kvh;
     let choice = decode_choice()?;
-    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group, choice));
+    let kernel = kernel.unwrap_or_else(|| DecodeKernel::choose(d, group, choice, roll.is_some()));
     if !kernel.applies(d, group) {
         return Err(Error::Config(format!(
             "paged_decode: the {kernel:?} kernel does not take head dim {d}, group {group}"
         )));
+    }
+    if kernel == DecodeKernel::Pipelined && roll.is_some() {
+        return Err(Error::Config(
+            "paged_decode: the pipelined kernel does not take rolling keys".into(),
+        ));
     }
     let part_size = if choice == DecodeChoice::Scalar {
         s.part_size
@@ -800,20 +863,20 @@ pub(crate) fn paged_decode_impl(
         ),
         None => (None, None, 0),
     };
-    let name = match kernel {
-        DecodeKernel::Scalar if roll.is_some() => "paged_decode_part_rolling_bf16".to_string(),
-        DecodeKernel::Scalar => "paged_decode_part_bf16".to_string(),
-        DecodeKernel::Vector => format!(
-            "paged_decode_part_{}{}_d{}_g{}_bf16",
-            if choice == DecodeChoice::VectorOneRow {
-                "vec1"
-            } else {
-                "vec"
-            },
+    let vector = |form: &str| {
+        format!(
+            "paged_decode_part_{form}{}_d{}_g{}_bf16",
             if roll.is_some() { "_rolling" } else { "" },
             if d == 64 { 64 } else { 128 },
             if group <= 4 { 4 } else { 8 },
-        ),
+        )
+    };
+    let name = match kernel {
+        DecodeKernel::Scalar if roll.is_some() => "paged_decode_part_rolling_bf16".to_string(),
+        DecodeKernel::Scalar => "paged_decode_part_bf16".to_string(),
+        DecodeKernel::Vector => vector("vec"),
+        DecodeKernel::VectorOneRow => vector("vec1"),
+        DecodeKernel::Pipelined => vector("pipe"),
     };
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = f.builder();
@@ -840,12 +903,7 @@ pub(crate) fn paged_decode_impl(
     if let Some(r) = &roll {
         b.arg(r.pos).arg(r.params).arg(r.cos).arg(r.sin);
     }
-    let shared = match kernel {
-        DecodeKernel::Scalar => (group * d + group * part_size) * 4,
-        DecodeKernel::Vector => {
-            (group * part_size + (DECODE_THREADS as usize / 32) * group * d) * 4
-        }
-    };
+    let shared = kernel.shared_bytes(group, d, part_size);
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, kvh as u32, parts as u32),
         block_dim: (DECODE_THREADS, 1, 1),

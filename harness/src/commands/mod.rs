@@ -2,6 +2,7 @@
 //! the logic they call lives in the library's modules (`crate::run` the sweep,
 //! `crate::compare` the comparison, `crate::report`, `crate::prediction`, ...).
 
+pub mod bench_decode;
 pub mod calibrate;
 pub mod compare;
 pub mod generate;
@@ -50,6 +51,10 @@ pub enum Command {
     /// against an f64 reference first, and decode steps both replayed from CUDA graphs
     /// and launched kernel by kernel).
     Verify(verify::VerifyArgs),
+    /// Time the CUDA paged decode kernels on their own over synthetic caches (batch ×
+    /// context cases), beside the card's copy rate; each kernel's output is checked
+    /// against the vector kernel's.
+    BenchDecode(bench_decode::BenchDecodeArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.
     Compare(compare::CompareArgs),
@@ -83,6 +88,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Models(a) => models::run(a),
         Command::Plot(a) => plot::run(a),
         Command::Verify(a) => verify::run(a),
+        Command::BenchDecode(a) => bench_decode::run(a),
         Command::Run(a) => run::run(a),
         Command::RunCell(a) => run_cell::run(a),
         Command::Compare(a) => compare::run(a),

@@ -48,6 +48,12 @@ pub struct VerifyArgs {
     #[arg(long, env = "KVBENCH_CALIBRATION")]
     pub calibration: Option<std::path::PathBuf>,
 
+    /// Only the CUDA kernels against their references (seconds): no strategy rows. For
+    /// checking a kernel chosen by a switch (e.g. KVBENCH_PAGED_DECODE=pipe) before
+    /// timing it.
+    #[arg(long)]
+    pub kernels_only: bool,
+
     /// Print exactly one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -100,6 +106,9 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     // asked for.
     if a.model.dtype == crate::setup::DtypeArg::Auto && a.device == "cpu" {
         a.model.dtype = crate::setup::DtypeArg::F32;
+    }
+    if a.kernels_only && a.device.parse::<DeviceKind>()? == DeviceKind::Cpu {
+        bail!("--kernels-only checks the CUDA kernels: it needs --device cuda");
     }
     if a.prompt_tokens < 8 || a.steps == 0 {
         bail!("--prompt-tokens must be at least 8 and --steps at least 1");
@@ -183,6 +192,23 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     };
 
     let kernels = kernel_checks(model.device())?;
+    if a.kernels_only {
+        // No checks at all (a build without them) is a failure, not a pass.
+        let pass = !kernels.is_empty() && kernels.iter().all(|k| k.pass);
+        let report = Report {
+            model: setup.spec.clone(),
+            weights_dtype: model.weight_dtype.to_string(),
+            device: setup.device.to_string(),
+            tolerance: 0.0,
+            noise_floor: None,
+            prompt_tokens: Vec::new(),
+            steps: 0,
+            kernels,
+            results: Vec::new(),
+            pass,
+        };
+        return finish(&report, a.json);
+    }
     let reference = run_one(PolicySpec::full(), AttentionImpl::Eager, None)
         .context("reference run (full + eager)")?;
     let forced = reference.outputs.clone();
@@ -420,12 +446,17 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         results: rows,
         pass,
     };
-    if a.json {
-        println!("{}", serde_json::to_string(&report)?);
+    finish(&report, a.json)
+}
+
+/// Print the report (a table, or one JSON object) and fail when anything failed.
+fn finish(report: &Report, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
     } else {
-        print_table(&report);
+        print_table(report);
     }
-    if !pass {
+    if !report.pass {
         bail!(
             "verify failed: {} of {} combinations, {} of {} kernel checks",
             report.results.iter().filter(|r| !r.pass).count(),

@@ -1,0 +1,289 @@
+//! The paged decode kernels timed on their own (`kvbench bench-decode`): each partition
+//! kernel over the same synthetic caches, batch × context cases at Llama-3.1-8B's shapes
+//! by default, beside the card's device-to-device copy rate measured in the same run. A
+//! lease's seconds then tell which kernel reads K/V fastest, where a performance cell per
+//! kernel would take minutes. Every kernel's output is compared with the four-row vector
+//! kernel's (which `kvbench verify` checks against an f64 reference) and a kernel whose
+//! output differs is reported as failed, not timed as if it were right.
+
+use super::{
+    device_of, kv_write, paged_decode_impl, partition_size, synchronize, DecodeKernel, DecodeShape,
+    DecodeTables, LayerCache, MODULE, PTX,
+};
+use crate::error::Result;
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Device, Tensor};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+
+/// Relative difference (max |a − b| / max |b|) accepted between a kernel's output and
+/// the vector kernel's: both are bf16 results of f32 sums in other orders.
+const AGREE_TOL: f64 = 1e-2;
+
+/// The kernels timed, in order (the scalar one is left out: it is the fallback, several
+/// times slower, and would take most of the run).
+pub const KERNELS: [DecodeKernel; 3] = [
+    DecodeKernel::Vector,
+    DecodeKernel::VectorOneRow,
+    DecodeKernel::Pipelined,
+];
+
+/// One decode launch shape: `rows` sequences of `ctx` cached tokens each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BenchCase {
+    pub rows: usize,
+    pub ctx: usize,
+}
+
+/// One kernel on one case.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRow {
+    pub kernel: &'static str,
+    pub rows: usize,
+    pub ctx: usize,
+    /// Keys per partition the launch used.
+    pub partition: usize,
+    /// K and V bytes one launch reads (one layer).
+    pub kv_bytes: u64,
+    /// Median over the rounds of the mean time of a launch (partition + reduction).
+    pub seconds: f64,
+    /// `kv_bytes / seconds`, GB/s.
+    pub gb_per_s: f64,
+    /// `gb_per_s` over the copy rate measured in the same run.
+    pub of_copy: f64,
+    /// Max |out − vector| / max |vector| of layer 0's output.
+    pub rel_diff: f64,
+    pub pass: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct DecodeBench {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    /// Largest partition the launches may use (smaller when few rows would leave SMs idle).
+    pub max_partition: usize,
+    /// Device-to-device copy of 1 GiB: bytes read plus bytes written per second, GB/s
+    /// (best of five).
+    pub copy_gb_per_s: f64,
+    pub rows: Vec<BenchRow>,
+}
+
+/// Launches per timed round (cycling over the layers' caches) and rounds per kernel.
+const LAUNCHES: usize = 32;
+const ROUNDS: usize = 5;
+/// Each case's caches span at least this many bytes in all, so that a launch reads its
+/// layer from memory and not from the last launches' L2 (50 MB on an H100).
+const SPAN_BYTES: u64 = 1 << 30;
+
+/// Time `kernels` on each case with heads `h`, KV heads `kvh`, head dim `d`, blocks of
+/// `bs` tokens and partitions of at most `part` keys. `progress` is told each case.
+#[allow(clippy::too_many_arguments)]
+pub fn run(
+    dev: &Device,
+    (h, kvh, d): (usize, usize, usize),
+    bs: usize,
+    part: usize,
+    cases: &[BenchCase],
+    kernels: &[DecodeKernel],
+    seed: u64,
+    progress: &mut dyn FnMut(&str),
+) -> Result<DecodeBench> {
+    let cuda = device_of(dev)?;
+    let copy_gb_per_s = copy_rate(&cuda)?;
+    progress(&format!(
+        "device-to-device copy: {copy_gb_per_s:.0} GB/s (read + written)"
+    ));
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let shape = DecodeShape {
+        num_heads: h,
+        num_kv_heads: kvh,
+        head_dim: d,
+        block_size: bs,
+        part_size: part,
+    };
+    let row_elems = kvh * d;
+    for &c in cases {
+        let blocks_per_row = c.ctx.div_ceil(bs);
+        let blocks = c.rows * blocks_per_row;
+        let kv_bytes = (2 * c.rows * c.ctx * row_elems * 2) as u64;
+        let layers = SPAN_BYTES.div_ceil(kv_bytes.max(1)).clamp(1, 32) as usize;
+        // Every row's blocks scattered over the pool, as a pool that has served many
+        // requests holds them.
+        let mut ids: Vec<i32> = (0..blocks as i32).collect();
+        ids.shuffle(&mut rng);
+        let tables: Vec<Vec<i32>> = ids.chunks(blocks_per_row).map(<[i32]>::to_vec).collect();
+        let t = DecodeTables::new(&cuda, &tables, &vec![c.ctx; c.rows])?;
+        let mut caches = Vec::with_capacity(layers);
+        for _ in 0..layers {
+            caches.push(random_cache(dev, &cuda, blocks * bs, kvh, d)?);
+        }
+        let q = Tensor::randn(0f32, 1f32, (c.rows, h, d), dev)?.to_dtype(DType::BF16)?;
+        let p = partition_size(part, c.rows * kvh, c.ctx);
+        let reference = launch(&caches[0], &q, &t, shape, DecodeKernel::Vector)?;
+        for &k in kernels {
+            let (rel_diff, seconds) = if k.applies(d, h / kvh) {
+                let o = launch(&caches[0], &q, &t, shape, k)?;
+                let rel_diff = rel_diff(&o, &reference)?;
+                (rel_diff, time(&cuda, &caches, &q, &t, shape, k)?)
+            } else {
+                (f64::NAN, f64::NAN)
+            };
+            let gb_per_s = kv_bytes as f64 / seconds / 1e9;
+            let pass = rel_diff <= AGREE_TOL && seconds.is_finite();
+            progress(&format!(
+                "{:<30} batch {:>3} × {:>6} tokens (partition {p}): {:>8.1} µs, {:>6.0} GB/s, \
+                 {:>5.1} % of the copy rate{}",
+                k.label(),
+                c.rows,
+                c.ctx,
+                seconds * 1e6,
+                gb_per_s,
+                100.0 * gb_per_s / copy_gb_per_s,
+                if pass {
+                    String::new()
+                } else {
+                    format!(" FAILED (differs from the vector kernel by {rel_diff:.1e})")
+                }
+            ));
+            out.push(BenchRow {
+                kernel: k.label(),
+                rows: c.rows,
+                ctx: c.ctx,
+                partition: p,
+                kv_bytes,
+                seconds,
+                gb_per_s,
+                of_copy: gb_per_s / copy_gb_per_s,
+                rel_diff,
+                pass,
+            });
+        }
+    }
+    Ok(DecodeBench {
+        heads: h,
+        kv_heads: kvh,
+        head_dim: d,
+        block_size: bs,
+        max_partition: part,
+        copy_gb_per_s,
+        rows: out,
+    })
+}
+
+/// A layer cache of `slots` slots of random bf16 K and V (drawn on the device).
+fn random_cache(
+    dev: &Device,
+    cuda: &CudaDevice,
+    slots: usize,
+    kvh: usize,
+    d: usize,
+) -> Result<LayerCache> {
+    let mut cache = LayerCache::new(cuda, slots, kvh * d)?;
+    const CHUNK: usize = 1 << 16;
+    for s0 in (0..slots).step_by(CHUNK) {
+        let n = CHUNK.min(slots - s0);
+        let k = Tensor::randn(0f32, 1f32, (n, kvh, d), dev)?.to_dtype(DType::BF16)?;
+        let v = Tensor::randn(0f32, 1f32, (n, kvh, d), dev)?.to_dtype(DType::BF16)?;
+        let ids: Vec<i32> = (s0 as i32..(s0 + n) as i32).collect();
+        kv_write(&mut cache, &k, &v, &ids)?;
+    }
+    Ok(cache)
+}
+
+fn launch(
+    cache: &LayerCache,
+    q: &Tensor,
+    t: &DecodeTables,
+    s: DecodeShape,
+    k: DecodeKernel,
+) -> Result<Tensor> {
+    paged_decode_impl(cache, q, t, s, None, None, Some(k))
+}
+
+fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let a = a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let b = b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let scale = b.iter().fold(0f64, |m, x| m.max(x.abs() as f64));
+    let diff = a
+        .iter()
+        .zip(&b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
+    // A NaN anywhere makes the comparison fail rather than pass.
+    if a.iter().chain(&b).any(|x| !x.is_finite()) || scale == 0.0 {
+        return Ok(f64::INFINITY);
+    }
+    Ok(diff / scale)
+}
+
+/// Median over [`ROUNDS`] of the mean time of a launch, [`LAUNCHES`] launches a round
+/// over the layers in turn. Each round is queued behind a kernel that keeps the device
+/// busy for a few milliseconds, so the host has queued every launch before the first
+/// runs and the events time the kernels back to back, not the host's pace.
+fn time(
+    cuda: &CudaDevice,
+    caches: &[LayerCache],
+    q: &Tensor,
+    t: &DecodeTables,
+    s: DecodeShape,
+    k: DecodeKernel,
+) -> Result<f64> {
+    let stream = cuda.cuda_stream();
+    for c in caches {
+        launch(c, q, t, s, k)?; // warm: every layer's first read, the module loaded
+    }
+    synchronize(cuda)?;
+    let mut rounds = Vec::with_capacity(ROUNDS);
+    for _ in 0..ROUNDS {
+        spin(cuda, 5_000_000)?;
+        let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        for i in 0..LAUNCHES {
+            launch(&caches[i % caches.len()], q, t, s, k)?;
+        }
+        let end = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        synchronize(cuda)?;
+        let ms = start.elapsed_ms(&end).w()?;
+        rounds.push(ms as f64 / 1e3 / LAUNCHES as f64);
+    }
+    rounds.sort_by(f64::total_cmp);
+    Ok(rounds[ROUNDS / 2])
+}
+
+/// Keep the device busy for `ns` nanoseconds (kernels.cu's `spin_ns`).
+fn spin(cuda: &CudaDevice, ns: u64) -> Result<()> {
+    let f = cuda.get_or_load_custom_func("spin_ns", MODULE, PTX)?;
+    let mut b = f.builder();
+    b.arg(&ns);
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Best of five device-to-device copies of 1 GiB: (read + written bytes) per second, GB/s.
+fn copy_rate(cuda: &CudaDevice) -> Result<f64> {
+    let n = 1usize << 29; // u16 elements: 1 GiB
+    let src = cuda.alloc_zeros::<u16>(n)?;
+    let mut dst = cuda.alloc_zeros::<u16>(n)?;
+    let stream = cuda.cuda_stream();
+    stream.memcpy_dtod(&src, &mut dst).w()?;
+    synchronize(cuda)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        stream.memcpy_dtod(&src, &mut dst).w()?;
+        let end = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
+        synchronize(cuda)?;
+        best = best.min(start.elapsed_ms(&end).w()? as f64 / 1e3);
+    }
+    Ok(2.0 * (n * 2) as f64 / best / 1e9)
+}

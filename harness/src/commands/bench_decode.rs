@@ -1,0 +1,163 @@
+//! `kvbench bench-decode`: the paged decode kernels timed on their own over synthetic
+//! caches, beside the card's copy rate (a CUDA build on a GPU; docs/cuda.md).
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvbench_engines::config::{preset, PRESETS};
+use kvbench_engines::device::DeviceKind;
+use std::path::PathBuf;
+
+#[derive(Debug, Args)]
+pub struct BenchDecodeArgs {
+    /// Device: cuda or cuda:N (the kernels timed are CUDA's).
+    #[arg(long, default_value = "cuda", env = "KVBENCH_DEVICE")]
+    pub device: String,
+
+    /// Architecture preset whose attention shapes are used (heads, KV heads, head dim).
+    #[arg(long, default_value = "llama-3.1-8b")]
+    pub preset: String,
+
+    /// Launch shapes as BATCHxCONTEXT (every row holds CONTEXT cached tokens),
+    /// comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1x1024,1x32768,1x131072,16x1024,16x4096,16x10240,64x1024,64x4096,64x10240"
+    )]
+    pub cases: Vec<String>,
+
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+
+    /// Keys per partition at most (the engines' 512).
+    #[arg(long, default_value_t = 512)]
+    pub partition: usize,
+
+    /// Seed of the caches, queries and block tables.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+
+    /// Also write the results as one JSON object to this file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// `BATCHxCONTEXT`, both at least 1.
+fn parse_case(s: &str) -> Result<(usize, usize)> {
+    let bad =
+        || format!("--cases: `{s}` is not BATCHxCONTEXT (two positive integers, e.g. 16x4096)");
+    let (b, c) = s.trim().split_once(['x', 'X']).with_context(bad)?;
+    let b: usize = b.trim().parse().with_context(bad)?;
+    let c: usize = c.trim().parse().with_context(bad)?;
+    if b == 0 || c == 0 {
+        bail!(bad());
+    }
+    Ok((b, c))
+}
+
+pub fn run(a: BenchDecodeArgs) -> Result<()> {
+    let cfg = preset(&a.preset).with_context(|| {
+        format!(
+            "--preset: unknown preset `{}`; expected one of {}",
+            a.preset,
+            PRESETS.join(", ")
+        )
+    })?;
+    let cases = a
+        .cases
+        .iter()
+        .map(|s| parse_case(s))
+        .collect::<Result<Vec<_>>>()?;
+    if a.block_size == 0 || a.partition == 0 {
+        bail!("--block-size and --partition must be at least 1");
+    }
+    let kind: DeviceKind = a.device.parse()?;
+    if kind == DeviceKind::Cpu {
+        bail!("bench-decode times the CUDA decode kernels: --device must be cuda or cuda:N");
+    }
+    bench(&a, &cfg, &cases, kind)
+}
+
+#[cfg(feature = "cuda")]
+fn bench(
+    a: &BenchDecodeArgs,
+    cfg: &kvbench_engines::config::ModelConfig,
+    cases: &[(usize, usize)],
+    kind: DeviceKind,
+) -> Result<()> {
+    use kvbench_engines::cuda::bench::{self, BenchCase, KERNELS};
+    let dev = kind.candle().with_context(|| format!("opening {kind}"))?;
+    let cases: Vec<BenchCase> = cases
+        .iter()
+        .map(|&(rows, ctx)| BenchCase { rows, ctx })
+        .collect();
+    eprintln!(
+        "bench-decode: {} (H={} KVH={} D={}), block {}, partitions of at most {} keys, {} cases × {} kernels",
+        a.preset,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        a.block_size,
+        a.partition,
+        cases.len(),
+        KERNELS.len()
+    );
+    let r = bench::run(
+        &dev,
+        (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+        a.block_size,
+        a.partition,
+        &cases,
+        &KERNELS,
+        a.seed,
+        &mut |line| eprintln!("{line}"),
+    )?;
+    let json = serde_json::to_string_pretty(&r)?;
+    if let Some(p) = &a.out {
+        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    }
+    println!("{json}");
+    let failed: Vec<String> = r
+        .rows
+        .iter()
+        .filter(|x| !x.pass)
+        .map(|x| format!("{} at {}x{}", x.kernel, x.rows, x.ctx))
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "bench-decode: {} launch(es) disagree with the vector kernel or could not be timed: {}",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench(
+    _a: &BenchDecodeArgs,
+    _cfg: &kvbench_engines::config::ModelConfig,
+    _cases: &[(usize, usize)],
+    kind: DeviceKind,
+) -> Result<()> {
+    bail!(
+        "bench-decode on {kind}: this kvbench was built without CUDA; build one with \
+         `just build-cuda` (docs/cuda.md)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_case;
+
+    #[test]
+    fn cases_parse_and_bad_ones_are_named() {
+        assert_eq!(parse_case("16x4096").unwrap(), (16, 4096));
+        assert_eq!(parse_case(" 1X131072 ").unwrap(), (1, 131072));
+        for bad in ["16", "x4096", "16x", "0x10", "16x0", "ax4", "-1x4"] {
+            let e = parse_case(bad).unwrap_err().to_string();
+            assert!(e.contains(bad.trim()), "{bad}: {e}");
+        }
+    }
+}
