@@ -42,6 +42,8 @@ steps=(
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
   "verify-pipe|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_PAGED_DECODE=pipe"
   "bench-decode|bench-decode --device cuda --out \$RES/bench-decode.json"
+  "decode-pipe-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/vec"
+  "decode-pipe|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/pipe|KVBENCH_PAGED_DECODE=pipe"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
   "decode-unroll|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec"
@@ -89,7 +91,7 @@ declare -A need=(
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
-  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3)
+  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe)
 declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
