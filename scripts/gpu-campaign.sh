@@ -44,6 +44,8 @@ steps=(
   "bench-decode|bench-decode --device cuda --out \$RES/bench-decode.json"
   "decode-pipe-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/vec"
   "decode-pipe|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/pipe|KVBENCH_PAGED_DECODE=pipe"
+  "ig-gather-heads|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/heads"
+  "ig-gather-tokens|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/tokens|KVBENCH_IG_GATHER=tokens"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
   "decode-unroll|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec"
@@ -91,7 +93,8 @@ declare -A need=(
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
-  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe)
+  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe
+  [ig-gather-tokens]=verify-llama)
 declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then

@@ -30,9 +30,10 @@ pub use error::{Error, Result};
 /// steps (docs/cuda.md), and the CPU's packed f32 weights
 /// (docs/correctness-and-performance.md). A result depends on them, so a cell's
 /// identity includes the ones that are set.
-pub const KERNEL_SWITCHES: [&str; 8] = [
+pub const KERNEL_SWITCHES: [&str; 9] = [
     "KVBENCH_FLASH_PREFILL",
     "KVBENCH_PAGED_DECODE",
+    "KVBENCH_IG_GATHER",
     "KVBENCH_H2O_STATS",
     "KVBENCH_FUSED_PROJECTIONS",
     "KVBENCH_FUSED_KERNELS",

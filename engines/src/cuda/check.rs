@@ -958,8 +958,8 @@ fn infinigen_checks(
     bs: usize,
 ) -> Result<Vec<KernelCheck>> {
     use crate::policy::infinigen::cuda::{
-        gather, host_read, host_write, khat_write, speculate_select, stage_own, GatherSrc, IgDims,
-        KhatRows, PinnedTier, SelectOut, SpecRows,
+        gather, host_read, host_write, khat_write, speculate_select, stage_own, GatherOrder,
+        GatherSrc, IgDims, KhatRows, PinnedTier, SelectOut, SpecRows,
     };
     use crate::policy::infinigen::top_k;
     use candle_core::cuda_backend::WrapErr;
@@ -1259,9 +1259,49 @@ fn infinigen_checks(
             kcap,
             ks: &ks,
             rows: nrows,
+            nctx: &nctx_d,
+            stride,
         };
-        gather(&copy, &cuda, &tier, dims, li, &src, &mut stage, b)?;
+        let mut marks = cuda.alloc_zeros::<i32>(nrows * kvh * stride)?;
+        gather(
+            &copy,
+            &cuda,
+            &tier,
+            dims,
+            li,
+            &src,
+            &mut stage,
+            b,
+            GatherOrder::Heads,
+            &mut marks,
+        )?;
+        // The token order into a second staging buffer: the same bytes in the same
+        // slots, and its marks all zero again after.
+        let mut stage_t = LayerCache::new(&cuda, nrows * b, row)?;
+        gather(
+            &copy,
+            &cuda,
+            &tier,
+            dims,
+            li,
+            &src,
+            &mut stage_t,
+            b,
+            GatherOrder::Tokens,
+            &mut marks,
+        )?;
         copy.synchronize().w()?;
+        let same = stream.clone_dtoh(&stage.k).w()? == stream.clone_dtoh(&stage_t.k).w()?
+            && stream.clone_dtoh(&stage.v).w()? == stream.clone_dtoh(&stage_t.v).w()?;
+        let cleared = stream.clone_dtoh(&marks).w()?.iter().all(|&m| m == 0);
+        out.push(exact_check(
+            "ig_mark/ig_gather_tokens",
+            format!(
+                "{shape}, alpha {alpha}: staging equal to ig_gather's ({same}), marks \
+                 cleared ({cleared})"
+            ),
+            same && cleared,
+        ));
         let own_k = rand_bf16(rng, nrows * row, 1.0);
         let own_v = rand_bf16(rng, nrows * row, 1.0);
         stage_own(

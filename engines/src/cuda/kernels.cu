@@ -2051,6 +2051,61 @@ extern "C" __global__ void ig_gather(const uint64_t* __restrict__ chunks,
               head_dim, lane, WARP);
 }
 
+// The token-major gather (KVBENCH_IG_GATHER=tokens), first pass: marks[row, g, p] =
+// j + 1 for the j-th selected position p of (row, g); 0 elsewhere (the second pass clears
+// what it read, so the buffer is all zeros between gathers). grid (R, KVH,
+// ceil(kcap / block)).
+extern "C" __global__ void ig_mark(const int32_t* __restrict__ sel, int kcap,
+                                   const int32_t* __restrict__ ks, int num_kv_heads,
+                                   int stride, int32_t* __restrict__ marks) {
+    const int row = blockIdx.x, g = blockIdx.y;
+    const int j = blockIdx.z * blockDim.x + threadIdx.x;
+    if (j >= ks[row]) return;
+    const int64_t rg = (int64_t)row * num_kv_heads + g;
+    marks[rg * stride + sel[rg * kcap + j]] = j + 1;
+}
+
+// Second pass: ig_gather's copies in token order. One warp per position p < nctx[row]
+// (consecutive warps, consecutive positions of a row): lane g < KVH reads (and clears)
+// head g's mark, then half-warps copy the K/V slices of the heads that selected p, two
+// heads at a time, to the slots ig_gather writes. A token's selected slices are read
+// together and a block's reads ascend through the row's host blocks: zero-copy reads of
+// 256-byte rows in random order ran at 27 % of the host link's copy rate on an H200, in
+// order at 92 % (results/baselines/h200/NOTES.md). KVH <= 32.
+// grid (ceil(stride / warps per block), R).
+extern "C" __global__ void ig_gather_tokens(
+    const uint64_t* __restrict__ chunks, const int32_t* __restrict__ host_tables,
+    int max_hblocks, int32_t* __restrict__ marks, int stride, const int32_t* __restrict__ nctx,
+    int li, int off_layers, int block_size, int num_kv_heads, int head_dim, int bpc,
+    __nv_bfloat16* __restrict__ k_stage, __nv_bfloat16* __restrict__ v_stage, int B) {
+    const int row = blockIdx.y;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int p = blockIdx.x * (blockDim.x / WARP) + warp;
+    if (p >= nctx[row]) return;
+    int32_t* m = marks + (int64_t)row * num_kv_heads * stride + p;
+    int mark = 0;
+    if (lane < num_kv_heads) {
+        mark = m[(int64_t)lane * stride];
+        if (mark != 0) m[(int64_t)lane * stride] = 0;
+    }
+    if (__ballot_sync(0xffffffffu, mark != 0) == 0) return;
+    const int32_t* table = host_tables + (int64_t)row * max_hblocks;
+    const int64_t slot = (int64_t)table[p / block_size] * block_size + p % block_size;
+    const int row_elems = num_kv_heads * head_dim;
+    const __nv_bfloat16* kr = host_row(chunks, slot, li, 0, off_layers, block_size, row_elems, bpc);
+    const __nv_bfloat16* vr = host_row(chunks, slot, li, 1, off_layers, block_size, row_elems, bpc);
+    const int half = lane / 16, hl = lane % 16;
+    for (int g0 = 0; g0 < num_kv_heads; g0 += 2) {
+        const int g = g0 + half;
+        const int mg = __shfl_sync(0xffffffffu, mark, min(g, WARP - 1));
+        if (g < num_kv_heads && mg != 0) {
+            const int64_t dst = (((int64_t)row * B + (mg - 1)) * num_kv_heads + g) * head_dim;
+            copy_bf16(k_stage + dst, kr + g * head_dim, head_dim, hl, 16);
+            copy_bf16(v_stage + dst, vr + g * head_dim, head_dim, hl, 16);
+        }
+    }
+}
+
 // Each decode row's own new K/V (rows src_rows of k/v [T, KVH, D]) into staging slot
 // row * B + ks[row], after its selection. grid R.
 extern "C" __global__ void ig_stage_own(const __nv_bfloat16* __restrict__ k,

@@ -275,6 +275,9 @@ struct StepBuffers {
     counts: CudaSlice<i32>,
     /// Selected count per (offloaded layer, decode row) of the step.
     klog: CudaSlice<i32>,
+    /// The token-major gather's marks (`[R, KVH, stride]`, all zero between gathers;
+    /// one element while the head order runs).
+    marks: CudaSlice<i32>,
     /// Host side of the `memcpy` transfer.
     pinned: Option<PinnedStaging>,
 }
@@ -324,6 +327,7 @@ impl StepBuffers {
             scores: dev.alloc_zeros(1)?,
             counts: dev.alloc_zeros(1)?,
             klog: dev.alloc_zeros(1)?,
+            marks: dev.alloc_zeros(1)?,
             pinned: None,
         })
     }
@@ -334,7 +338,8 @@ impl StepBuffers {
                 + self.ks[0].len() * 2
                 + self.scores.len()
                 + self.counts.len()
-                + self.klog.len())) as u64
+                + self.klog.len()
+                + self.marks.len())) as u64
     }
 }
 
@@ -401,6 +406,8 @@ pub struct CudaInfinigenPolicy {
     idx_ready: [Option<CudaEvent>; 2],
     attn_done: [Option<CudaEvent>; 2],
     copied: [Option<CudaEvent>; 2],
+    /// How the zero-copy gather walks the selection (`KVBENCH_IG_GATHER`).
+    gather_order: GatherOrder,
 }
 
 impl CudaInfinigenPolicy {
@@ -460,6 +467,7 @@ impl CudaInfinigenPolicy {
         let host = PinnedTier::new(&dev, host_blocks, layout)?;
         let copy = dev.cuda_stream().context().new_stream().w()?;
         Ok(Self {
+            gather_order: gather_order()?,
             copy,
             heads: (h, kvh, d),
             num_layers: cfg.num_layers,
@@ -606,6 +614,10 @@ impl CudaInfinigenPolicy {
             grow(&self.dev, &mut self.bufs.ks[p], nrows)?;
         }
         grow(&self.dev, &mut self.bufs.scores, nrows * h * stride)?;
+        if self.gather_order == GatherOrder::Tokens && self.params.transfer == Transfer::ZeroCopy {
+            // Zeros when grown, and kept zero by every gather.
+            grow(&self.dev, &mut self.bufs.marks, nrows * kvh * stride)?;
+        }
         grow(&self.dev, &mut self.bufs.counts, nrows * h)?;
         let klog = (self.off() * nrows).max(1);
         grow(&self.dev, &mut self.bufs.klog, klog)?;
@@ -808,6 +820,8 @@ impl CudaInfinigenPolicy {
             kcap: dp.kcap,
             ks: &self.bufs.ks[p],
             rows: nrows,
+            nctx: &dp.nctx,
+            stride: dp.stride,
         };
         gather(
             &self.copy,
@@ -818,6 +832,8 @@ impl CudaInfinigenPolicy {
             &src,
             &mut self.bufs.stage[p],
             dp.b,
+            self.gather_order,
+            &mut self.bufs.marks,
         )?;
         self.gathered[p] = Some(self.copy.record_event(Some(CU_EVENT_DEFAULT)).w()?);
         Ok(())
@@ -1486,10 +1502,45 @@ pub struct GatherSrc<'a> {
     pub kcap: usize,
     pub ks: &'a CudaSlice<i32>,
     pub rows: usize,
+    /// Positions each row selected among (`[R]`), at most `stride`: the token-major
+    /// gather walks them.
+    pub nctx: &'a CudaSlice<i32>,
+    pub stride: usize,
+}
+
+/// In which order a zero-copy gather reads the host tier (`KVBENCH_IG_GATHER`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatherOrder {
+    /// A warp per selected (row, KV head, j), in the selection's order (`ig_gather`).
+    Heads,
+    /// A warp per position of a row, copying the slices of every head that selected it
+    /// (`ig_mark`, then `ig_gather_tokens`): a token's selected slices are read together,
+    /// a block's reads ascend through the row's host blocks.
+    Tokens,
+}
+
+/// [`GatherOrder`] from the environment, read once per process: unset, the head order;
+/// `tokens`, the token order (not yet the default: it has not run on a GPU); any other
+/// value is an error naming it.
+pub fn gather_order() -> Result<GatherOrder> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<GatherOrder, String>> =
+        std::sync::OnceLock::new();
+    crate::switch_once(
+        &CHOICE,
+        "KVBENCH_IG_GATHER",
+        &[
+            ("tokens", GatherOrder::Tokens),
+            ("heads", GatherOrder::Heads),
+        ],
+        GatherOrder::Heads,
+        "the head order",
+    )
 }
 
 /// The selected K/V rows of offloaded layer `li` from the host tier into `stage`
 /// (row r's j-th selection of KV head g at slot `r·b + j`, head g), on `stream`.
+/// With [`GatherOrder::Tokens`], `marks` (at least `rows · KVH · stride` elements, all
+/// zero) holds the selection's marks between its two passes and is all zero again after.
 #[allow(clippy::too_many_arguments)]
 pub fn gather(
     stream: &Arc<CudaStream>,
@@ -1500,9 +1551,14 @@ pub fn gather(
     src: &GatherSrc<'_>,
     stage: &mut LayerCache,
     b: usize,
+    order: GatherOrder,
+    marks: &mut CudaSlice<i32>,
 ) -> Result<()> {
     if src.rows == 0 {
         return Ok(());
+    }
+    if order == GatherOrder::Tokens && dims.num_kv_heads <= 32 {
+        return gather_tokens(stream, dev, tier, dims, li, src, stage, b, marks);
     }
     if stage.k.len() < src.rows * b * dims.row() || src.kcap >= b {
         return Err(Error::Config(format!(
@@ -1551,6 +1607,96 @@ pub fn gather(
             dims.num_kv_heads as u32,
             src.kcap.div_ceil(GATHER_WARPS) as u32,
         ),
+        block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { lb.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// [`gather`] in token order (`ig_mark`, then `ig_gather_tokens`), on `stream`.
+#[allow(clippy::too_many_arguments)]
+fn gather_tokens(
+    stream: &Arc<CudaStream>,
+    dev: &CudaDevice,
+    tier: &PinnedTier,
+    dims: IgDims,
+    li: usize,
+    src: &GatherSrc<'_>,
+    stage: &mut LayerCache,
+    b: usize,
+    marks: &mut CudaSlice<i32>,
+) -> Result<()> {
+    let kvh = dims.num_kv_heads;
+    if stage.k.len() < src.rows * b * dims.row()
+        || src.kcap >= b
+        || marks.len() < src.rows * kvh * src.stride
+    {
+        return Err(Error::Config(format!(
+            "infinigen gather (token order): staging of {} elements for {} rows of {b} \
+             slots (selection capacity {}), {} marks for {} positions a row",
+            stage.k.len(),
+            src.rows,
+            src.kcap,
+            marks.len(),
+            src.stride
+        )));
+    }
+    let (kcap_i, kvh_i, stride_i) = (
+        as_i32(src.kcap, "selection capacity")?,
+        as_i32(kvh, "KV heads")?,
+        as_i32(src.stride, "positions")?,
+    );
+    const MARK_THREADS: usize = 256;
+    let f = dev.get_or_load_custom_func("ig_mark", MODULE, PTX)?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(src.sel)
+        .arg(&kcap_i)
+        .arg(src.ks)
+        .arg(&kvh_i)
+        .arg(&stride_i)
+        .arg(&mut *marks);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            src.rows as u32,
+            kvh as u32,
+            src.kcap.div_ceil(MARK_THREADS) as u32,
+        ),
+        block_dim: (MARK_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { lb.launch(cfg) }.w()?;
+
+    let (mhb_i, li_i, off_i, bs_i, d_i) = (
+        as_i32(src.max_hblocks, "host blocks")?,
+        as_i32(li, "layer")?,
+        as_i32(dims.off_layers, "layers")?,
+        as_i32(dims.block_size, "block size")?,
+        as_i32(dims.head_dim, "D")?,
+    );
+    let (bpc_i, b_i) = (
+        as_i32(tier.layout.per_chunk, "blocks per chunk")?,
+        as_i32(b, "staging slots")?,
+    );
+    let f = dev.get_or_load_custom_func("ig_gather_tokens", MODULE, PTX)?;
+    let mut lb = stream.launch_builder(&f);
+    lb.arg(&tier.ptrs_dev)
+        .arg(src.host_tables)
+        .arg(&mhb_i)
+        .arg(&mut *marks)
+        .arg(&stride_i)
+        .arg(src.nctx)
+        .arg(&li_i)
+        .arg(&off_i)
+        .arg(&bs_i)
+        .arg(&kvh_i)
+        .arg(&d_i)
+        .arg(&bpc_i)
+        .arg(&mut stage.k)
+        .arg(&mut stage.v)
+        .arg(&b_i);
+    let cfg = LaunchConfig {
+        grid_dim: (src.stride.div_ceil(GATHER_WARPS) as u32, src.rows as u32, 1),
         block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
