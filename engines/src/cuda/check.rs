@@ -1262,34 +1262,18 @@ fn infinigen_checks(
             nctx: &nctx_d,
             stride,
         };
+        // The head order, then the token order into a second staging buffer: the same
+        // bytes in the same slots, and the token order's marks all zero again after.
         let mut marks = cuda.alloc_zeros::<i32>(nrows * kvh * stride)?;
-        gather(
-            &copy,
-            &cuda,
-            &tier,
-            dims,
-            li,
-            &src,
-            &mut stage,
-            b,
-            GatherOrder::Heads,
-            &mut marks,
-        )?;
-        // The token order into a second staging buffer: the same bytes in the same
-        // slots, and its marks all zero again after.
         let mut stage_t = LayerCache::new(&cuda, nrows * b, row)?;
-        gather(
-            &copy,
-            &cuda,
-            &tier,
-            dims,
-            li,
-            &src,
-            &mut stage_t,
-            b,
-            GatherOrder::Tokens,
-            &mut marks,
-        )?;
+        for (order, st) in [
+            (GatherOrder::Heads, &mut stage),
+            (GatherOrder::Tokens, &mut stage_t),
+        ] {
+            gather(
+                &copy, &cuda, &tier, dims, li, &src, st, b, order, &mut marks,
+            )?;
+        }
         copy.synchronize().w()?;
         let same = stream.clone_dtoh(&stage.k).w()? == stream.clone_dtoh(&stage_t.k).w()?
             && stream.clone_dtoh(&stage.v).w()? == stream.clone_dtoh(&stage_t.v).w()?;

@@ -256,6 +256,95 @@ extern "C" __global__ void paged_decode_part_rolling_bf16(
                             Rolling{pos, params, rope_cos, rope_sin});
 }
 
+// Eight bf16 of a 16-byte load as floats.
+__device__ __forceinline__ void unpack8(const uint4& r, float out[8]) {
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&r);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(h2[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// The vector kernels' scores of key j (partition-relative) for each head of the group:
+// each lane's 8 products, summed over the LPR lanes of the key's row by shuffles (every
+// lane of the warp takes part), written by the row's first lane when `valid` (to the
+// scores in shared memory and, for H2O, to `raw`).
+template <int LPR, int MAXG>
+__device__ __forceinline__ void score_key(const float (&qr)[MAXG][8], const float (&k8)[8],
+                                          int group, bool valid, int sl, float* __restrict__ ss,
+                                          int part_size, int j, float* __restrict__ raw,
+                                          int64_t head0, int raw_stride, int start,
+                                          float scale) {
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+            float acc = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
+#pragma unroll
+            for (int o = LPR / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (valid && sl == 0) {
+                ss[g * part_size + j] = acc * scale;
+                // H2O: the scaled scores, turned into probabilities once the
+                // reduction knows each head's log-sum-exp.
+                if (raw != nullptr) raw[(head0 + g) * raw_stride + start + j] = acc * scale;
+            }
+        }
+    }
+}
+
+// acc[g] += p[g, j] · V row j (8 elements of it) for each head of the group.
+template <int MAXG>
+__device__ __forceinline__ void accumulate_value(float (&acc)[MAXG][8], const float (&v8)[8],
+                                                 const float* __restrict__ ss, int group,
+                                                 int part_size, int j) {
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+            const float p = ss[g * part_size + j];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
+        }
+    }
+}
+
+// The end of the vector kernels' V pass: each lane's 8 output elements of every head
+// summed over the lanes of its warp that hold the same elements (same sl, other keys),
+// then over the warps through shared memory `sacc` ([warps, G, D] floats; where it
+// reuses memory the block has just read, the caller syncs first), into part_acc.
+template <int D, int MAXG>
+__device__ __forceinline__ void write_partition_output(const float (&acc)[MAXG][8],
+                                                       float* __restrict__ sacc,
+                                                       float* __restrict__ part_acc,
+                                                       int64_t head0, int group, int parts,
+                                                       int part) {
+    constexpr int LPR = D / 8;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    const int sub = lane / LPR, sl = lane % LPR;
+#pragma unroll
+    for (int g = 0; g < MAXG; ++g) {
+        if (g < group) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float x = acc[g][i];
+#pragma unroll
+                for (int o = LPR; o < WARP; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+                if (sub == 0) sacc[(warp * group + g) * D + sl * 8 + i] = x;
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        float x = 0.f;
+        for (int w = 0; w < warps; ++w) x += sacc[w * group * D + i];
+        const int64_t o = (head0 + i / D) * parts + part;
+        part_acc[o * D + i % D] = x;
+    }
+}
+
 // The partition pass with 16-byte loads, for D = 64 or 128 and groups of up to MAXG
 // query heads: same grid, outputs and scratch layout as paged_decode_part_bf16. A key's
 // row for one KV head (D bf16 = D * 2 bytes) is read by D / 8 lanes, 8 elements each,
@@ -343,13 +432,7 @@ __device__ __forceinline__ void paged_decode_part_vec(
             const bool valid = j < n;
             const int64_t slot = slots[u];
             float k8[8];
-            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_k[u]);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __bfloat1622float2(h2[i]);
-                k8[2 * i] = f.x;
-                k8[2 * i + 1] = f.y;
-            }
+            unpack8(raw_k[u], k8);
             if (ROLL) {
                 // Every lane shuffles (the partner of a lane past the last key holds zeros).
                 float other[8];
@@ -374,22 +457,8 @@ __device__ __forceinline__ void paged_decode_part_vec(
                     }
                 }
             }
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                if (g < group) {
-                    float acc = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
-#pragma unroll
-                    for (int o = LPR / 2; o > 0; o >>= 1)
-                        acc += __shfl_xor_sync(0xffffffffu, acc, o);
-                    if (valid && sl == 0) {
-                        ss[g * part_size + j] = acc * scale;
-                        if (raw != nullptr)
-                            raw[(head0 + g) * raw_stride + start + j] = acc * scale;
-                    }
-                }
-            }
+            score_key<LPR, MAXG>(qr, k8, group, valid, sl, ss, part_size, j, raw, head0,
+                                 raw_stride, start, scale);
         }
     }
     __syncthreads();
@@ -419,46 +488,13 @@ __device__ __forceinline__ void paged_decode_part_vec(
         for (int u = 0; u < U; ++u) {
             const int j = base + u * RPW + sub;
             if (j < n) {
-                const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw_v[u]);
                 float v8[8];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 f = __bfloat1622float2(h2[i]);
-                    v8[2 * i] = f.x;
-                    v8[2 * i + 1] = f.y;
-                }
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    if (g < group) {
-                        const float p = ss[g * part_size + j];
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
-                    }
-                }
+                unpack8(raw_v[u], v8);
+                accumulate_value<MAXG>(acc, v8, ss, group, part_size, j);
             }
         }
     }
-    // Sum the lanes of a warp that hold the same elements (same sl, other keys), then
-    // the warps through shared memory.
-#pragma unroll
-    for (int g = 0; g < MAXG; ++g) {
-        if (g < group) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float x = acc[g][i];
-#pragma unroll
-                for (int o = LPR; o < WARP; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-                if (sub == 0) sacc[(warp * group + g) * D + sl * 8 + i] = x;
-            }
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        float x = 0.f;
-        for (int w = 0; w < warps; ++w) x += sacc[w * group * D + i];
-        const int64_t o = (head0 + i / D) * parts + part;
-        part_acc[o * D + i % D] = x;
-    }
+    write_partition_output<D, MAXG>(acc, sacc, part_acc, head0, group, parts, part);
 }
 
 #define PAGED_DECODE_VEC(D, MAXG, VEC, U)                                                    \
@@ -1113,31 +1149,12 @@ __device__ __forceinline__ void paged_decode_part_pipe(
         const __nv_bfloat16* buf = ring + (tile % PIPE_STAGES) * PIPE_TILE * D;
         for (int jl = warp * RPW + sub; jl < PIPE_TILE; jl += warps * RPW) {
             const int j = tile * PIPE_TILE + jl;
+            // One 16-byte shared load (a load through the reference would be split).
             const uint4 r = *reinterpret_cast<const uint4*>(buf + jl * D + sl * 8);
-            const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&r);
             float k8[8];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float2 f = __bfloat1622float2(h2[i]);
-                k8[2 * i] = f.x;
-                k8[2 * i + 1] = f.y;
-            }
-#pragma unroll
-            for (int g = 0; g < MAXG; ++g) {
-                if (g < group) {
-                    float acc = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc += qr[g][i] * k8[i];
-#pragma unroll
-                    for (int o = LPR / 2; o > 0; o >>= 1)
-                        acc += __shfl_xor_sync(0xffffffffu, acc, o);
-                    if (j < n && sl == 0) {
-                        ss[g * part_size + j] = acc * scale;
-                        if (raw != nullptr)
-                            raw[(head0 + g) * raw_stride + start + j] = acc * scale;
-                    }
-                }
-            }
+            unpack8(r, k8);
+            score_key<LPR, MAXG>(qr, k8, group, j < n, sl, ss, part_size, j, raw, head0,
+                                 raw_stride, start, scale);
         }
     }
     // Every copy landed (the groups left are empty) and every lane is done with the
@@ -1165,46 +1182,15 @@ __device__ __forceinline__ void paged_decode_part_pipe(
             const int j = tile * PIPE_TILE + jl;
             if (j < n) {
                 const uint4 r = *reinterpret_cast<const uint4*>(buf + jl * D + sl * 8);
-                const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&r);
                 float v8[8];
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float2 f = __bfloat1622float2(h2[i]);
-                    v8[2 * i] = f.x;
-                    v8[2 * i + 1] = f.y;
-                }
-#pragma unroll
-                for (int g = 0; g < MAXG; ++g) {
-                    if (g < group) {
-                        const float p = ss[g * part_size + j];
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[g][i] += p * v8[i];
-                    }
-                }
+                unpack8(r, v8);
+                accumulate_value<MAXG>(acc, v8, ss, group, part_size, j);
             }
         }
     }
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // the ring is free: the warps' partial outputs go there
-#pragma unroll
-    for (int g = 0; g < MAXG; ++g) {
-        if (g < group) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                float x = acc[g][i];
-#pragma unroll
-                for (int o = LPR; o < WARP; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-                if (sub == 0) sacc[(warp * group + g) * D + sl * 8 + i] = x;
-            }
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        float x = 0.f;
-        for (int w = 0; w < warps; ++w) x += sacc[w * group * D + i];
-        const int64_t o = (head0 + i / D) * parts + part;
-        part_acc[o * D + i % D] = x;
-    }
+    write_partition_output<D, MAXG>(acc, sacc, part_acc, head0, group, parts, part);
 }
 
 #define PAGED_DECODE_PIPE(D, MAXG)                                                           \
