@@ -344,10 +344,65 @@ fn argmax_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
     Ok(out)
 }
 
-/// The fused elementwise kernels of a layer (`silu_mul`, `add_rms_norm`) against f64,
-/// at SmolLM2's and Llama-3.1-8B's widths, one row and several.
+/// The fused elementwise kernels of a layer (`silu_mul`, `add_rms_norm`, `rope_pair`)
+/// against f64, at SmolLM2's and Llama-3.1-8B's widths, one row and several.
 fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
     let mut out = Vec::new();
+    // RoPE of queries and keys together: (H, KVH, D) of SmolLM2 and Llama-3.1-8B, rows
+    // at positions spread over a long context, cos/sin as the model rounds them (bf16).
+    for &(h, kvh, d) in &[(9usize, 3usize, 64usize), (32, 8, 128)] {
+        for rows in [1usize, 3, 17] {
+            let half = d / 2;
+            let (q, k) = (
+                rand_bf16(rng, rows * h * d, 2.0),
+                rand_bf16(rng, rows * kvh * d, 2.0),
+            );
+            let (mut cos, mut sin) = (Vec::new(), Vec::new());
+            for _ in 0..rows {
+                let pos = rng.random_range(0..131_072u32) as f32;
+                for i in 0..half {
+                    let a = pos * 500_000f32.powf(-((2 * i) as f32) / d as f32);
+                    cos.push(bf16::from_f32(a.cos()).to_f32());
+                    sin.push(bf16::from_f32(a.sin()).to_f32());
+                }
+            }
+            let rotate = |x: &[f32], heads: usize| -> Vec<f64> {
+                let mut o = vec![0f64; x.len()];
+                for r in 0..rows {
+                    for hh in 0..heads {
+                        let at = (r * heads + hh) * d;
+                        for i in 0..half {
+                            let (c, s_) = (cos[r * half + i] as f64, sin[r * half + i] as f64);
+                            let (x0, x1) = (x[at + i] as f64, x[at + i + half] as f64);
+                            o[at + i] = x0 * c - x1 * s_;
+                            o[at + i + half] = x0 * s_ + x1 * c;
+                        }
+                    }
+                }
+                o
+            };
+            let (qo, ko) = super::rope_pair(
+                &upload(&q, &[rows, h, d], dev)?,
+                &upload(&k, &[rows, kvh, d], dev)?,
+                &upload(&cos, &[rows, half], dev)?,
+                &upload(&sin, &[rows, half], dev)?,
+            )?
+            .ok_or_else(|| {
+                crate::error::Error::Config("rope_pair refused [t, H, D] bf16 rows".into())
+            })?;
+            let case = format!("{rows} rows x H={h} KVH={kvh} D={d}");
+            out.push(bf16_check(
+                "rope_pair (q)",
+                case.clone(),
+                rel_err(&download(&qo)?, &rotate(&q, h)),
+            ));
+            out.push(bf16_check(
+                "rope_pair (k)",
+                case,
+                rel_err(&download(&ko)?, &rotate(&k, kvh)),
+            ));
+        }
+    }
     for &(hidden, ff) in &[(576usize, 1536usize), (4096, 14336)] {
         for rows in [1usize, 3, 17] {
             let gu = rand_bf16(rng, 2 * rows * ff, 4.0);

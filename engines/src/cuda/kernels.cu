@@ -2148,6 +2148,36 @@ extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* __restrict__ gu,
     }
 }
 
+// RoPE on a step's queries and keys in one launch (candle's rope_thd takes one each):
+// q [T, H, D] and k [T, KVH, D], halves rotated together (dimension i pairs with
+// i + D/2): (x0 c - x1 s, x0 s + x1 c) with cos/sin [T, D/2] of each row's position,
+// in f32, rounded once. grid (T, ceil(pairs / block)): a thread per pair, so that a
+// decode step's few rows still spread over several SMs.
+extern "C" __global__ void rope_qk_bf16(const __nv_bfloat16* __restrict__ q,
+                                        const __nv_bfloat16* __restrict__ k,
+                                        const __nv_bfloat16* __restrict__ cos,
+                                        const __nv_bfloat16* __restrict__ sin,
+                                        __nv_bfloat16* __restrict__ q_out,
+                                        __nv_bfloat16* __restrict__ k_out, int num_heads,
+                                        int num_kv_heads, int head_dim) {
+    const int t = blockIdx.x, half = head_dim / 2;
+    const int pairs = (num_heads + num_kv_heads) * half;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i < pairs) {
+        const int h = i / half, d = i % half;
+        const float c = __bfloat162float(cos[(int64_t)t * half + d]);
+        const float s_ = __bfloat162float(sin[(int64_t)t * half + d]);
+        const bool is_q = h < num_heads;
+        const int64_t row = is_q ? ((int64_t)t * num_heads + h) * head_dim
+                                 : ((int64_t)t * num_kv_heads + (h - num_heads)) * head_dim;
+        const __nv_bfloat16* src = is_q ? q + row : k + row;
+        __nv_bfloat16* dst = is_q ? q_out + row : k_out + row;
+        const float x0 = __bfloat162float(src[d]), x1 = __bfloat162float(src[d + half]);
+        dst[d] = __float2bfloat16(x0 * c - x1 * s_);
+        dst[d + half] = __float2bfloat16(x0 * s_ + x1 * c);
+    }
+}
+
 // The residual add and the next RMSNorm of one row per block: x_out = x + a (rounded
 // to bf16, as the separate add), h = x_out * rsqrt(mean(x_out^2) + eps) * w (f32,
 // rounded once). hidden % 8 == 0, 16-byte aligned rows; blockDim a multiple of 32, at

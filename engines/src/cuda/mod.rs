@@ -178,6 +178,74 @@ pub fn silu_mul(gu: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(tensor_from(&dev, out, (t, ff))))
 }
 
+/// RoPE (halves rotated together) on a step's queries `[t, H, D]` and keys `[t, KVH, D]`
+/// in one kernel where candle takes one per tensor: `cos`/`sin` `[t, D/2]`, all bf16.
+/// `None` where the kernel does not apply (other dtypes, shapes or layouts).
+pub fn rope_pair(
+    q: &Tensor,
+    k: &Tensor,
+    cos: &Tensor,
+    sin: &Tensor,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (Ok((t, h, d)), Ok((tk, kvh, dk))) = (q.dims3(), k.dims3()) else {
+        return Ok(None);
+    };
+    let usable = |u: &Tensor| u.dtype() == DType::BF16 && u.is_contiguous();
+    if tk != t
+        || dk != d
+        || t == 0
+        || !d.is_multiple_of(2)
+        || cos.dims() != [t, d / 2]
+        || sin.dims() != [t, d / 2]
+        || ![q, k, cos, sin].into_iter().all(usable)
+    {
+        return Ok(None);
+    }
+    let dev = device_of(q.device())?;
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (cs, cl) = cos.storage_and_layout();
+    let (ss, sl) = sin.storage_and_layout();
+    let (qv, kv) = (view(&qs, ql, "rope q")?, view(&ks, kl, "rope k")?);
+    let (cv, sv) = (view(&cs, cl, "rope cos")?, view(&ss, sl, "rope sin")?);
+    // SAFETY: the kernel writes every element of both.
+    let (mut qo, mut ko) = unsafe {
+        (
+            dev.alloc::<bf16>(t * h * d)?,
+            dev.alloc::<bf16>(t * kvh * d)?,
+        )
+    };
+    let f = dev.get_or_load_custom_func("rope_qk_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    let (h_i, kvh_i, d_i) = (
+        as_i32(h, "heads")?,
+        as_i32(kvh, "KV heads")?,
+        as_i32(d, "head dim")?,
+    );
+    b.arg(&qv)
+        .arg(&kv)
+        .arg(&cv)
+        .arg(&sv)
+        .arg(&mut qo)
+        .arg(&mut ko)
+        .arg(&h_i)
+        .arg(&kvh_i)
+        .arg(&d_i);
+    // A thread per rotated pair (Llama-3.1-8B: 2,560 a row, ten blocks).
+    const THREADS: usize = 256;
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, ((h + kvh) * d / 2).div_ceil(THREADS) as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop((qs, ks, cs, ss));
+    Ok(Some((
+        tensor_from(&dev, qo, (t, h, d)),
+        tensor_from(&dev, ko, (t, kvh, d)),
+    )))
+}
+
 /// The residual add and the RMSNorm after it, for every row in one kernel where candle
 /// takes two: `(x + a, rms_norm(x + a) · w)`, both `[t, hidden]` bf16 (the sum rounded
 /// to bf16 before the norm, as the separate add leaves it). `None` where the kernel

@@ -63,8 +63,8 @@ fn build(cfg: ModelConfig, wd: WeightDtype, src: &mut dyn WeightSource) -> Resul
     Llama::new(cfg, wd, embed, layers, norm, lm_head)
         .with_packed_rows()?
         .with_weights_in_huge_pages()?
-        .with_fused_projections()
-        .map(Llama::with_fused_kernels)
+        .with_fused_projections()?
+        .with_fused_kernels()
 }
 
 fn check_shape(model: &str, name: &str, got: &[usize], want: &[usize]) -> Result<()> {

@@ -392,6 +392,18 @@ fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?)
 }
 
+/// Which of a layer's elementwise operations run in kvbench's fused CUDA kernels
+/// (`KVBENCH_FUSED_KERNELS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FusedKernels {
+    /// candle's operations.
+    Off,
+    /// Residual add + RMSNorm and SwiGLU fused; RoPE by candle.
+    NoRope,
+    /// Those and RoPE of the queries and keys in one kernel.
+    All,
+}
+
 #[derive(Debug, Clone)]
 pub struct Llama {
     pub cfg: ModelConfig,
@@ -407,8 +419,8 @@ pub struct Llama {
     /// [`Llama::with_fused_projections`]); `None` when they run one by one.
     fused: Option<Vec<Fused>>,
     /// The layer's elementwise work in fused CUDA kernels (residual add + RMSNorm,
-    /// SwiGLU's product; see [`Llama::with_fused_kernels`]).
-    fused_kernels: bool,
+    /// SwiGLU's product, RoPE of queries and keys; see [`Llama::with_fused_kernels`]).
+    fused_kernels: FusedKernels,
     inv_freq: Vec<f32>,
     device: Device,
 }
@@ -452,7 +464,7 @@ impl Llama {
             norm,
             lm_head,
             fused: None,
-            fused_kernels: false,
+            fused_kernels: FusedKernels::Off,
             inv_freq,
             device,
         }
@@ -778,23 +790,37 @@ impl Llama {
     }
 
     /// On CUDA with bf16 weights, the layer's elementwise work in fused kernels: the
-    /// residual add with the RMSNorm after it, and SwiGLU's `silu(gate) · up` on the
-    /// batched gate/up product (`cuda::add_rms_norm`, `cuda::silu_mul`): three launches
-    /// fewer per layer, each checked against an f64 reference by `kvbench verify`.
+    /// residual add with the RMSNorm after it, SwiGLU's `silu(gate) · up` on the
+    /// batched gate/up product, and RoPE of the queries and keys together
+    /// (`cuda::add_rms_norm`, `cuda::silu_mul`, `cuda::rope_pair`): four launches fewer
+    /// per layer, each checked against an f64 reference by `kvbench verify`.
     /// `KVBENCH_FUSED_KERNELS=0` keeps candle's operations (the fallback, and the
-    /// "before" of a comparison in one sitting). Elsewhere the model is returned as it
-    /// is.
-    pub fn with_fused_kernels(mut self) -> Self {
-        self.fused_kernels = cfg!(feature = "cuda")
+    /// "before" of a comparison in one sitting); `no-rope` all but the RoPE kernel
+    /// (which has not yet run on a GPU: the fallback should it fail there); any other
+    /// value is an error. Elsewhere the model is returned as it is.
+    pub fn with_fused_kernels(mut self) -> Result<Self> {
+        let (choice, _) = crate::parse_switch(
+            "KVBENCH_FUSED_KERNELS",
+            std::env::var("KVBENCH_FUSED_KERNELS").ok().as_deref(),
+            &[
+                ("0", FusedKernels::Off),
+                ("1", FusedKernels::All),
+                ("no-rope", FusedKernels::NoRope),
+            ],
+            FusedKernels::All,
+            "every fused kernel",
+        )
+        .map_err(crate::error::Error::Config)?;
+        let applies = cfg!(feature = "cuda")
             && self.device.is_cuda()
-            && self.weight_dtype.compute() == DType::BF16
-            && std::env::var("KVBENCH_FUSED_KERNELS").as_deref() != Ok("0");
-        self
+            && self.weight_dtype.compute() == DType::BF16;
+        self.fused_kernels = if applies { choice } else { FusedKernels::Off };
+        Ok(self)
     }
 
     /// Whether the layer's elementwise work runs in fused kernels.
     pub fn kernels_fused(&self) -> bool {
-        self.fused_kernels
+        self.fused_kernels != FusedKernels::Off
     }
 
     /// `x + r` (when given) and the RMSNorm of it: one CUDA kernel with fused kernels
@@ -807,7 +833,7 @@ impl Llama {
         eps: f32,
     ) -> Result<(Tensor, Tensor)> {
         #[cfg(feature = "cuda")]
-        if let (true, Some(r)) = (self.fused_kernels, r) {
+        if let (true, Some(r)) = (self.kernels_fused(), r) {
             if let Some(pair) = crate::cuda::add_rms_norm(&x, r, w, eps)? {
                 return Ok(pair);
             }
@@ -824,7 +850,7 @@ impl Llama {
     /// kernel with fused kernels on, candle's two operations otherwise.
     fn swiglu_pair(&self, y: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if self.fused_kernels {
+        if self.kernels_fused() {
             if let Some(m) = crate::cuda::silu_mul(y)? {
                 return Ok(m);
             }
@@ -929,6 +955,24 @@ impl Llama {
             candle_nn::rotary_emb::rope(&x, cos, sin)?
         };
         Ok(y.squeeze(0)?.transpose(0, 1)?.contiguous()?)
+    }
+
+    /// RoPE on the queries and the keys: one CUDA kernel for both with fused kernels on
+    /// (non-interleaved RoPE), [`Llama::rope`] on each otherwise.
+    fn rope_qk(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        #[cfg(feature = "cuda")]
+        if self.fused_kernels == FusedKernels::All && !self.cfg.rope_interleaved {
+            if let Some(pair) = crate::cuda::rope_pair(q, k, cos, sin)? {
+                return Ok(pair);
+            }
+        }
+        Ok((self.rope(q, cos, sin)?, self.rope(k, cos, sin)?))
     }
 
     /// One forward step over packed rows. `positions[i]` is the absolute position of
@@ -1036,8 +1080,7 @@ impl Llama {
             let q_raw = q_raw.reshape((t, c.num_heads, c.head_dim))?;
             let k_raw = k_raw.reshape((t, c.num_kv_heads, c.head_dim))?;
             let v = v.reshape((t, c.num_kv_heads, c.head_dim))?;
-            let q = self.rope(&q_raw, &cos, &sin)?;
-            let k = self.rope(&k_raw, &cos, &sin)?;
+            let (q, k) = self.rope_qk(&q_raw, &k_raw, &cos, &sin)?;
             let a = attend(&LayerInput {
                 layer: li,
                 x: &h,
@@ -1128,7 +1171,7 @@ mod tests {
                 .unwrap();
             assert!(!m.projections_fused(), "the CPU loader does not fuse");
             assert!(
-                !m.clone().with_fused_kernels().kernels_fused(),
+                !m.clone().with_fused_kernels().unwrap().kernels_fused(),
                 "the fused kernels are CUDA's"
             );
             let f = m.clone().fuse_projections().unwrap();
