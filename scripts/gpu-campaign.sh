@@ -44,6 +44,7 @@ steps=(
   "bench-decode|bench-decode --device cuda --out \$RES/bench-decode.json"
   "decode-pipe-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/vec"
   "decode-pipe|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/pipe|KVBENCH_PAGED_DECODE=pipe"
+  "verify-ig-tokens|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_IG_GATHER=tokens"
   "ig-gather-heads|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/heads"
   "ig-gather-tokens|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/tokens|KVBENCH_IG_GATHER=tokens"
   "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
@@ -87,15 +88,15 @@ steps=(
 # 30 s are left).
 declare -A need=(
   [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
-  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-pipe]=45 [bench-decode]=90
+  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-pipe]=45 [verify-ig-tokens]=45 [bench-decode]=90
 )
 
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
   [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe
-  [ig-gather-tokens]=verify-llama)
-declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [bench-decode]=1)
+  [ig-gather-tokens]=verify-ig-tokens)
+declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-ig-tokens]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"
