@@ -131,6 +131,25 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
             cfg.max_position_embeddings
         );
     }
+    if a.kernels_only {
+        // Before anything else is made (InfiniGen's calibration among it).
+        let kernels = kernel_checks(model.device())?;
+        // No checks at all (a build without them) is a failure, not a pass.
+        let pass = !kernels.is_empty() && kernels.iter().all(|k| k.pass);
+        let report = Report {
+            model: setup.spec.clone(),
+            weights_dtype: model.weight_dtype.to_string(),
+            device: setup.device.to_string(),
+            tolerance: 0.0,
+            noise_floor: None,
+            prompt_tokens: Vec::new(),
+            steps: 0,
+            kernels,
+            results: Vec::new(),
+            pass,
+        };
+        return finish(&report, a.json);
+    }
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut tokens = |n: usize| seeded_ids(n, cfg.vocab_size, &mut state);
     let prompts = [tokens(a.prompt_tokens), tokens(a.prompt_tokens * 2 / 3)];
@@ -192,23 +211,6 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     };
 
     let kernels = kernel_checks(model.device())?;
-    if a.kernels_only {
-        // No checks at all (a build without them) is a failure, not a pass.
-        let pass = !kernels.is_empty() && kernels.iter().all(|k| k.pass);
-        let report = Report {
-            model: setup.spec.clone(),
-            weights_dtype: model.weight_dtype.to_string(),
-            device: setup.device.to_string(),
-            tolerance: 0.0,
-            noise_floor: None,
-            prompt_tokens: Vec::new(),
-            steps: 0,
-            kernels,
-            results: Vec::new(),
-            pass,
-        };
-        return finish(&report, a.json);
-    }
     let reference = run_one(PolicySpec::full(), AttentionImpl::Eager, None)
         .context("reference run (full + eager)")?;
     let forced = reference.outputs.clone();
