@@ -20,6 +20,25 @@ TILE, STAGES, THREADS, WARP = 32, 4, 128, 32
 rng = np.random.default_rng(2)
 
 
+def check_geometry():
+    """The ring's geometry transcribed here is the kernel's (kernels.cu's defines) and the
+    launch's (the constants engines/src/cuda/mod.rs mirrors them with)."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2] / "engines" / "src" / "cuda"
+    cu = (root / "kernels.cu").read_text()
+    rs = (root / "mod.rs").read_text()
+    want = {"PIPE_TILE": TILE, "PIPE_STAGES": STAGES, "DECODE_THREADS": THREADS}
+    bad = []
+    for name, v in want.items():
+        d = re.search(rf"^#define {name} (\d+)$", cu, re.M)
+        c = re.search(rf"const {name}: \w+ = (\d+);", rs)
+        for where, m in (("kernels.cu", d), ("mod.rs", c)):
+            if m is None or int(m.group(1)) != v:
+                bad.append(f"{name} in {where}: {m.group(1) if m else 'missing'}, emulated {v}")
+    return bad
+
+
 class Ring:
     """The block's ring and its cp.async groups (one thread's view suffices: every thread
     commits the same groups; copies are tracked per group)."""
@@ -143,6 +162,9 @@ def run(D, G, KVH, ctx, part_size, bs=16, lazy=False):
 
 
 failed = 0
+for line in check_geometry():
+    print("geometry:", line, "FAIL")
+    failed += 1
 # (D, group, KV heads, context, partition): one key, a partial last tile, several tiles
 # past the ring's depth, partitions ending mid-tile.
 for D, G, KVH, ctx, ps in [(128, 4, 2, 1, 64), (128, 4, 1, 300, 256), (64, 3, 2, 513, 512),
