@@ -1,6 +1,7 @@
 //! The paged decode kernels timed on their own (`kvbench bench-decode`): each partition
 //! kernel over the same synthetic caches, batch × context cases at Llama-3.1-8B's shapes
-//! by default, beside the card's device-to-device copy rate measured in the same run. A
+//! by default, beside the card's device-to-device copy rate measured in the same run
+//! (and a step's small kernels, RoPE and the greedy choice, beside candle's). A
 //! lease's seconds then tell which kernel reads K/V fastest, where a performance cell per
 //! kernel would take minutes. Every kernel's output is compared with the four-row vector
 //! kernel's (which `kvbench verify` checks against an f64 reference) and a kernel whose
@@ -72,6 +73,8 @@ pub struct DecodeBench {
     /// (best of five).
     pub copy_gb_per_s: f64,
     pub rows: Vec<BenchRow>,
+    /// RoPE and the greedy choice beside candle's operations ([`small_kernels`]).
+    pub small: Vec<SmallRow>,
 }
 
 /// Launches per timed round (cycling over the layers' caches) and rounds per kernel.
@@ -174,6 +177,7 @@ pub fn run(
         max_partition: part,
         copy_gb_per_s,
         rows: out,
+        small: Vec::new(),
     })
 }
 
@@ -223,9 +227,8 @@ fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
 }
 
 /// Median over [`ROUNDS`] of the mean time of a launch, [`LAUNCHES`] launches a round
-/// over the layers in turn. Each round is queued behind a kernel that keeps the device
-/// busy for a few milliseconds, so the host has queued every launch before the first
-/// runs and the events time the kernels back to back, not the host's pace.
+/// over the layers in turn (after one warm launch per layer: every layer's first read,
+/// the module loaded).
 fn time(
     cuda: &CudaDevice,
     caches: &[LayerCache],
@@ -234,25 +237,174 @@ fn time(
     s: DecodeShape,
     k: DecodeKernel,
 ) -> Result<f64> {
-    let stream = cuda.cuda_stream();
     for c in caches {
-        launch(c, q, t, s, k)?; // warm: every layer's first read, the module loaded
+        launch(c, q, t, s, k)?;
     }
+    time_launches(cuda, LAUNCHES, |i| {
+        launch(&caches[i % caches.len()], q, t, s, k).map(drop)
+    })
+}
+
+/// Median over [`ROUNDS`] of the mean device time of `f(i)` for `i` in `0..launches`.
+/// Each round is queued behind a kernel that keeps the device busy for a few
+/// milliseconds, so the host has queued every launch before the first runs and the
+/// events time the kernels back to back, not the host's pace.
+fn time_launches(
+    cuda: &CudaDevice,
+    launches: usize,
+    mut f: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let stream = cuda.cuda_stream();
     synchronize(cuda)?;
     let mut rounds = Vec::with_capacity(ROUNDS);
     for _ in 0..ROUNDS {
         spin(cuda, 5_000_000)?;
         let start = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
-        for i in 0..LAUNCHES {
-            launch(&caches[i % caches.len()], q, t, s, k)?;
+        for i in 0..launches {
+            f(i)?;
         }
         let end = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
         synchronize(cuda)?;
         let ms = start.elapsed_ms(&end).w()?;
-        rounds.push(ms as f64 / 1e3 / LAUNCHES as f64);
+        rounds.push(ms as f64 / 1e3 / launches as f64);
     }
     rounds.sort_by(f64::total_cmp);
     Ok(rounds[ROUNDS / 2])
+}
+
+/// A decode step's small kernels against the candle operations they replace, at
+/// `rows` rows each.
+#[derive(Debug, Clone, Serialize)]
+pub struct SmallRow {
+    /// `rope` (queries and keys of a step) or `argmax` (the greedy choice).
+    pub op: &'static str,
+    /// `kvbench` (`rope_qk_bf16`; `argmax_part_f32` + `argmax_merge`) or `candle`
+    /// (`rope_thd` once per tensor; `argmax`).
+    pub form: &'static str,
+    pub rows: usize,
+    /// RoPE: the median device time of a launch, queued back to back (as a CUDA graph
+    /// replays it). argmax: the median host time of a call, which waits for the ids
+    /// (as the engine does after each step).
+    pub seconds: f64,
+    /// RoPE: max |Δ| / max |candle's| over both outputs; argmax: the share of rows
+    /// whose id differs from candle's (random logits: no ties).
+    pub rel_diff: f64,
+    pub pass: bool,
+}
+
+/// RoPE and the greedy choice, kvbench's kernels and candle's operations, at each of
+/// `rows` with heads `h`, KV heads `kvh`, head dim `d` and `vocab` logits a row.
+pub fn small_kernels(
+    dev: &Device,
+    (h, kvh, d): (usize, usize, usize),
+    vocab: usize,
+    rows: &[usize],
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<SmallRow>> {
+    use candle_nn::rotary_emb::rope_thd;
+    let cuda = device_of(dev)?;
+    let mut out = Vec::new();
+    let mut push = |out: &mut Vec<SmallRow>, r: SmallRow| {
+        progress(&format!(
+            "{:<6} {:<7} {:>3} rows: {:>8.1} µs{}",
+            r.op,
+            r.form,
+            r.rows,
+            r.seconds * 1e6,
+            if r.pass {
+                String::new()
+            } else {
+                format!(" FAILED (differs from candle's by {:.1e})", r.rel_diff)
+            }
+        ));
+        out.push(r);
+    };
+    for &n in rows {
+        let q = Tensor::randn(0f32, 1f32, (n, h, d), dev)?.to_dtype(DType::BF16)?;
+        let k = Tensor::randn(0f32, 1f32, (n, kvh, d), dev)?.to_dtype(DType::BF16)?;
+        let angles = (Tensor::rand(0f32, 1f32, (n, d / 2), dev)? * 1000.0)?;
+        let cos = angles.cos()?.to_dtype(DType::BF16)?;
+        let sin = angles.sin()?.to_dtype(DType::BF16)?;
+        let ours = || -> Result<(Tensor, Tensor)> {
+            super::rope_pair(&q, &k, &cos, &sin)?.ok_or_else(|| {
+                crate::error::Error::Config("rope_pair refused the bench's tensors".into())
+            })
+        };
+        let candles = || -> Result<(Tensor, Tensor)> {
+            let one = |x: &Tensor| -> Result<Tensor> {
+                Ok(rope_thd(&x.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?)
+            };
+            Ok((one(&q)?, one(&k)?))
+        };
+        let (a, b) = (ours()?, candles()?);
+        let diff = rel_diff(&a.0, &b.0)?.max(rel_diff(&a.1, &b.1)?);
+        for (form, seconds) in [
+            (
+                "kvbench",
+                time_launches(&cuda, SMALL_LAUNCHES, |_| ours().map(drop))?,
+            ),
+            (
+                "candle",
+                time_launches(&cuda, SMALL_LAUNCHES, |_| candles().map(drop))?,
+            ),
+        ] {
+            push(
+                &mut out,
+                SmallRow {
+                    op: "rope",
+                    form,
+                    rows: n,
+                    seconds,
+                    rel_diff: diff,
+                    pass: diff <= AGREE_TOL && seconds.is_finite(),
+                },
+            );
+        }
+
+        let logits = Tensor::randn(0f32, 1f32, (n, vocab), dev)?;
+        let ours = || super::argmax_rows(&logits);
+        let candles = || -> Result<Vec<u32>> {
+            Ok(logits
+                .argmax(candle_core::D::Minus1)?
+                .to_dtype(DType::U32)?
+                .to_vec1::<u32>()?)
+        };
+        let (a, b) = (ours()?, candles()?);
+        let differ = a.iter().zip(&b).filter(|(x, y)| x != y).count() as f64 / n as f64;
+        for (form, seconds) in [
+            ("kvbench", host_median(|| ours().map(drop))?),
+            ("candle", host_median(|| candles().map(drop))?),
+        ] {
+            push(
+                &mut out,
+                SmallRow {
+                    op: "argmax",
+                    form,
+                    rows: n,
+                    seconds,
+                    rel_diff: differ,
+                    pass: differ == 0.0 && a.len() == n && seconds.is_finite(),
+                },
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Launches a round of the small kernels' timing (each a few microseconds).
+const SMALL_LAUNCHES: usize = 200;
+
+/// Median host time of 51 calls of `f` (after one), each of which waits for its result.
+fn host_median(mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    f()?;
+    let mut t: Vec<f64> = (0..51)
+        .map(|_| {
+            let at = std::time::Instant::now();
+            f().map(|()| at.elapsed().as_secs_f64())
+        })
+        .collect::<Result<_>>()?;
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
 }
 
 /// Keep the device busy for `ns` nanoseconds (kernels.cu's `spin_ns`).

@@ -103,9 +103,10 @@ fn bench(
         cases.len(),
         KERNELS.len()
     );
-    let r = bench::run(
+    let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let mut r = bench::run(
         &dev,
-        (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+        shape,
         a.block_size,
         a.partition,
         &cases,
@@ -113,6 +114,13 @@ fn bench(
         a.seed,
         &mut |line| eprintln!("{line}"),
     )?;
+    // The step's small kernels at the cases' row counts.
+    let mut rows: Vec<usize> = cases.iter().map(|c| c.rows).collect();
+    rows.sort_unstable();
+    rows.dedup();
+    r.small = bench::small_kernels(&dev, shape, cfg.vocab_size, &rows, &mut |line| {
+        eprintln!("{line}")
+    })?;
     let json = serde_json::to_string_pretty(&r)?;
     if let Some(p) = &a.out {
         std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
@@ -123,10 +131,16 @@ fn bench(
         .iter()
         .filter(|x| !x.pass)
         .map(|x| format!("{} at {}x{}", x.kernel, x.rows, x.ctx))
+        .chain(
+            r.small
+                .iter()
+                .filter(|x| !x.pass)
+                .map(|x| format!("{} ({}) at {} rows", x.op, x.form, x.rows)),
+        )
         .collect();
     if !failed.is_empty() {
         bail!(
-            "bench-decode: {} launch(es) disagree with the vector kernel or could not be timed: {}",
+            "bench-decode: {} launch(es) disagree with the reference (the vector kernel; candle's operations) or could not be timed: {}",
             failed.len(),
             failed.join(", ")
         );
