@@ -24,6 +24,10 @@ use serde::Serialize;
 /// Relative difference (max |a − b| / max |b|) accepted between a kernel's output and
 /// the vector kernel's: both are bf16 results of f32 sums in other orders.
 const AGREE_TOL: f64 = 1e-2;
+/// The same for RoPE against candle's `rope_thd`, which rounds each product and the
+/// difference to bf16 (kvbench's kernel rounds once): a few bf16 steps of the largest
+/// operand, where a wrong pairing or table row differs by the order of the values.
+const ROPE_AGREE_TOL: f64 = 3e-2;
 
 /// The kernels timed, in order (the scalar one is left out: it is the fallback, several
 /// times slower, and would take most of the run).
@@ -356,7 +360,7 @@ pub fn small_kernels(
                     rows: n,
                     seconds,
                     rel_diff: diff,
-                    pass: diff <= AGREE_TOL && seconds.is_finite(),
+                    pass: diff <= ROPE_AGREE_TOL && seconds.is_finite(),
                 },
             );
         }
