@@ -1330,6 +1330,7 @@ fn infinigen_checks(
             GatherOrder::Heads,
             &mut marks,
         )?;
+        copy.synchronize().w()?;
         // Under KVBENCH_IG_GATHER=tokens, the token order too, into a second staging
         // buffer: the same bytes in the same slots (the head order's are checked against
         // the host tier below), and its marks all zero again after. Checked when asked
@@ -1362,7 +1363,6 @@ fn infinigen_checks(
                 same && cleared,
             ));
         }
-        copy.synchronize().w()?;
         let own_k = rand_bf16(rng, nrows * row, 1.0);
         let own_v = rand_bf16(rng, nrows * row, 1.0);
         stage_own(

@@ -1557,16 +1557,20 @@ pub fn gather(
     if src.rows == 0 {
         return Ok(());
     }
-    if order == GatherOrder::Tokens && dims.num_kv_heads <= 32 {
-        return gather_tokens(stream, dev, tier, dims, li, src, stage, b, marks);
-    }
-    if stage.k.len() < src.rows * b * dims.row() || src.kcap >= b {
+    // The token order needs a mark per (row, KV head, position) and a lane per KV head.
+    let tokens = order == GatherOrder::Tokens && dims.num_kv_heads <= 32;
+    if stage.k.len() < src.rows * b * dims.row()
+        || src.kcap >= b
+        || (tokens && marks.len() < src.rows * dims.num_kv_heads * src.stride)
+    {
         return Err(Error::Config(format!(
             "infinigen gather: staging of {} elements for {} rows of {b} slots (selection \
-             capacity {})",
+             capacity {}); {} marks for {} positions a row",
             stage.k.len(),
             src.rows,
-            src.kcap
+            src.kcap,
+            marks.len(),
+            src.stride
         )));
     }
     let (mhb_i, kcap_i, li_i) = (
@@ -1580,73 +1584,44 @@ pub fn gather(
         as_i32(dims.num_kv_heads, "KV heads")?,
         as_i32(dims.head_dim, "D")?,
     );
-    let (bpc_i, b_i) = (
+    let (bpc_i, b_i, stride_i) = (
         as_i32(tier.layout.per_chunk, "blocks per chunk")?,
         as_i32(b, "staging slots")?,
-    );
-    let f = dev.get_or_load_custom_func("ig_gather", MODULE, PTX)?;
-    let mut lb = stream.launch_builder(&f);
-    lb.arg(&tier.ptrs_dev)
-        .arg(src.host_tables)
-        .arg(&mhb_i)
-        .arg(src.sel)
-        .arg(&kcap_i)
-        .arg(src.ks)
-        .arg(&li_i)
-        .arg(&off_i)
-        .arg(&bs_i)
-        .arg(&kvh_i)
-        .arg(&d_i)
-        .arg(&bpc_i)
-        .arg(&mut stage.k)
-        .arg(&mut stage.v)
-        .arg(&b_i);
-    let cfg = LaunchConfig {
-        grid_dim: (
-            src.rows as u32,
-            dims.num_kv_heads as u32,
-            src.kcap.div_ceil(GATHER_WARPS) as u32,
-        ),
-        block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    unsafe { lb.launch(cfg) }.w()?;
-    Ok(())
-}
-
-/// [`gather`] in token order (`ig_mark`, then `ig_gather_tokens`), on `stream`.
-#[allow(clippy::too_many_arguments)]
-fn gather_tokens(
-    stream: &Arc<CudaStream>,
-    dev: &CudaDevice,
-    tier: &PinnedTier,
-    dims: IgDims,
-    li: usize,
-    src: &GatherSrc<'_>,
-    stage: &mut LayerCache,
-    b: usize,
-    marks: &mut CudaSlice<i32>,
-) -> Result<()> {
-    let kvh = dims.num_kv_heads;
-    if stage.k.len() < src.rows * b * dims.row()
-        || src.kcap >= b
-        || marks.len() < src.rows * kvh * src.stride
-    {
-        return Err(Error::Config(format!(
-            "infinigen gather (token order): staging of {} elements for {} rows of {b} \
-             slots (selection capacity {}), {} marks for {} positions a row",
-            stage.k.len(),
-            src.rows,
-            src.kcap,
-            marks.len(),
-            src.stride
-        )));
-    }
-    let (kcap_i, kvh_i, stride_i) = (
-        as_i32(src.kcap, "selection capacity")?,
-        as_i32(kvh, "KV heads")?,
         as_i32(src.stride, "positions")?,
     );
+    let block_dim = ((GATHER_WARPS * 32) as u32, 1, 1);
+    if !tokens {
+        let f = dev.get_or_load_custom_func("ig_gather", MODULE, PTX)?;
+        let mut lb = stream.launch_builder(&f);
+        lb.arg(&tier.ptrs_dev)
+            .arg(src.host_tables)
+            .arg(&mhb_i)
+            .arg(src.sel)
+            .arg(&kcap_i)
+            .arg(src.ks)
+            .arg(&li_i)
+            .arg(&off_i)
+            .arg(&bs_i)
+            .arg(&kvh_i)
+            .arg(&d_i)
+            .arg(&bpc_i)
+            .arg(&mut stage.k)
+            .arg(&mut stage.v)
+            .arg(&b_i);
+        let cfg = LaunchConfig {
+            grid_dim: (
+                src.rows as u32,
+                dims.num_kv_heads as u32,
+                src.kcap.div_ceil(GATHER_WARPS) as u32,
+            ),
+            block_dim,
+            shared_mem_bytes: 0,
+        };
+        unsafe { lb.launch(cfg) }.w()?;
+        return Ok(());
+    }
+
+    // Token order: the marks (`ig_mark`), then a warp per position (`ig_gather_tokens`).
     const MARK_THREADS: usize = 256;
     let f = dev.get_or_load_custom_func("ig_mark", MODULE, PTX)?;
     let mut lb = stream.launch_builder(&f);
@@ -1659,25 +1634,13 @@ fn gather_tokens(
     let cfg = LaunchConfig {
         grid_dim: (
             src.rows as u32,
-            kvh as u32,
+            dims.num_kv_heads as u32,
             src.kcap.div_ceil(MARK_THREADS) as u32,
         ),
         block_dim: (MARK_THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     unsafe { lb.launch(cfg) }.w()?;
-
-    let (mhb_i, li_i, off_i, bs_i, d_i) = (
-        as_i32(src.max_hblocks, "host blocks")?,
-        as_i32(li, "layer")?,
-        as_i32(dims.off_layers, "layers")?,
-        as_i32(dims.block_size, "block size")?,
-        as_i32(dims.head_dim, "D")?,
-    );
-    let (bpc_i, b_i) = (
-        as_i32(tier.layout.per_chunk, "blocks per chunk")?,
-        as_i32(b, "staging slots")?,
-    );
     let f = dev.get_or_load_custom_func("ig_gather_tokens", MODULE, PTX)?;
     let mut lb = stream.launch_builder(&f);
     lb.arg(&tier.ptrs_dev)
@@ -1697,7 +1660,7 @@ fn gather_tokens(
         .arg(&b_i);
     let cfg = LaunchConfig {
         grid_dim: (src.stride.div_ceil(GATHER_WARPS) as u32, src.rows as u32, 1),
-        block_dim: ((GATHER_WARPS * 32) as u32, 1, 1),
+        block_dim,
         shared_mem_bytes: 0,
     };
     unsafe { lb.launch(cfg) }.w()?;
