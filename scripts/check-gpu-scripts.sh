@@ -17,7 +17,12 @@ mkdir -p "$tmp/bin" "$tmp/libs" "$tmp/gpu" "$tmp/repo/target/cuda"
 for l in libcublasLt.so.13 libcublas.so.13 libcurand.so.10 libnvrtc.so.13; do
   touch "$tmp/libs/$l"
 done
-printf '#!/usr/bin/env bash\necho "stand-in kvbench $*"\n' > "$tmp/gpu/kvbench"
+# gpu-run.sh unpacks each archive into a folder of its own, named by its sha256: the
+# stand-in kvbench goes where the (empty) archive's copy would be.
+touch "$tmp/repo/target/cuda/kvbench-cuda.tar.xz"
+bin="$tmp/gpu/$(sha256sum "$tmp/repo/target/cuda/kvbench-cuda.tar.xz" | cut -c1-16)"
+mkdir -p "$bin"
+printf '#!/usr/bin/env bash\necho "stand-in kvbench $*"\n' > "$bin/kvbench"
 # ncu: the header and units rows, then the fixture's kernels once for an even cell
 # (the short run of a pair) and three times for an odd one (two more decode steps), as
 # one process of its own.
@@ -42,9 +47,8 @@ pid=\$(( 1000 + cell ))
 } > "\$log"
 "\$@"
 STUB
-chmod +x "$tmp/gpu/kvbench" "$tmp/bin/ncu"
+chmod +x "$bin/kvbench" "$tmp/bin/ncu"
 cp -r "$repo/scripts" "$repo/experiments" "$tmp/repo/"
-touch "$tmp/repo/target/cuda/kvbench-cuda.tar.xz"
 out="$tmp/out"
 (cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_PROFILE_CELL_SECONDS=30 \
   bash scripts/gpu-profile-decode.sh "$out" > "$tmp/profile.log" 2>&1) || {
@@ -80,14 +84,14 @@ cat > "$tmp/bin/nvidia-smi" <<'STUB'
 #!/usr/bin/env bash
 echo "NVIDIA H100 80GB HBM3"
 STUB
-cat > "$tmp/gpu/kvbench" <<STUB
+cat > "$bin/kvbench" <<STUB
 #!/usr/bin/env bash
 if [ "\$1" = verify ] && [ "\${KVBENCH_CUDA_GRAPH:-}" = on ] && [ -e "$tmp/graph-fails" ]; then
   echo "stand-in verify: a graph row failed"; exit 1
 fi
 echo "stand-in kvbench \$*"
 STUB
-chmod +x "$tmp/bin/nvidia-smi" "$tmp/gpu/kvbench"
+chmod +x "$tmp/bin/nvidia-smi" "$bin/kvbench"
 mkdir -p "$tmp/repo/results/baselines/h100"
 echo '{"h2d_pinned": 1}' > "$tmp/repo/results/baselines/h100/ceilings.json"
 campaign() {
@@ -111,9 +115,23 @@ campaign passes || check "false" "the second call passes (see $tmp/campaign-pass
 for s in verify-graph decode-graph-off decode-graph; do
   check "[ -e '$done_dir/$s.done' ]" "$s done once verify-graph passed"
 done
+# Another archive (KVBENCH_CAMPAIGN_ARCHIVE, the study's pinned build) runs its own
+# kvbench, and a verify done for one archive is not done for the other.
+printf 'study' > "$tmp/repo/target/cuda/study.tar.xz"
+study="$tmp/gpu/$(sha256sum "$tmp/repo/target/cuda/study.tar.xz" | cut -c1-16)"
+mkdir -p "$study"
+printf '#!/usr/bin/env bash\necho "stand-in study kvbench $*"\n' > "$study/kvbench"
+chmod +x "$study/kvbench"
+(cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
+  KVBENCH_CAMPAIGN_ARCHIVE=target/cuda/study.tar.xz KVBENCH_CAMPAIGN_STEPS="verify-graph" \
+  bash scripts/gpu-campaign.sh "$tmp/out-study" > "$tmp/campaign-study.log" 2>&1) ||
+  check "false" "a call with KVBENCH_CAMPAIGN_ARCHIVE passes (see $tmp/campaign-study.log)"
+check "grep -q 'stand-in study kvbench verify' '$done_dir/verify-graph.log'" \
+  "the named archive's kvbench ran the verify done only for the other archive"
 if [ "$fail" != 0 ]; then
+  echo "--- campaign, another archive"; cat "$tmp/campaign-study.log"
   echo "--- campaign, verify-graph failing"; cat "$tmp/campaign-fails.log"
   echo "--- campaign, verify-graph passing"; cat "$tmp/campaign-passes.log"
   exit 1
 fi
-echo "check-gpu-scripts: gpu-campaign.sh skips only the graph steps while verify-graph fails"
+echo "check-gpu-scripts: gpu-campaign.sh skips only the graph steps while verify-graph fails, and runs the archive it is given"

@@ -11,11 +11,14 @@
 #   scripts/gpu-campaign.sh OUTDIR              on the GPU machine
 #   scripts/gpu-campaign.sh --dry-run [OUTDIR]  anywhere: list the steps, check each YAML
 #
-# Needs target/cuda/kvbench-cuda.tar.xz (`just build-cuda`) beside the repository.
+# Needs target/cuda/kvbench-cuda.tar.xz (`just build-cuda`) beside the repository, or
+# the archive KVBENCH_CAMPAIGN_ARCHIVE names (the study's cells are measured with one
+# pinned build while the engine changes: results/baselines/h100/NOTES.md).
 # InfiniGen's skewing calibration (models/skewing/, 18 MB for Llama-3.1-8B, a few
 # seconds of GPU time) is made on the machine and not packed.
 # Environment: KVBENCH_CAMPAIGN_SECONDS (time for this call), KVBENCH_CAMPAIGN_STEPS
-# (space-separated step names to run instead of all).
+# (space-separated step names to run instead of all), KVBENCH_CAMPAIGN_ARCHIVE (the
+# archive to run, a path in the repository).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -128,7 +131,7 @@ if [ "$dry" = 1 ]; then
   exit 0
 fi
 
-archive=target/cuda/kvbench-cuda.tar.xz
+archive="${KVBENCH_CAMPAIGN_ARCHIVE:-target/cuda/kvbench-cuda.tar.xz}"
 [ -f "$archive" ] || { echo "gpu-campaign: $archive missing (just build-cuda, then carry it)" >&2; exit 1; }
 card="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 case "$card" in

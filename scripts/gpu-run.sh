@@ -8,7 +8,8 @@
 # profiler: scripts/gpu-profile-decode.sh).
 set -euo pipefail
 archive="$1"; out="$2"; shift 2
-dir="${KVBENCH_GPU_DIR:-/tmp/kvbench-gpu}"
+# One unpacked copy per archive: a machine kept warm between calls may be sent another.
+dir="${KVBENCH_GPU_DIR:-/tmp/kvbench-gpu}/$(sha256sum "$archive" | cut -c1-16)"
 mkdir -p "$dir" "$out"
 [ -x "$dir/kvbench" ] || tar -C "$dir" -xJf "$archive"
 
