@@ -67,6 +67,7 @@ emulate-kernels:
     python3 scripts/emulate/flash_mma.py
     python3 scripts/emulate/paged_decode_vec.py
     python3 scripts/emulate/paged_decode_pipe.py
+    python3 scripts/emulate/paged_decode_mma.py
     python3 scripts/emulate/ig_gather_tokens.py
     python3 scripts/emulate/argmax.py
 

@@ -6,7 +6,8 @@
 # comes back from the GPU machine may have at most 16 MiB. Unpack it in the repository
 # root before the next call (`cat campaign.tar.gz* | tar -xz`); sweeps resume by cell,
 # finished steps are skipped (results/baselines/<card>/campaign/<step>.done), except a
-# verify step recorded for another archive: a rebuilt binary is checked again first.
+# verify or bench step recorded for another archive: a rebuilt binary is checked (and
+# its kernels timed) again.
 #
 #   scripts/gpu-campaign.sh OUTDIR              on the GPU machine
 #   scripts/gpu-campaign.sh --dry-run [OUTDIR]  anywhere: list the steps, check each YAML
@@ -47,6 +48,9 @@ steps=(
   "bench-decode|bench-decode --device cuda --out \$RES/bench-decode.json"
   "decode-pipe-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/vec"
   "decode-pipe|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/pipe|KVBENCH_PAGED_DECODE=pipe"
+  "verify-mma|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_PAGED_DECODE=mma"
+  "decode-mma-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-mma/vec"
+  "decode-mma|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-mma/mma|KVBENCH_PAGED_DECODE=mma"
   "verify-ig-tokens|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_IG_GATHER=tokens"
   "ig-gather-heads|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/heads"
   "ig-gather-tokens|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/tokens|KVBENCH_IG_GATHER=tokens"
@@ -91,15 +95,15 @@ steps=(
 # 30 s are left).
 declare -A need=(
   [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
-  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-pipe]=45 [verify-ig-tokens]=45 [bench-decode]=90
+  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-pipe]=45 [verify-mma]=45 [verify-ig-tokens]=45 [bench-decode]=90
 )
 
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
-  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe
+  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe [decode-mma]=verify-mma
   [ig-gather-tokens]=verify-ig-tokens)
-declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-ig-tokens]=1 [bench-decode]=1)
+declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-mma]=1 [verify-ig-tokens]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"
@@ -170,7 +174,8 @@ for s in "${steps[@]}"; do
   args="${args//\$RES/$res}"
   if [ -f "$res/campaign/$name.done" ]; then
     case "$name" in
-      verify-*) grep -q "archive $build" "$res/campaign/$name.done" && continue ;;
+      # Checks and kernel timings belong to the binary: a rebuilt archive runs them again.
+      verify-*|bench-*) grep -q "archive $build" "$res/campaign/$name.done" && continue ;;
       *) continue ;;
     esac
   fi

@@ -31,10 +31,11 @@ const ROPE_AGREE_TOL: f64 = 3e-2;
 
 /// The kernels timed, in order (the scalar one is left out: it is the fallback, several
 /// times slower, and would take most of the run).
-pub const KERNELS: [DecodeKernel; 3] = [
+pub const KERNELS: [DecodeKernel; 4] = [
     DecodeKernel::Vector,
     DecodeKernel::VectorOneRow,
     DecodeKernel::Pipelined,
+    DecodeKernel::TensorCore,
 ];
 
 /// One decode launch shape: `rows` sequences of `ctx` cached tokens each.

@@ -189,7 +189,8 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         };
         let last = lens.len() - 1;
         // The vector kernel in the form the runs use (four rows in flight per lane, one
-        // under KVBENCH_PAGED_DECODE=vec1, tiles staged in shared memory under `pipe`).
+        // under KVBENCH_PAGED_DECODE=vec1, tiles staged in shared memory under `pipe`,
+        // tensor-core products under `mma`).
         let vector = DecodeKernel::vector_form(super::decode_choice()?);
         for kernel in [vector, DecodeKernel::Scalar] {
             let name = kernel.label();
@@ -1569,7 +1570,8 @@ fn rolling_check(
         ));
     }
     let mut out = Vec::new();
-    // The vector kernel the runs use for rolling keys (the pipelined kernel takes none).
+    // The vector kernel the runs use for rolling keys (the pipelined and tensor-core
+    // kernels take none).
     let vector = match DecodeKernel::vector_form(super::decode_choice()?) {
         DecodeKernel::VectorOneRow => (
             DecodeKernel::VectorOneRow,

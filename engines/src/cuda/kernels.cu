@@ -1211,6 +1211,232 @@ PAGED_DECODE_PIPE(64, 8)
 PAGED_DECODE_PIPE(128, 4)
 PAGED_DECODE_PIPE(128, 8)
 
+// The partition pass on tensor cores (KVBENCH_PAGED_DECODE=mma): same grid, outputs and
+// scratch layout as paged_decode_part_vec, for head dims 64 and 128 and groups of up to
+// 16. The group's query heads are the rows of one m16n8k16 A operand (rows past the
+// group are zeros), so each K/V row is read once for the whole group and the scores and
+// the output are tensor-core products, as FlashInfer's decode does for grouped heads:
+// the vector kernel spends 64 fp32 multiply-adds, 16 shuffles and the unpacking per lane
+// and key, and reads K/V at 32-64 % of the copy rate on an H100 however many bytes it
+// keeps in flight (the pipelined kernel's 1.01-1.09x). Tiles of 64 keys are copied
+// through the block table with cp.async into one of two buffers while the warps work on
+// the other (the prefill's cp_async_kv_tile, keys past the partition zero-filled); warp
+// w takes keys 16w..16w+15 of each tile: S = Q K^T (two n-tiles of 8 keys), the online
+// softmax on the accumulators (FA2's, each warp its own running max and sum), P as the A
+// fragment of P V (V by ldmatrix.trans). At the end the four warps' states are merged
+// through shared memory (the buffers, free by then) into the partition's m, l and
+// unnormalized output. H2O's `raw` gets the scaled scores as in the other kernels.
+// Shared memory: 16 query rows, then two K and two V tiles, rows of D + 8 bf16.
+template <int D>
+struct MmaDecodeSmem {
+    static constexpr int LD = D + 8;
+    static constexpr int TILE = FM_BN * LD;
+    static constexpr int Q = 0;                 // [16, LD]
+    static constexpr int K = Q + 16 * LD;       // [2][FM_BN, LD]
+    static constexpr int V = K + 2 * TILE;      // [2][FM_BN, LD]
+    static constexpr int BYTES = (V + 2 * TILE) * 2;
+};
+
+template <int D>
+__device__ __forceinline__ void paged_decode_part_mma(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
+    const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,
+    const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
+    float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
+    int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
+    int part_size, float scale) {
+    using L = MmaDecodeSmem<D>;
+    static_assert(DECODE_THREADS == FM_THREADS && FM_BN == 16 * (DECODE_THREADS / WARP),
+                  "each warp takes 16 keys of a tile");
+    extern __shared__ __align__(128) unsigned char mdsmem[];
+    __nv_bfloat16* sm = reinterpret_cast<__nv_bfloat16*>(mdsmem);
+    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
+    const int parts = gridDim.z;
+    const int H = num_kv_heads * group;
+    const int ctx = ctx_lens[row];
+    const int start = part * part_size;
+    const int end = min(ctx, start + part_size);
+    const int n = end - start;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int g = lane >> 2, tig = lane & 3;  // fragment row group, thread in group
+    const int64_t head0 = (int64_t)row * H + kvh * group;
+
+    if (n <= 0) {
+        empty_partition(part_m, part_l, part_acc, head0, group, D, parts, part);
+        return;
+    }
+    const int32_t* table = tables + (int64_t)row * max_blocks;
+    auto load_tile = [&](int it, int buf) {
+        cp_async_kv_tile<D, true, DECODE_THREADS>(k_cache, v_cache, table, start + it * FM_BN,
+                                                  end, block_size, num_kv_heads, kvh,
+                                                  sm + L::K + buf * L::TILE,
+                                                  sm + L::V + buf * L::TILE);
+    };
+    load_tile(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+    // The group's queries as rows 0..group-1 (scalar loads: q may be a view at any
+    // element offset), zeros below.
+    for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+        const int r = i / D, c = i % D;
+        sm[L::Q + r * L::LD + c] = r < group ? q[(head0 + r) * D + c] : __float2bfloat16(0.f);
+    }
+
+    uint32_t qf[D / 16][4];
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY};  // rows g and g + 8
+    float l_run[2] = {0.f, 0.f};
+
+    const int tiles = (n + FM_BN - 1) / FM_BN;
+    for (int it = 0; it < tiles; ++it) {
+        const int buf = it & 1;
+        if (it + 1 < tiles) load_tile(it + 1, buf ^ 1);
+        cp_async_next(it + 1 < tiles);
+        __syncthreads();
+        if (it == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) ldsm_a(sm + L::Q, L::LD, 0, kk, qf[kk]);
+        }
+        const int j0 = it * FM_BN + warp * 16;  // the warp's first key, partition-relative
+        if (j0 < n) {
+            const __nv_bfloat16* Kt = sm + L::K + buf * L::TILE;
+            const __nv_bfloat16* Vt = sm + L::V + buf * L::TILE;
+            float s[2][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t b0, b1, b2, b3;
+                ldsm_b2(Kt, L::LD, warp * 16, kk, b0, b1, b2, b3);
+                mma_bf16(s[0], qf[kk], b0, b1);
+                mma_bf16(s[1], qf[kk], b2, b3);
+            }
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = j0 + nt * 8 + tig * 2 + (e & 1);
+                    const int r = g + (e >> 1) * 8;
+                    float x = s[nt][e] * scale;
+                    if (j >= n) x = -INFINITY;
+                    else if (raw != nullptr && r < group)
+                        raw[(head0 + r) * raw_stride + start + j] = x;
+                    s[nt][e] = x;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], x);
+                }
+            }
+            float alpha[2], m_use[2];
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+                const float m_new = fmaxf(m_run[hr], mx[hr]);
+                m_use[hr] = m_new == -INFINITY ? 0.f : m_new;
+                alpha[hr] = __expf(m_run[hr] - m_use[hr]);
+                m_run[hr] = m_new;
+            }
+            float sum[2] = {0.f, 0.f};
+            uint32_t pa[4];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = __expf(s[nt][e] - m_use[e >> 1]);
+                    s[nt][e] = p;
+                    sum[e >> 1] += p;
+                }
+                pa[nt * 2 + 0] = pack_bf16(s[nt][0], s[nt][1]);
+                pa[nt * 2 + 1] = pack_bf16(s[nt][2], s[nt][3]);
+            }
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 1);
+                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 2);
+                l_run[hr] = l_run[hr] * alpha[hr] + sum[hr];
+            }
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][0] *= alpha[0];
+                o[dt][1] *= alpha[0];
+                o[dt][2] *= alpha[1];
+                o[dt][3] *= alpha[1];
+            }
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                const int key = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+                const int c = dp * 16 + (lane / 16) * 8;
+                uint32_t b0, b1, b2, b3;
+                ldsm_x4_t(smem_u32(Vt + key * L::LD + c), b0, b1, b2, b3);
+                mma_bf16(o[2 * dp], pa, b0, b1);
+                mma_bf16(o[2 * dp + 1], pa, b2, b3);
+            }
+        }
+        // Every warp is done with this buffer before the next iteration's copy refills it.
+        __syncthreads();
+    }
+
+    // Merge the warps: each writes its rows' m and l ([warps, 16] each) and its output
+    // ([warps, 16, D] floats) over the buffers, then the block sums them rescaled to the
+    // partition's max.
+    float* sml = reinterpret_cast<float*>(mdsmem);
+    float* sacc = sml + 2 * 16 * (DECODE_THREADS / WARP);
+    const int warps = DECODE_THREADS / WARP;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = g + hr * 8;
+        if (r < group) {
+            if (tig == 0) {
+                sml[warp * 16 + r] = m_run[hr];
+                sml[(warps + warp) * 16 + r] = l_run[hr];
+            }
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                float* dst = sacc + ((int64_t)warp * 16 + r) * D + dt * 8 + tig * 2;
+                dst[0] = o[dt][hr * 2];
+                dst[1] = o[dt][hr * 2 + 1];
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int r = i / D, c = i % D;
+        float M = -INFINITY;
+        for (int w = 0; w < warps; ++w) M = fmaxf(M, sml[w * 16 + r]);
+        float acc = 0.f, l = 0.f;
+        for (int w = 0; w < warps; ++w) {
+            const float mw = sml[w * 16 + r];
+            // A warp that saw no key of the partition holds m = -inf, l = 0, o = 0.
+            const float f = mw == -INFINITY ? 0.f : __expf(mw - M);
+            acc += sacc[((int64_t)w * 16 + r) * D + c] * f;
+            l += sml[(warps + w) * 16 + r] * f;
+        }
+        const int64_t o_ = (head0 + r) * parts + part;
+        part_acc[o_ * D + c] = acc;
+        if (c == 0) {
+            part_m[o_] = M;
+            part_l[o_] = l;
+        }
+    }
+}
+
+#define PAGED_DECODE_MMA(D)                                                                  \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 3)                          \
+        paged_decode_part_mma_d##D##_bf16(                                                   \
+            const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,  \
+            const __nv_bfloat16* __restrict__ v_cache, const int32_t* __restrict__ tables,   \
+            const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
+            float* __restrict__ part_l, float* __restrict__ part_acc,                        \
+            float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
+        paged_decode_part_mma<D>(q, k_cache, v_cache, tables, ctx_lens, part_m, part_l,      \
+                                 part_acc, raw, raw_stride, num_kv_heads, group, block_size, \
+                                 max_blocks, part_size, scale);                              \
+    }
+PAGED_DECODE_MMA(64)
+PAGED_DECODE_MMA(128)
+
 // ---------------------------------------------------------------------------------
 // Evicting strategies (H2O, StreamingLLM). Slot i of (sequence, KV head) holds any
 // position that head kept there; beside K/V every (slot, KV head) has an f32 score and

@@ -580,6 +580,10 @@ pub enum DecodeKernel {
     /// shared memory with `cp.async`, several tiles in flight a block: same shapes, not
     /// rolling keys.
     Pipelined,
+    /// The group's query heads as the rows of tensor-core products (`mma.sync`): scores
+    /// and output without per-lane multiply-adds or shuffles, K/V tiles staged through
+    /// shared memory by `cp.async`: same shapes, not rolling keys.
+    TensorCore,
     /// One warp per key with 2-byte loads, and one thread per output element walking
     /// the partition's keys: any shape, and keys rotated as they are read.
     Scalar,
@@ -597,7 +601,7 @@ impl DecodeKernel {
     pub fn choose(head_dim: usize, group: usize, choice: DecodeChoice, rolling: bool) -> Self {
         let k = match choice {
             DecodeChoice::Scalar => return Self::Scalar,
-            DecodeChoice::Pipelined if rolling => Self::Vector,
+            DecodeChoice::Pipelined | DecodeChoice::TensorCore if rolling => Self::Vector,
             other => Self::vector_form(other),
         };
         if k.applies(head_dim, group) {
@@ -613,13 +617,14 @@ impl DecodeKernel {
         match choice {
             DecodeChoice::VectorOneRow => Self::VectorOneRow,
             DecodeChoice::Pipelined => Self::Pipelined,
+            DecodeChoice::TensorCore => Self::TensorCore,
             DecodeChoice::Default | DecodeChoice::Scalar => Self::Vector,
         }
     }
 
     pub fn applies(self, head_dim: usize, group: usize) -> bool {
         match self {
-            Self::Vector | Self::VectorOneRow | Self::Pipelined => {
+            Self::Vector | Self::VectorOneRow | Self::Pipelined | Self::TensorCore => {
                 matches!(head_dim, 64 | 128) && (1..=8).contains(&group)
             }
             Self::Scalar => true,
@@ -632,6 +637,7 @@ impl DecodeKernel {
             Self::Vector => "paged_decode (vector)",
             Self::VectorOneRow => "paged_decode (vector, 1 row)",
             Self::Pipelined => "paged_decode (pipelined)",
+            Self::TensorCore => "paged_decode (mma)",
             Self::Scalar => "paged_decode (scalar)",
         }
     }
@@ -646,21 +652,25 @@ impl DecodeKernel {
             // The warps' partial outputs reuse the ring (at most half of it: groups of
             // up to 8, tiles of 32 keys).
             Self::Pipelined => PIPE_STAGES * PIPE_TILE * d * 2 + group * part_size * 4,
+            // 16 query rows and two 64-key tiles of K and of V, rows of d + 8 bf16
+            // (kernels.cu's MmaDecodeSmem; the warps' merge reuses it).
+            Self::TensorCore => (16 + 4 * 64) * (d + 8) * 2,
         }
     }
 }
 
 /// What `KVBENCH_PAGED_DECODE` asks for: unset, the vector kernel with four K/V rows in
 /// flight per lane; `vec1`, the vector kernel with one (earlier builds' form); `pipe`,
-/// the pipelined kernel (K/V tiles staged through shared memory; not yet the default:
-/// it has not been timed on a GPU); `scalar`, the scalar kernel with the callers' fixed
-/// partitions. The others are fallbacks should the default fail on a card, and the
+/// the pipelined kernel (K/V tiles staged through shared memory; 1.01-1.09x the vector
+/// kernel on an H100, so not the default); `mma`, the tensor-core kernel (not yet run on
+/// a GPU); `scalar`, the scalar kernel with the callers' fixed partitions. The others are fallbacks should the default fail on a card, and the
 /// "before" or "after" of a comparison in one sitting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeChoice {
     Default,
     VectorOneRow,
     Pipelined,
+    TensorCore,
     Scalar,
 }
 
@@ -675,6 +685,7 @@ pub fn decode_choice() -> Result<DecodeChoice> {
         &[
             ("vec1", DecodeChoice::VectorOneRow),
             ("pipe", DecodeChoice::Pipelined),
+            ("mma", DecodeChoice::TensorCore),
             ("scalar", DecodeChoice::Scalar),
         ],
         DecodeChoice::Default,
@@ -876,10 +887,11 @@ pub(crate) fn paged_decode_impl(
             "paged_decode: the {kernel:?} kernel does not take head dim {d}, group {group}"
         )));
     }
-    if kernel == DecodeKernel::Pipelined && roll.is_some() {
-        return Err(Error::Config(
-            "paged_decode: the pipelined kernel does not take rolling keys".into(),
-        ));
+    if matches!(kernel, DecodeKernel::Pipelined | DecodeKernel::TensorCore) && roll.is_some() {
+        return Err(Error::Config(format!(
+            "paged_decode: the {} kernel does not take rolling keys",
+            kernel.label()
+        )));
     }
     let part_size = if choice == DecodeChoice::Scalar {
         s.part_size
@@ -945,6 +957,8 @@ pub(crate) fn paged_decode_impl(
         DecodeKernel::Vector => vector("vec"),
         DecodeKernel::VectorOneRow => vector("vec1"),
         DecodeKernel::Pipelined => vector("pipe"),
+        // One kernel per head dim: the group is a row count of the products.
+        DecodeKernel::TensorCore => format!("paged_decode_part_mma_d{d}_bf16"),
     };
     let f = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let mut b = f.builder();
@@ -977,7 +991,21 @@ pub(crate) fn paged_decode_impl(
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: shared as u32,
     };
-    if shared > 48 * 1024 {
+    if kernel == DecodeKernel::TensorCore {
+        // Over the default 48 KB at head dim 128: allowed once per process (one device),
+        // so a captured step never makes the call.
+        static SET: [std::sync::OnceLock<()>; 2] =
+            [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+        let once = &SET[usize::from(d == 128)];
+        if once.get().is_none() {
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared as i32,
+            )
+            .w()?;
+            let _ = once.set(());
+        }
+    } else if shared > 48 * 1024 {
         return Err(Error::Config(format!(
             "paged decode needs {shared} B of shared memory per block (group {group}, \
              partition {part_size}): lower the partition size"

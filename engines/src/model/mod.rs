@@ -796,7 +796,7 @@ impl Llama {
     /// per layer, each checked against an f64 reference by `kvbench verify`.
     /// `KVBENCH_FUSED_KERNELS=0` keeps candle's operations (the fallback, and the
     /// "before" of a comparison in one sitting); `no-rope` all but the RoPE kernel
-    /// (which has not yet run on a GPU: the fallback should it fail there); any other
+    /// (the fallback should it fail on a card; it passed on an H100); any other
     /// value is an error. Elsewhere the model is returned as it is.
     pub fn with_fused_kernels(mut self) -> Result<Self> {
         let (choice, _) = crate::parse_switch(
