@@ -304,6 +304,48 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
     }
     out.extend(fused_elementwise_checks(dev, &mut rng)?);
     out.extend(argmax_checks(dev, &mut rng)?);
+    out.extend(fingerprint_checks(dev, &mut rng)?);
+    Ok(out)
+}
+
+/// The weights' fingerprint read through a pinned buffer (`skew::hash_staged`, what
+/// InfiniGen's skewing cache is keyed by on a GPU) against the same tensors copied to
+/// the host (`skew::hash_tensor`), exactly: bf16 and f32, a view at an offset of a
+/// larger storage, and a tensor over two buffers' worth.
+fn fingerprint_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
+    use crate::policy::infinigen::skew::{hash_staged, hash_tensor, Stage};
+    let cuda = device_of(dev)?;
+    let mut stage = Stage::new(&cuda)?;
+    let big = 33 << 20; // bf16 elements: 66 MiB, past one 64 MiB buffer
+    let stacked = upload(&rand_bf16(rng, 2 * 1000 * 77, 1.0), &[2, 1000, 77], dev)?;
+    let cases: Vec<(String, Tensor)> = vec![
+        (
+            "bf16 [3, 1000, 77]".into(),
+            upload(&rand_bf16(rng, 3 * 1000 * 77, 1.0), &[3, 1000, 77], dev)?,
+        ),
+        (
+            "f32 [513, 7]".into(),
+            upload(&rand_bf16(rng, 513 * 7, 1.0), &[513, 7], dev)?.to_dtype(DType::F32)?,
+        ),
+        (
+            "bf16 view [1000, 77] at offset 77000".into(),
+            stacked.get(1)?,
+        ),
+        (
+            format!("bf16 [{big}]"),
+            upload(&rand_bf16(rng, big, 1.0), &[big], dev)?,
+        ),
+    ];
+    let mut out = Vec::new();
+    for (case, t) in cases {
+        let host = hash_tensor("dense", &t)?;
+        let staged = hash_staged("dense", &t, &mut stage)?;
+        out.push(exact_check(
+            "weights fingerprint (staged)",
+            case,
+            host == staged,
+        ));
+    }
     Ok(out)
 }
 

@@ -83,6 +83,34 @@ pub struct PinnedTier {
     dirty: bool,
 }
 
+/// `len` bf16 of pinned, device-mapped host memory and its device address (callable
+/// from any thread: the allocation makes the context current on it).
+fn pin_chunk(ctx: &Arc<CudaContext>, len: usize) -> Result<(PinnedHostSlice<bf16>, u64)> {
+    // SAFETY: the memory is only read where a kernel wrote it first (positions below a
+    // sequence's length).
+    let host = unsafe {
+        ctx.alloc_pinned_with_flags::<bf16>(
+            len,
+            sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+        )
+    }
+    .map_err(|e| {
+        Error::Config(format!(
+            "infinigen: pinning {} MiB of host memory for the host tier failed ({e}); \
+             lower --host-memory",
+            (len * 2) >> 20
+        ))
+    })?;
+    let hp = host.as_ptr().w()? as *mut std::ffi::c_void;
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `hp` is a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP, and the
+    // allocation made the context current on this thread.
+    unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, hp, 0) }
+        .result()
+        .w()?;
+    Ok((host, dptr))
+}
+
 impl PinnedTier {
     /// `num_blocks` blocks laid out as `layout` (its `per_chunk` blocks pinned at a
     /// time; nothing allocated yet).
@@ -141,44 +169,39 @@ impl PinnedTier {
         if self.chunks[c].is_some() {
             return Ok(());
         }
-        let per = self.layout.per_chunk;
-        let blocks = per.min(self.tables.num_blocks() - c * per);
-        let len = blocks * self.layout.block_elems();
-        // SAFETY: the memory is only read where a kernel wrote it first (positions
-        // below a sequence's length).
-        let host = unsafe {
-            self.ctx.alloc_pinned_with_flags::<bf16>(
-                len,
-                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        }
-        .map_err(|e| {
-            Error::Config(format!(
-                "infinigen: pinning {} MiB of host memory for the host tier failed ({e}); \
-                 lower --host-memory",
-                (len * 2) >> 20
-            ))
-        })?;
-        let hp = host.as_ptr().w()? as *mut std::ffi::c_void;
-        let mut dptr: sys::CUdeviceptr = 0;
-        // SAFETY: `hp` is a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, hp, 0) }
-            .result()
-            .w()?;
+        let (host, dptr) = pin_chunk(&self.ctx, self.chunk_len(c))?;
         self.ptrs[c] = dptr;
         self.chunks[c] = Some(host);
         self.dirty = true;
         Ok(())
     }
 
+    /// Elements of chunk `c` (the last may hold fewer blocks).
+    fn chunk_len(&self, c: usize) -> usize {
+        let per = self.layout.per_chunk;
+        per.min(self.tables.num_blocks() - c * per) * self.layout.block_elems()
+    }
+
     /// Pin the chunks that the first `blocks` blocks fall in (a fresh pool hands out
-    /// the lowest block ids first).
+    /// the lowest block ids first), several at once: one thread pinned about 2 GB/s on
+    /// an H100's host, 8–10 s of an InfiniGen cell's warm-up at batch 16–32.
     pub fn pin_ahead(&mut self, blocks: usize) -> Result<()> {
         let chunks = blocks
             .div_ceil(self.layout.per_chunk)
             .min(self.chunks.len());
-        for c in 0..chunks {
-            self.allocate(c)?;
+        let todo: Vec<(usize, usize)> = (0..chunks)
+            .filter(|&c| self.chunks[c].is_none())
+            .map(|c| (c, self.chunk_len(c)))
+            .collect();
+        let ctx = &self.ctx;
+        let pinned: Vec<(usize, PinnedHostSlice<bf16>, u64)> = todo
+            .into_par_iter()
+            .map(|(c, len)| pin_chunk(ctx, len).map(|(h, d)| (c, h, d)))
+            .collect::<Result<_>>()?;
+        for (c, host, dptr) in pinned {
+            self.ptrs[c] = dptr;
+            self.chunks[c] = Some(host);
+            self.dirty = true;
         }
         Ok(())
     }
