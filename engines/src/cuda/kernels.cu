@@ -107,6 +107,28 @@ __device__ __forceinline__ void empty_partition(float* __restrict__ part_m,
     }
 }
 
+// Where a partition block of the decode kernels works: grid (rows, KVH, parts), keys
+// [start, end) of its row's context (n of them; none past the context), head0 the
+// group's first query head in [rows, H].
+struct DecodePart {
+    int row, kvh, part, parts, start, end, n;
+    int64_t head0;
+};
+
+__device__ __forceinline__ DecodePart decode_part(const int32_t* __restrict__ ctx_lens,
+                                                  int num_kv_heads, int group, int part_size) {
+    DecodePart p;
+    p.row = blockIdx.x;
+    p.kvh = blockIdx.y;
+    p.part = blockIdx.z;
+    p.parts = gridDim.z;
+    p.start = p.part * part_size;
+    p.end = min(ctx_lens[p.row], p.start + part_size);
+    p.n = p.end - p.start;
+    p.head0 = (int64_t)p.row * (num_kv_heads * group) + p.kvh * group;
+    return p;
+}
+
 // Per head of the group: max m and sum of exp l of the partition's n scaled scores
 // (ss [G, P]), the scores turned into exp(s - m) in place (one warp per head at a time).
 __device__ __forceinline__ void partition_softmax(float* __restrict__ ss,
@@ -369,22 +391,15 @@ __device__ __forceinline__ void paged_decode_part_vec(
     constexpr int LPR = D / 8;          // lanes per key row
     constexpr int RPW = WARP / LPR;     // keys per warp step
     extern __shared__ float smem[];
-    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int parts = gridDim.z;
-    const int H = num_kv_heads * group;
-    const int ctx = ctx_lens[row];
-    const int start = part * part_size;
-    const int end = min(ctx, start + part_size);
-    const int n = end - start;
+    const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
+    if (dp.n <= 0)
+        return empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+    const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
+    const int start = dp.start, n = dp.n;
+    const int64_t head0 = dp.head0;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int warps = blockDim.x / WARP;
     const int sub = lane / LPR, sl = lane % LPR;
-    const int64_t head0 = (int64_t)row * H + kvh * group;
-
-    if (n <= 0) {
-        empty_partition(part_m, part_l, part_acc, head0, group, D, parts, part);
-        return;
-    }
     float* ss = smem;                          // [G, P]
     float* sacc = smem + group * part_size;    // [warps, G, D]
 
@@ -685,6 +700,91 @@ __device__ __forceinline__ void cp_async_kv_tile(const __nv_bfloat16* __restrict
     }
 }
 
+// S = Q K^T for one warp: its 16 query rows (A fragments qf) against the shared tile's
+// key rows key0..key0 + 8 * NT (ld bf16 a row), NT n-tiles of 8 keys.
+template <int NT, int D>
+__device__ __forceinline__ void scores_qk(float (&s)[NT][4], const uint32_t (&qf)[D / 16][4],
+                                          const __nv_bfloat16* Kt, int ld, int key0) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+            uint32_t b0, b1, b2, b3;
+            ldsm_b2(Kt, ld, key0 + np * 16, kk, b0, b1, b2, b3);
+            mma_bf16(s[2 * np], qf[kk], b0, b1);
+            mma_bf16(s[2 * np + 1], qf[kk], b2, b3);
+        }
+    }
+}
+
+// One warp's step of FA2's online softmax over a tile of 8 * NT keys, on the mma
+// accumulators: the scores s (scaled, masked to -inf) and this lane's part of each row's
+// max over them mx (rows g and g + 8) in; the row max reduced over the row's four
+// lanes, the running max and sum updated, the output rescaled, then O += P V with P
+// rounded to bf16 as the A fragments as it is (the accumulators' layout is the A
+// operand's) and the shared tile's V rows key0.. (ld bf16 a row) read transposed.
+template <int NT, int D>
+__device__ __forceinline__ void online_softmax_pv(float (&s)[NT][4], float (&mx)[2],
+                                                  float (&m_run)[2], float (&l_run)[2],
+                                                  float (&o)[D / 8][4],
+                                                  const __nv_bfloat16* Vt, int ld, int key0) {
+    const int lane = threadIdx.x % WARP;
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+        const float m_new = fmaxf(m_run[hr], mx[hr]);
+        m_use[hr] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[hr] = __expf(m_run[hr] - m_use[hr]);
+        m_run[hr] = m_new;
+    }
+    // P = exp(S - m), its row sums, and P as the A fragments of P V.
+    float sum[2] = {0.f, 0.f};
+    uint32_t pa[NT / 2][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = __expf(s[nt][e] - m_use[e >> 1]);
+            s[nt][e] = p;
+            sum[e >> 1] += p;
+        }
+        // n-tile nt covers keys 8 * nt..: the lower (even) or upper half of a 16-key
+        // chunk of P's A fragment.
+        pa[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(s[nt][0], s[nt][1]);
+        pa[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(s[nt][2], s[nt][3]);
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 1);
+        sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 2);
+        l_run[hr] = l_run[hr] * alpha[hr] + sum[hr];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+    }
+    // O += P V: V rows are keys, read transposed into B fragments.
+#pragma unroll
+    for (int kc = 0; kc < NT / 2; ++kc) {
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+            const int key = key0 + kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+            const int c = dp * 16 + (lane / 16) * 8;
+            uint32_t b0, b1, b2, b3;
+            ldsm_x4_t(smem_u32(Vt + key * ld + c), b0, b1, b2, b3);
+            mma_bf16(o[2 * dp], pa[kc], b0, b1);
+            mma_bf16(o[2 * dp + 1], pa[kc], b2, b3);
+        }
+    }
+}
+
 template <int D>
 struct FlashMmaSmem {
     static constexpr int LD = D + 8;                  // bf16 per shared row
@@ -750,18 +850,7 @@ __device__ void flash_prefill_mma(
             const __nv_bfloat16* Vt = sm + L::V + buf * L::TILE;
             // S = Q K^T: 16 x 64, eight n-tiles of 8 keys.
             float s[FM_BN / 8][4];
-#pragma unroll
-            for (int i = 0; i < FM_BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-                for (int np = 0; np < FM_BN / 16; ++np) {
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_b2(Kt, L::LD, np * 16, kk, b0, b1, b2, b3);
-                    mma_bf16(s[2 * np], qf[kk], b0, b1);
-                    mma_bf16(s[2 * np + 1], qf[kk], b2, b3);
-                }
-            }
+            scores_qk<FM_BN / 8, D>(s, qf, Kt, L::LD, 0);
             // Scale, causal mask, and each row's max over the tile.
             float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -776,58 +865,7 @@ __device__ void flash_prefill_mma(
                     mx[e >> 1] = fmaxf(mx[e >> 1], x);
                 }
             }
-            float alpha[2], m_use[2];
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-                const float m_new = fmaxf(m_run[hr], mx[hr]);
-                m_use[hr] = m_new == -INFINITY ? 0.f : m_new;
-                alpha[hr] = __expf(m_run[hr] - m_use[hr]);
-                m_run[hr] = m_new;
-            }
-            // P = exp(S - m), its row sums, and P as the A fragments of P V.
-            float sum[2] = {0.f, 0.f};
-            uint32_t pa[FM_BN / 16][4];
-#pragma unroll
-            for (int nt = 0; nt < FM_BN / 8; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = __expf(s[nt][e] - m_use[e >> 1]);
-                    s[nt][e] = p;
-                    sum[e >> 1] += p;
-                }
-                // n-tile nt covers keys 8 * nt..: the lower (even) or upper half of a
-                // 16-key chunk of P's A fragment.
-                pa[nt / 2][(nt % 2) * 2 + 0] = pack_bf16(s[nt][0], s[nt][1]);
-                pa[nt / 2][(nt % 2) * 2 + 1] = pack_bf16(s[nt][2], s[nt][3]);
-            }
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 1);
-                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 2);
-                l_run[hr] = l_run[hr] * alpha[hr] + sum[hr];
-            }
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[dt][0] *= alpha[0];
-                o[dt][1] *= alpha[0];
-                o[dt][2] *= alpha[1];
-                o[dt][3] *= alpha[1];
-            }
-            // O += P V: V rows are keys, read transposed into B fragments.
-#pragma unroll
-            for (int kc = 0; kc < FM_BN / 16; ++kc) {
-#pragma unroll
-                for (int dp = 0; dp < D / 16; ++dp) {
-                    const int key = kc * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                    const int c = dp * 16 + (lane / 16) * 8;
-                    uint32_t b0, b1, b2, b3;
-                    ldsm_x4_t(smem_u32(Vt + key * L::LD + c), b0, b1, b2, b3);
-                    mma_bf16(o[2 * dp], pa[kc], b0, b1);
-                    mma_bf16(o[2 * dp + 1], pa[kc], b2, b3);
-                }
-            }
+            online_softmax_pv<FM_BN / 8, D>(s, mx, m_run, l_run, o, Vt, L::LD, 0);
         }
         // Every warp is done with this buffer before the next iteration's copy refills it.
         __syncthreads();
@@ -1109,22 +1147,15 @@ __device__ __forceinline__ void paged_decode_part_pipe(
     __nv_bfloat16* ring = reinterpret_cast<__nv_bfloat16*>(pipe_smem);
     float* ss = reinterpret_cast<float*>(ring + PIPE_STAGES * PIPE_TILE * D);  // [G, P]
     float* sacc = reinterpret_cast<float*>(ring);  // [warps, G, D], after the V pass
-    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int parts = gridDim.z;
-    const int H = num_kv_heads * group;
-    const int ctx = ctx_lens[row];
-    const int start = part * part_size;
-    const int end = min(ctx, start + part_size);
-    const int n = end - start;
+    const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
+    if (dp.n <= 0)
+        return empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+    const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
+    const int start = dp.start, end = dp.end, n = dp.n;
+    const int64_t head0 = dp.head0;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int warps = blockDim.x / WARP;
     const int sub = lane / LPR, sl = lane % LPR;
-    const int64_t head0 = (int64_t)row * H + kvh * group;
-
-    if (n <= 0) {
-        empty_partition(part_m, part_l, part_acc, head0, group, D, parts, part);
-        return;
-    }
     const int32_t* table = tables + (int64_t)row * max_blocks;
     const int64_t row_elems = (int64_t)num_kv_heads * D;
     const int tiles = (n + PIPE_TILE - 1) / PIPE_TILE;
@@ -1250,21 +1281,14 @@ __device__ __forceinline__ void paged_decode_part_mma(
                   "each warp takes 16 keys of a tile");
     extern __shared__ __align__(128) unsigned char mdsmem[];
     __nv_bfloat16* sm = reinterpret_cast<__nv_bfloat16*>(mdsmem);
-    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int parts = gridDim.z;
-    const int H = num_kv_heads * group;
-    const int ctx = ctx_lens[row];
-    const int start = part * part_size;
-    const int end = min(ctx, start + part_size);
-    const int n = end - start;
+    const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
+    if (dp.n <= 0)
+        return empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+    const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
+    const int start = dp.start, end = dp.end, n = dp.n;
+    const int64_t head0 = dp.head0;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int g = lane >> 2, tig = lane & 3;  // fragment row group, thread in group
-    const int64_t head0 = (int64_t)row * H + kvh * group;
-
-    if (n <= 0) {
-        empty_partition(part_m, part_l, part_acc, head0, group, D, parts, part);
-        return;
-    }
     const int32_t* table = tables + (int64_t)row * max_blocks;
     auto load_tile = [&](int it, int buf) {
         cp_async_kv_tile<D, true, DECODE_THREADS>(k_cache, v_cache, table, start + it * FM_BN,
@@ -1303,15 +1327,7 @@ __device__ __forceinline__ void paged_decode_part_mma(
             const __nv_bfloat16* Kt = sm + L::K + buf * L::TILE;
             const __nv_bfloat16* Vt = sm + L::V + buf * L::TILE;
             float s[2][4];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t b0, b1, b2, b3;
-                ldsm_b2(Kt, L::LD, warp * 16, kk, b0, b1, b2, b3);
-                mma_bf16(s[0], qf[kk], b0, b1);
-                mma_bf16(s[1], qf[kk], b2, b3);
-            }
+            scores_qk<2, D>(s, qf, Kt, L::LD, warp * 16);
             float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
@@ -1327,51 +1343,7 @@ __device__ __forceinline__ void paged_decode_part_mma(
                     mx[e >> 1] = fmaxf(mx[e >> 1], x);
                 }
             }
-            float alpha[2], m_use[2];
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
-                mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
-                const float m_new = fmaxf(m_run[hr], mx[hr]);
-                m_use[hr] = m_new == -INFINITY ? 0.f : m_new;
-                alpha[hr] = __expf(m_run[hr] - m_use[hr]);
-                m_run[hr] = m_new;
-            }
-            float sum[2] = {0.f, 0.f};
-            uint32_t pa[4];
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float p = __expf(s[nt][e] - m_use[e >> 1]);
-                    s[nt][e] = p;
-                    sum[e >> 1] += p;
-                }
-                pa[nt * 2 + 0] = pack_bf16(s[nt][0], s[nt][1]);
-                pa[nt * 2 + 1] = pack_bf16(s[nt][2], s[nt][3]);
-            }
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 1);
-                sum[hr] += __shfl_xor_sync(0xffffffffu, sum[hr], 2);
-                l_run[hr] = l_run[hr] * alpha[hr] + sum[hr];
-            }
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[dt][0] *= alpha[0];
-                o[dt][1] *= alpha[0];
-                o[dt][2] *= alpha[1];
-                o[dt][3] *= alpha[1];
-            }
-#pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-                const int key = warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                const int c = dp * 16 + (lane / 16) * 8;
-                uint32_t b0, b1, b2, b3;
-                ldsm_x4_t(smem_u32(Vt + key * L::LD + c), b0, b1, b2, b3);
-                mma_bf16(o[2 * dp], pa, b0, b1);
-                mma_bf16(o[2 * dp + 1], pa, b2, b3);
-            }
+            online_softmax_pv<2, D>(s, mx, m_run, l_run, o, Vt, L::LD, warp * 16);
         }
         // Every warp is done with this buffer before the next iteration's copy refills it.
         __syncthreads();
