@@ -51,9 +51,11 @@ pub enum Command {
     /// against an f64 reference first, and decode steps both replayed from CUDA graphs
     /// and launched kernel by kernel).
     Verify(verify::VerifyArgs),
-    /// Time the CUDA paged decode kernels on their own over synthetic caches (batch ×
-    /// context cases), beside the card's copy rate; each kernel's output is checked
-    /// against the vector kernel's.
+    /// Time the CUDA paged decode kernels (vector, one-row, pipelined, tensor-core) on
+    /// their own over synthetic caches (batch × context cases), beside the card's copy
+    /// rate, each kernel's output checked against the vector kernel's; then a step's
+    /// RoPE and greedy choice, kvbench's kernels beside candle's operations, outputs
+    /// checked against candle's.
     BenchDecode(bench_decode::BenchDecodeArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.
