@@ -663,8 +663,9 @@ impl DecodeKernel {
 /// flight per lane; `vec1`, the vector kernel with one (earlier builds' form); `pipe`,
 /// the pipelined kernel (K/V tiles staged through shared memory; 1.01-1.09x the vector
 /// kernel on an H100, so not the default); `mma`, the tensor-core kernel (not yet run on
-/// a GPU); `scalar`, the scalar kernel with the callers' fixed partitions. The others are fallbacks should the default fail on a card, and the
-/// "before" or "after" of a comparison in one sitting.
+/// a GPU); `scalar`, the scalar kernel with the callers' fixed partitions. The others
+/// are fallbacks should the default fail on a card, and the "before" or "after" of a
+/// comparison in one sitting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeChoice {
     Default,
