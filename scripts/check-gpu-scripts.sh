@@ -128,10 +128,26 @@ chmod +x "$study/kvbench"
   check "false" "a call with KVBENCH_CAMPAIGN_ARCHIVE passes (see $tmp/campaign-study.log)"
 check "grep -q 'stand-in study kvbench verify' '$done_dir/verify-graph.log'" \
   "the named archive's kvbench ran the verify done only for the other archive"
+# A study step runs only with the archive the study is pinned to (campaign/study.archive).
+echo "$(sha256sum "$tmp/repo/target/cuda/study.tar.xz" | cut -c1-16)" > "$done_dir/study.archive"
+(cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
+  KVBENCH_CAMPAIGN_STEPS="ttft" bash scripts/gpu-campaign.sh "$tmp/out-other" > "$tmp/campaign-other.log" 2>&1) ||
+  check "false" "a call with the other archive passes (see $tmp/campaign-other.log)"
+check "grep -q '^== ttft skipped: the study runs archive' '$tmp/campaign-other.log'" \
+  "a study step refused with an archive other than the pinned one"
+check "[ ! -e '$done_dir/ttft.done' ]" "nothing of the refused study step marked done"
+(cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
+  KVBENCH_CAMPAIGN_ARCHIVE=target/cuda/study.tar.xz KVBENCH_CAMPAIGN_STEPS="ttft" \
+  bash scripts/gpu-campaign.sh "$tmp/out-pinned" > "$tmp/campaign-pinned.log" 2>&1) ||
+  check "false" "a call with the pinned archive passes (see $tmp/campaign-pinned.log)"
+check "grep -q 'stand-in study kvbench run experiments/gpu/ttft.yaml' '$done_dir/ttft.log'" \
+  "the study step ran with the pinned archive"
 if [ "$fail" != 0 ]; then
+  echo "--- campaign, the study's step with the other archive"; cat "$tmp/campaign-other.log"
+  echo "--- campaign, the study's step with the pinned archive"; cat "$tmp/campaign-pinned.log"
   echo "--- campaign, another archive"; cat "$tmp/campaign-study.log"
   echo "--- campaign, verify-graph failing"; cat "$tmp/campaign-fails.log"
   echo "--- campaign, verify-graph passing"; cat "$tmp/campaign-passes.log"
   exit 1
 fi
-echo "check-gpu-scripts: gpu-campaign.sh skips only the graph steps while verify-graph fails, and runs the archive it is given"
+echo "check-gpu-scripts: gpu-campaign.sh skips only the graph steps while verify-graph fails, runs the archive it is given, and the study's steps only with the pinned one"

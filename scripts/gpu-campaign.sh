@@ -103,6 +103,12 @@ declare -A need=(
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
   [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe [decode-mma]=verify-mma
   [ig-gather-tokens]=verify-ig-tokens)
+# The study's steps (the cells that decide C1-C9): where the card's results name the
+# archive the study is pinned to (campaign/study.archive, its first 16 hex digits of
+# sha256), they run only with that archive, since a sweep reruns every cell another
+# build recorded and the study's cells must all come from one build.
+declare -A study=([paradigms]=1 [output-scaling]=1 [ttft-flash]=1 [ttft]=1
+  [batch-infinigen]=1 [batch-scaling]=1)
 declare -A optional=([verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-mma]=1 [verify-ig-tokens]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
@@ -114,6 +120,7 @@ if [ "$dry" = 1 ]; then
     [ -n "$envs" ] && echo "== $name: with $envs"
     [ -n "${need[$name]:-}" ] && echo "== $name: started only with ${need[$name]} s left"
     [ -n "${after[$name]:-}" ] && echo "== $name: only once ${after[$name]} passed for the archive"
+    [ -n "${study[$name]:-}" ] && echo "== $name: a study step (only with the archive campaign/study.archive names, where a card has one)"
     [ -n "${optional[$name]:-}" ] && echo "== $name: a failure skips only the steps after it that need it"
     if [[ "$args" == py:* ]]; then
       echo "== $name: python3 ${args#py:}" | sed 's|\$RES|results/baselines/<card>|g'
@@ -180,6 +187,11 @@ for s in "${steps[@]}"; do
     esac
   fi
   if [ -n "${KVBENCH_CAMPAIGN_STEPS:-}" ] && [[ "$only" != *" $name "* ]]; then continue; fi
+  pinned="$(cat "$res/campaign/study.archive" 2>/dev/null || true)"
+  if [ -n "${study[$name]:-}" ] && [ -n "$pinned" ] && [ "$pinned" != "$build" ]; then
+    echo "== $name skipped: the study runs archive $pinned (KVBENCH_CAMPAIGN_ARCHIVE), this is $build"
+    continue
+  fi
   dep="${after[$name]:-}"
   if [ -n "$dep" ] && ! grep -qs "archive $build" "$res/campaign/$dep.done"; then
     echo "== $name skipped: $dep has not passed for this archive"
