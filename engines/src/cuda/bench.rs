@@ -20,6 +20,7 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::Serialize;
+use std::time::Instant;
 
 /// Relative difference (max |a − b| / max |b|) accepted between a kernel's output and
 /// the vector kernel's: both are bf16 results of f32 sums in other orders.
@@ -80,6 +81,8 @@ pub struct DecodeBench {
     pub rows: Vec<BenchRow>,
     /// RoPE and the greedy choice beside candle's operations ([`small_kernels`]).
     pub small: Vec<SmallRow>,
+    /// InfiniGen's warm-up costs beside the forms they replaced ([`warmup_costs`]).
+    pub warmup: Vec<WarmupRow>,
 }
 
 /// Launches per timed round (cycling over the layers' caches) and rounds per kernel.
@@ -183,6 +186,7 @@ pub fn run(
         copy_gb_per_s,
         rows: out,
         small: Vec::new(),
+        warmup: Vec::new(),
     })
 }
 
@@ -398,6 +402,99 @@ pub fn small_kernels(
 
 /// Launches a round of the small kernels' timing (each a few microseconds).
 const SMALL_LAUNCHES: usize = 200;
+
+/// One of InfiniGen's costs before a cell's first step, in the current and the earlier
+/// form.
+#[derive(Debug, Clone, Serialize)]
+pub struct WarmupRow {
+    /// `fingerprint` (the weights' hash keying the skewing cache) or `pin` (the host
+    /// tier's pinned, device-mapped chunks).
+    pub op: &'static str,
+    /// fingerprint: `staged` (through one pinned buffer) or `candle` (a pageable copy
+    /// of the storage); pin: `parallel` (chunks on all cores) or `serial` (one thread).
+    pub form: &'static str,
+    pub bytes: u64,
+    /// The better of two rounds.
+    pub seconds: f64,
+    /// `bytes / seconds`, GB/s.
+    pub gb_per_s: f64,
+    /// fingerprint: both forms gave the same digest; pin: every chunk was pinned.
+    pub pass: bool,
+}
+
+/// The weights' fingerprint of `bytes` of bf16 on the device, staged and through
+/// candle (the digests compared), then `bytes` of host tier pinned in 256 MiB chunks
+/// in parallel and on one thread: what an InfiniGen cell spends before its first step
+/// (about 18 s and 8-10 s of each cell of Llama-3.1-8B at batch 16-32 in the earlier
+/// forms on an H100).
+pub fn warmup_costs(
+    dev: &Device,
+    bytes: usize,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<WarmupRow>> {
+    use crate::policy::infinigen::cuda::pin_chunk;
+    use crate::policy::infinigen::skew::{hash_staged, hash_tensor, Stage};
+    use rayon::prelude::*;
+    let cuda = device_of(dev)?;
+    let mut out = Vec::new();
+    let mut push = |out: &mut Vec<WarmupRow>, op, form, seconds: f64, pass| {
+        let gb_per_s = bytes as f64 / seconds / 1e9;
+        progress(&format!(
+            "{op:<11} {form:<8} {:>5.2} GiB: {seconds:>7.3} s, {gb_per_s:>6.1} GB/s{}",
+            bytes as f64 / (1u64 << 30) as f64,
+            if pass { "" } else { " FAILED" }
+        ));
+        out.push(WarmupRow {
+            op,
+            form,
+            bytes: bytes as u64,
+            seconds,
+            gb_per_s,
+            pass: pass && seconds.is_finite(),
+        });
+    };
+    let t = Tensor::rand(-1f32, 1f32, bytes / 2, dev)?.to_dtype(DType::BF16)?;
+    synchronize(&cuda)?;
+    let mut stage = Stage::new(&cuda)?;
+    let best = |f: &mut dyn FnMut() -> Result<u64>| -> Result<(f64, u64)> {
+        let mut fastest = f64::INFINITY;
+        let mut digest = 0;
+        for _ in 0..2 {
+            let t0 = Instant::now();
+            digest = f()?;
+            fastest = fastest.min(t0.elapsed().as_secs_f64());
+        }
+        Ok((fastest, digest))
+    };
+    let (staged_s, staged) = best(&mut || hash_staged("dense", &t, &mut stage))?;
+    let (candle_s, host) = best(&mut || hash_tensor("dense", &t))?;
+    drop((t, stage));
+    push(&mut out, "fingerprint", "staged", staged_s, staged == host);
+    push(&mut out, "fingerprint", "candle", candle_s, staged == host);
+
+    let chunk = 256usize << 20; // bytes, as the host tier's
+    let chunks = bytes.div_ceil(chunk);
+    let ctx = cuda.cuda_stream().context().clone();
+    let pin = |parallel: bool| -> Result<u64> {
+        let pinned: Vec<_> = if parallel {
+            (0..chunks)
+                .into_par_iter()
+                .map(|_| pin_chunk(&ctx, chunk / 2))
+                .collect::<Result<_>>()?
+        } else {
+            (0..chunks)
+                .map(|_| pin_chunk(&ctx, chunk / 2))
+                .collect::<Result<_>>()?
+        };
+        Ok(pinned.len() as u64)
+    };
+    let (parallel_s, n_par) = best(&mut || pin(true))?;
+    let (serial_s, n_ser) = best(&mut || pin(false))?;
+    let all = |n: u64| n == chunks as u64;
+    push(&mut out, "pin", "parallel", parallel_s, all(n_par));
+    push(&mut out, "pin", "serial", serial_s, all(n_ser));
+    Ok(out)
+}
 
 /// Median host time of 51 calls of `f` (after one), each of which waits for its result.
 fn host_median(mut f: impl FnMut() -> Result<()>) -> Result<f64> {

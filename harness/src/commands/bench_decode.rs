@@ -121,6 +121,8 @@ fn bench(
     r.small = bench::small_kernels(&dev, shape, cfg.vocab_size, &rows, &mut |line| {
         eprintln!("{line}")
     })?;
+    // InfiniGen's warm-up costs on 1 GiB, beside the forms they replaced.
+    r.warmup = bench::warmup_costs(&dev, 1 << 30, &mut |line| eprintln!("{line}"))?;
     let json = serde_json::to_string_pretty(&r)?;
     if let Some(p) = &a.out {
         std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
@@ -137,10 +139,16 @@ fn bench(
                 .filter(|x| !x.pass)
                 .map(|x| format!("{} ({}) at {} rows", x.op, x.form, x.rows)),
         )
+        .chain(
+            r.warmup
+                .iter()
+                .filter(|x| !x.pass)
+                .map(|x| format!("{} ({})", x.op, x.form)),
+        )
         .collect();
     if !failed.is_empty() {
         bail!(
-            "bench-decode: {} launch(es) disagree with the reference (the vector kernel; candle's operations) or could not be timed: {}",
+            "bench-decode: {} row(s) disagree with the reference (the vector kernel; candle's operations; the fingerprint's two forms) or could not be timed or pinned: {}",
             failed.len(),
             failed.join(", ")
         );

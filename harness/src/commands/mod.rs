@@ -55,7 +55,8 @@ pub enum Command {
     /// their own over synthetic caches (batch × context cases), beside the card's copy
     /// rate, each kernel's output checked against the vector kernel's; then a step's
     /// RoPE and greedy choice, kvbench's kernels beside candle's operations, outputs
-    /// checked against candle's.
+    /// checked against candle's; then InfiniGen's warm-up costs (the weights'
+    /// fingerprint, the host tier's pinning) on 1 GiB beside their earlier forms.
     BenchDecode(bench_decode::BenchDecodeArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.

@@ -85,7 +85,10 @@ pub struct PinnedTier {
 
 /// `len` bf16 of pinned, device-mapped host memory and its device address (callable
 /// from any thread: the allocation makes the context current on it).
-fn pin_chunk(ctx: &Arc<CudaContext>, len: usize) -> Result<(PinnedHostSlice<bf16>, u64)> {
+pub(crate) fn pin_chunk(
+    ctx: &Arc<CudaContext>,
+    len: usize,
+) -> Result<(PinnedHostSlice<bf16>, u64)> {
     // SAFETY: the memory is only read where a kernel wrote it first (positions below a
     // sequence's length).
     let host = unsafe {
