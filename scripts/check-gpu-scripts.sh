@@ -94,10 +94,15 @@ STUB
 chmod +x "$tmp/bin/nvidia-smi" "$bin/kvbench"
 mkdir -p "$tmp/repo/results/baselines/h100"
 echo '{"h2d_pinned": 1}' > "$tmp/repo/results/baselines/h100/ceilings.json"
+# campaign NAME [VAR=value ...]: a call with the stand-ins, logged to campaign-NAME.log;
+# the words after NAME override the defaults (env takes the last of a name).
 campaign() {
-  (cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
-    KVBENCH_CAMPAIGN_STEPS="verify-graph decode-graph-off decode-graph prefill-fa2" \
-    bash scripts/gpu-campaign.sh "$tmp/out-$1" > "$tmp/campaign-$1.log" 2>&1)
+  local name="$1"
+  shift
+  (cd "$tmp/repo" && env PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" \
+    KVBENCH_CAMPAIGN_SECONDS=300 \
+    KVBENCH_CAMPAIGN_STEPS="verify-graph decode-graph-off decode-graph prefill-fa2" "$@" \
+    bash scripts/gpu-campaign.sh "$tmp/out-$name" > "$tmp/campaign-$name.log" 2>&1)
 }
 done_dir="$tmp/repo/results/baselines/h100/campaign"
 touch "$tmp/graph-fails"
@@ -122,23 +127,18 @@ study="$tmp/gpu/$(sha256sum "$tmp/repo/target/cuda/study.tar.xz" | cut -c1-16)"
 mkdir -p "$study"
 printf '#!/usr/bin/env bash\necho "stand-in study kvbench $*"\n' > "$study/kvbench"
 chmod +x "$study/kvbench"
-(cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
-  KVBENCH_CAMPAIGN_ARCHIVE=target/cuda/study.tar.xz KVBENCH_CAMPAIGN_STEPS="verify-graph" \
-  bash scripts/gpu-campaign.sh "$tmp/out-study" > "$tmp/campaign-study.log" 2>&1) ||
+campaign study KVBENCH_CAMPAIGN_ARCHIVE=target/cuda/study.tar.xz KVBENCH_CAMPAIGN_STEPS=verify-graph ||
   check "false" "a call with KVBENCH_CAMPAIGN_ARCHIVE passes (see $tmp/campaign-study.log)"
 check "grep -q 'stand-in study kvbench verify' '$done_dir/verify-graph.log'" \
   "the named archive's kvbench ran the verify done only for the other archive"
 # A study step runs only with the archive the study is pinned to (campaign/study.archive).
 echo "$(sha256sum "$tmp/repo/target/cuda/study.tar.xz" | cut -c1-16)" > "$done_dir/study.archive"
-(cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
-  KVBENCH_CAMPAIGN_STEPS="ttft" bash scripts/gpu-campaign.sh "$tmp/out-other" > "$tmp/campaign-other.log" 2>&1) ||
+campaign other KVBENCH_CAMPAIGN_STEPS=ttft ||
   check "false" "a call with the other archive passes (see $tmp/campaign-other.log)"
 check "grep -q '^== ttft skipped: the study runs archive' '$tmp/campaign-other.log'" \
   "a study step refused with an archive other than the pinned one"
 check "[ ! -e '$done_dir/ttft.done' ]" "nothing of the refused study step marked done"
-(cd "$tmp/repo" && PATH="$tmp/bin:$PATH" KVBENCH_GPU_DIR="$tmp/gpu" KVBENCH_CAMPAIGN_SECONDS=300 \
-  KVBENCH_CAMPAIGN_ARCHIVE=target/cuda/study.tar.xz KVBENCH_CAMPAIGN_STEPS="ttft" \
-  bash scripts/gpu-campaign.sh "$tmp/out-pinned" > "$tmp/campaign-pinned.log" 2>&1) ||
+campaign pinned KVBENCH_CAMPAIGN_ARCHIVE=target/cuda/study.tar.xz KVBENCH_CAMPAIGN_STEPS=ttft ||
   check "false" "a call with the pinned archive passes (see $tmp/campaign-pinned.log)"
 check "grep -q 'stand-in study kvbench run experiments/gpu/ttft.yaml' '$done_dir/ttft.log'" \
   "the study step ran with the pinned archive"
