@@ -62,12 +62,13 @@ check-gpu-scripts:
 build-cuda:
     scripts/build-cuda.sh
 
-# The new CUDA kernels' lane and fragment arithmetic (and the pipelined decode's cp.async schedule) transcribed in NumPy and checked against attention computed directly, InfiniGen's token-order gather against its head order, and the device's greedy choice against the host's rule (no GPU; the CUDA code itself is checked by `kvbench verify --device cuda` on a GPU).
+# The new CUDA kernels' lane and fragment arithmetic (and the pipelined decode's cp.async schedule) transcribed in NumPy and checked against attention computed directly, the decode's reduction folded into its partition kernel against the launched one, InfiniGen's token-order gather against its head order, and the device's greedy choice against the host's rule (no GPU; the CUDA code itself is checked by `kvbench verify --device cuda` on a GPU).
 emulate-kernels:
     python3 scripts/emulate/flash_mma.py
     python3 scripts/emulate/paged_decode_vec.py
     python3 scripts/emulate/paged_decode_pipe.py
     python3 scripts/emulate/paged_decode_mma.py
+    python3 scripts/emulate/decode_fold.py
     python3 scripts/emulate/ig_gather_tokens.py
     python3 scripts/emulate/argmax.py
 

@@ -4,12 +4,13 @@
 //! (and a step's small kernels, RoPE and the greedy choice, beside candle's). A
 //! lease's seconds then tell which kernel reads K/V fastest, where a performance cell per
 //! kernel would take minutes. Every kernel's output is compared with the four-row vector
-//! kernel's (which `kvbench verify` checks against an f64 reference) and a kernel whose
-//! output differs is reported as failed, not timed as if it were right.
+//! kernel's with its reduction launched (which `kvbench verify` checks against an f64
+//! reference, and which passed it on an H100) and a kernel whose output differs is
+//! reported as failed, not timed as if it were right.
 
 use super::{
-    device_of, kv_write, paged_decode_impl, partition_size, synchronize, DecodeKernel, DecodeShape,
-    DecodeTables, LayerCache, MODULE, PTX,
+    device_of, kv_write, paged_decode_impl, partition_size, synchronize, DecodeKernel,
+    DecodeReduce, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
 };
 use crate::error::Result;
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
@@ -30,13 +31,37 @@ const AGREE_TOL: f64 = 1e-2;
 /// operand, where a wrong pairing or table row differs by the order of the values.
 const ROPE_AGREE_TOL: f64 = 3e-2;
 
-/// The kernels timed, in order (the scalar one is left out: it is the fallback, several
-/// times slower, and would take most of the run).
-pub const KERNELS: [DecodeKernel; 4] = [
-    DecodeKernel::Vector,
-    DecodeKernel::VectorOneRow,
-    DecodeKernel::Pipelined,
-    DecodeKernel::TensorCore,
+/// A partition kernel and how its partitions' outputs are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeForm {
+    pub kernel: DecodeKernel,
+    pub reduce: DecodeReduce,
+}
+
+/// The forms timed, in order: the vector kernel with its reduction launched (the
+/// reference) and folded, then the other kernels with it folded (the scalar one is left
+/// out: it is the fallback, several times slower, and would take most of the run).
+pub const FORMS: [DecodeForm; 5] = [
+    DecodeForm {
+        kernel: DecodeKernel::Vector,
+        reduce: DecodeReduce::Launched,
+    },
+    DecodeForm {
+        kernel: DecodeKernel::Vector,
+        reduce: DecodeReduce::Folded,
+    },
+    DecodeForm {
+        kernel: DecodeKernel::VectorOneRow,
+        reduce: DecodeReduce::Folded,
+    },
+    DecodeForm {
+        kernel: DecodeKernel::Pipelined,
+        reduce: DecodeReduce::Folded,
+    },
+    DecodeForm {
+        kernel: DecodeKernel::TensorCore,
+        reduce: DecodeReduce::Folded,
+    },
 ];
 
 /// One decode launch shape: `rows` sequences of `ctx` cached tokens each.
@@ -50,19 +75,23 @@ pub struct BenchCase {
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRow {
     pub kernel: &'static str,
+    /// `folded` (in the partition kernel) or `launched` (a second kernel).
+    pub reduction: &'static str,
     pub rows: usize,
     pub ctx: usize,
     /// Keys per partition the launch used.
     pub partition: usize,
     /// K and V bytes one launch reads (one layer).
     pub kv_bytes: u64,
-    /// Median over the rounds of the mean time of a launch (partition + reduction).
+    /// Median over the rounds of the mean time of a launch (partition pass and
+    /// reduction, one kernel or two).
     pub seconds: f64,
     /// `kv_bytes / seconds`, GB/s.
     pub gb_per_s: f64,
     /// `gb_per_s` over the copy rate measured in the same run.
     pub of_copy: f64,
-    /// Max |out − vector| / max |vector| of layer 0's output.
+    /// Max |out − reference| / max |reference| of layer 0's output (the reference: the
+    /// vector kernel with its reduction launched).
     pub rel_diff: f64,
     pub pass: bool,
 }
@@ -92,7 +121,7 @@ const ROUNDS: usize = 5;
 /// layer from memory and not from the last launches' L2 (50 MB on an H100).
 const SPAN_BYTES: u64 = 1 << 30;
 
-/// Time `kernels` on each case with heads `h`, KV heads `kvh`, head dim `d`, blocks of
+/// Time `forms` on each case with heads `h`, KV heads `kvh`, head dim `d`, blocks of
 /// `bs` tokens and partitions of at most `part` keys. `progress` is told each case.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
@@ -101,7 +130,7 @@ pub fn run(
     bs: usize,
     part: usize,
     cases: &[BenchCase],
-    kernels: &[DecodeKernel],
+    forms: &[DecodeForm],
     seed: u64,
     progress: &mut dyn FnMut(&str),
 ) -> Result<DecodeBench> {
@@ -137,21 +166,22 @@ pub fn run(
         }
         let q = Tensor::randn(0f32, 1f32, (c.rows, h, d), dev)?.to_dtype(DType::BF16)?;
         let p = partition_size(part, c.rows * kvh, c.ctx);
-        let reference = launch(&caches[0], &q, &t, shape, DecodeKernel::Vector)?;
-        for &k in kernels {
-            let (rel_diff, seconds) = if k.applies(d, h / kvh) {
-                let o = launch(&caches[0], &q, &t, shape, k)?;
+        let reference = launch(&caches[0], &q, &t, shape, FORMS[0])?;
+        for &f in forms {
+            let (rel_diff, seconds) = if f.kernel.applies(d, h / kvh) {
+                let o = launch(&caches[0], &q, &t, shape, f)?;
                 let rel_diff = rel_diff(&o, &reference)?;
-                (rel_diff, time(&cuda, &caches, &q, &t, shape, k)?)
+                (rel_diff, time(&cuda, &caches, &q, &t, shape, f)?)
             } else {
                 (f64::NAN, f64::NAN)
             };
             let gb_per_s = kv_bytes as f64 / seconds / 1e9;
             let pass = rel_diff <= AGREE_TOL && seconds.is_finite();
             progress(&format!(
-                "{:<30} batch {:>3} × {:>6} tokens (partition {p}): {:>8.1} µs, {:>6.0} GB/s, \
-                 {:>5.1} % of the copy rate{}",
-                k.label(),
+                "{:<30} {:<8} batch {:>3} × {:>6} tokens (partition {p}): {:>8.1} µs, \
+                 {:>6.0} GB/s, {:>5.1} % of the copy rate{}",
+                f.kernel.label(),
+                f.reduce.label(),
                 c.rows,
                 c.ctx,
                 seconds * 1e6,
@@ -160,11 +190,12 @@ pub fn run(
                 if pass {
                     String::new()
                 } else {
-                    format!(" FAILED (differs from the vector kernel by {rel_diff:.1e})")
+                    format!(" FAILED (differs from the reference by {rel_diff:.1e})")
                 }
             ));
             out.push(BenchRow {
-                kernel: k.label(),
+                kernel: f.kernel.label(),
+                reduction: f.reduce.label(),
                 rows: c.rows,
                 ctx: c.ctx,
                 partition: p,
@@ -215,9 +246,9 @@ fn launch(
     q: &Tensor,
     t: &DecodeTables,
     s: DecodeShape,
-    k: DecodeKernel,
+    f: DecodeForm,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, None, None, Some(k))
+    paged_decode_impl(cache, q, t, s, None, None, Some(f.kernel), Some(f.reduce))
 }
 
 fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -244,13 +275,13 @@ fn time(
     q: &Tensor,
     t: &DecodeTables,
     s: DecodeShape,
-    k: DecodeKernel,
+    f: DecodeForm,
 ) -> Result<f64> {
     for c in caches {
-        launch(c, q, t, s, k)?;
+        launch(c, q, t, s, f)?;
     }
     time_launches(cuda, LAUNCHES, |i| {
-        launch(&caches[i % caches.len()], q, t, s, k).map(drop)
+        launch(&caches[i % caches.len()], q, t, s, f).map(drop)
     })
 }
 

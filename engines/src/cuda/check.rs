@@ -4,8 +4,8 @@
 
 use super::{
     device_of, flash_prefill_with, kv_gather, kv_write, paged_decode, paged_decode_impl,
-    partition_size, prefill_attention, synchronize, DecodeKernel, DecodeShape, DecodeTables,
-    FlashKernel, LayerCache,
+    partition_size, prefill_attention, synchronize, DecodeKernel, DecodeReduce, DecodeShape,
+    DecodeTables, FlashKernel, LayerCache,
 };
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
@@ -190,7 +190,10 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
         let last = lens.len() - 1;
         // The vector kernel in the form the runs use (four rows in flight per lane, one
         // under KVBENCH_PAGED_DECODE=vec1, tiles staged in shared memory under `pipe`,
-        // tensor-core products under `mma`).
+        // tensor-core products under `mma`), each with its reduction folded into it and
+        // launched after it: both against the reference, and against each other to the
+        // bit (the same device function reduces in both, so any difference is a
+        // partition read before its block wrote it).
         let vector = DecodeKernel::vector_form(super::decode_choice()?);
         for kernel in [vector, DecodeKernel::Scalar] {
             let name = kernel.label();
@@ -202,32 +205,48 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                 (last..lens.len(), "the longest alone"),
             ] {
                 let n = rows.len();
-                let got = paged_decode_impl(
-                    &cache,
-                    &upload(&q[rows.start * h * d..rows.end * h * d], &[n, h, d], dev)?,
-                    &DecodeTables::new(&cuda, &tables[rows.clone()], &lens[rows.clone()])?,
-                    shape,
-                    None,
-                    None,
-                    Some(kernel),
-                )?;
-                synchronize(&cuda)?;
-                let e = rel_err(
-                    &download(&got)?,
-                    &reference[rows.start * h * d..rows.end * h * d],
-                );
+                let qr = upload(&q[rows.start * h * d..rows.end * h * d], &[n, h, d], dev)?;
+                let t = DecodeTables::new(&cuda, &tables[rows.clone()], &lens[rows.clone()])?;
                 let p = partition_size(
                     part,
                     n * kvh,
                     lens[rows.clone()].iter().copied().max().unwrap_or(0),
                 );
-                out.push(bf16_check(
-                    name,
-                    format!(
-                        "H={h} KVH={kvh} D={d} block={bs} partition {p} (at most {part}), {sub}: contexts {:?}",
-                        &lens[rows]
-                    ),
-                    e,
+                let case = format!(
+                    "H={h} KVH={kvh} D={d} block={bs} partition {p} (at most {part}), {sub}: contexts {:?}",
+                    &lens[rows.clone()]
+                );
+                let mut outs = Vec::new();
+                for reduce in [DecodeReduce::Folded, DecodeReduce::Launched] {
+                    let got = paged_decode_impl(
+                        &cache,
+                        &qr,
+                        &t,
+                        shape,
+                        None,
+                        None,
+                        Some(kernel),
+                        Some(reduce),
+                    )?;
+                    synchronize(&cuda)?;
+                    let got = download(&got)?;
+                    let e = rel_err(&got, &reference[rows.start * h * d..rows.end * h * d]);
+                    out.push(bf16_check(
+                        name,
+                        format!("{case}, reduction {}", reduce.label()),
+                        e,
+                    ));
+                    outs.push(got);
+                }
+                let same = outs[0].len() == outs[1].len()
+                    && outs[0]
+                        .iter()
+                        .zip(&outs[1])
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                out.push(exact_check(
+                    "paged_decode reduction (folded = launched)",
+                    format!("{name}, {case}"),
+                    same,
                 ));
             }
         }
@@ -1648,10 +1667,14 @@ fn rolling_check(
             None,
             Some(roll),
             Some(kernel),
+            None,
         )?)?;
         out.push(bf16_check(
             name,
-            format!("H={h} KVH={kvh} D={d}, (n, sinks, window) {cases:?}"),
+            format!(
+                "H={h} KVH={kvh} D={d}, (n, sinks, window) {cases:?}, reduction {}",
+                super::decode_reduce()?.label()
+            ),
             rel_err(&o, &want),
         ));
     }

@@ -157,6 +157,88 @@ __device__ __forceinline__ void partition_softmax(float* __restrict__ ss,
     }
 }
 
+// The reduction of heads head0..head0+heads-1 over their partitions (by the whole
+// block): each head's max M and sum L of exp over the partitions by one warp (lanes
+// stride over the partitions), then out = sum_p acc_p e^{m_p - M} / L for each of the
+// heads' D elements by the block's threads, partitions in order; lse (may be null) gets
+// M + log(L). Loads bypass L1: in the folded form other blocks wrote the partitions.
+// The launched reduction and the folded one both run it, so they agree to the bit.
+__device__ __forceinline__ void reduce_heads(const float* __restrict__ part_m,
+                                             const float* __restrict__ part_l,
+                                             const float* __restrict__ part_acc,
+                                             __nv_bfloat16* __restrict__ out,
+                                             float* __restrict__ lse, int64_t head0, int heads,
+                                             int D, int parts, float* __restrict__ sml) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int warps = blockDim.x / WARP;
+    for (int g = warp; g < heads; g += warps) {
+        const int64_t b = (head0 + g) * parts;
+        float M = -INFINITY;
+        for (int p = lane; p < parts; p += WARP) M = fmaxf(M, __ldcg(part_m + b + p));
+        M = warp_max(M);
+        float L = 0.f;
+        for (int p = lane; p < parts; p += WARP) {
+            const float m = __ldcg(part_m + b + p);
+            if (m > -INFINITY) L += __ldcg(part_l + b + p) * __expf(m - M);
+        }
+        L = warp_sum(L);
+        if (lane == 0) {
+            sml[2 * g] = M;
+            sml[2 * g + 1] = L;
+            if (lse != nullptr) lse[head0 + g] = M + logf(L);
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < heads * D; i += blockDim.x) {
+        const int g = i / D, d = i % D;
+        const int64_t b = (head0 + g) * parts;
+        const float M = sml[2 * g], L = sml[2 * g + 1];
+        float acc = 0.f;
+#pragma unroll 4
+        for (int p = 0; p < parts; ++p) {
+            const float m = __ldcg(part_m + b + p);
+            if (m > -INFINITY) acc += __ldcg(part_acc + (b + p) * D + d) * __expf(m - M);
+        }
+        out[(head0 + g) * D + d] = __float2bfloat16(acc / L);
+    }
+}
+
+// Largest group the folded reduction takes (its per-head M and L live in static shared
+// memory); the host launches the reduction for larger ones.
+#define FOLD_MAX_GROUP 16
+
+// The reduction folded into the partition pass (null counters: it is launched after).
+// counters [rows, KVH] are zero between launches; each partition block, its outputs
+// written, adds one to its (row, KV head)'s, and the block that brings it to `parts`
+// (the last of them to finish) reduces the group's heads and sets it back to zero, so
+// the next launch on the stream (the next layer, a graph's next replay) finds zeros.
+// No block waits for another. The fences are those of the CUDA programming guide's
+// last-block reduction: each block's writes are visible device-wide before its count.
+struct Fold {
+    unsigned int* counters;
+    __nv_bfloat16* out;  // [rows, H, D]
+    float* lse;          // [rows, H], or null
+};
+
+__device__ __forceinline__ void fold_reduce(const float* __restrict__ part_m,
+                                            const float* __restrict__ part_l,
+                                            const float* __restrict__ part_acc, Fold f,
+                                            const DecodePart& dp, int num_kv_heads, int group,
+                                            int D) {
+    if (f.counters == nullptr) return;
+    __shared__ int last;
+    __shared__ float sml[2 * FOLD_MAX_GROUP];
+    __threadfence();
+    __syncthreads();
+    unsigned int* count = f.counters + (int64_t)dp.row * num_kv_heads + dp.kvh;
+    if (threadIdx.x == 0) last = atomicAdd(count, 1u) == (unsigned int)(dp.parts - 1);
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    reduce_heads(part_m, part_l, part_acc, f.out, f.lse, dp.head0, group, D, dp.parts, sml);
+    if (threadIdx.x == 0) *count = 0u;
+}
+
 template <bool ROLL>
 __device__ __forceinline__ void paged_decode_part(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
@@ -164,25 +246,21 @@ __device__ __forceinline__ void paged_decode_part(
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
-    int part_size, float scale, Rolling roll) {
+    int part_size, float scale, Fold fold, Rolling roll) {
     extern __shared__ float smem[];
-    const int row = blockIdx.x, kvh = blockIdx.y, part = blockIdx.z;
-    const int parts = gridDim.z;
+    const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
+    const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int H = num_kv_heads * group;
     const int D = head_dim;
-    const int ctx = ctx_lens[row];
-    const int start = part * part_size;
-    const int end = min(ctx, start + part_size);
-    const int n = end - start;
+    const int start = dp.start, n = dp.n;
     float* sq = smem;                  // [G, D]
     float* ss = smem + group * D;      // [G, P]
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int warps = blockDim.x / WARP;
 
     if (n <= 0) {
-        empty_partition(part_m, part_l, part_acc, (int64_t)row * H + kvh * group, group, D,
-                        parts, part);
-        return;
+        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, parts, part);
+        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
     }
 
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
@@ -248,6 +326,7 @@ __device__ __forceinline__ void paged_decode_part(
         const int64_t o = ((int64_t)row * H + kvh * group + g) * parts + part;
         part_acc[o * D + d] = acc;
     }
+    fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
 }
 
 extern "C" __global__ void paged_decode_part_bf16(
@@ -256,10 +335,11 @@ extern "C" __global__ void paged_decode_part_bf16(
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
-    int part_size, float scale) {
+    int part_size, float scale, unsigned int* __restrict__ counters,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
     paged_decode_part<false>(q, k_cache, v_cache, tables, ctx_lens, part_m, part_l, part_acc,
                              raw, raw_stride, num_kv_heads, group, head_dim, block_size,
-                             max_blocks, part_size, scale, Rolling{});
+                             max_blocks, part_size, scale, Fold{counters, out, lse}, Rolling{});
 }
 
 // paged_decode_part_bf16 over keys cached without RoPE (rolling positions, above).
@@ -269,12 +349,13 @@ extern "C" __global__ void paged_decode_part_rolling_bf16(
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int head_dim, int block_size, int max_blocks,
-    int part_size, float scale, const int32_t* __restrict__ pos,
+    int part_size, float scale, unsigned int* __restrict__ counters,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ lse, const int32_t* __restrict__ pos,
     const int32_t* __restrict__ params, const float* __restrict__ rope_cos,
     const float* __restrict__ rope_sin) {
     paged_decode_part<true>(q, k_cache, v_cache, tables, ctx_lens, part_m, part_l, part_acc,
                             raw, raw_stride, num_kv_heads, group, head_dim, block_size,
-                            max_blocks, part_size, scale,
+                            max_blocks, part_size, scale, Fold{counters, out, lse},
                             Rolling{pos, params, rope_cos, rope_sin});
 }
 
@@ -387,13 +468,15 @@ __device__ __forceinline__ void paged_decode_part_vec(
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
-    int part_size, float scale, Rolling roll) {
+    int part_size, float scale, Fold fold, Rolling roll) {
     constexpr int LPR = D / 8;          // lanes per key row
     constexpr int RPW = WARP / LPR;     // keys per warp step
     extern __shared__ float smem[];
     const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
-    if (dp.n <= 0)
-        return empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+    if (dp.n <= 0) {
+        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
+    }
     const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int start = dp.start, n = dp.n;
     const int64_t head0 = dp.head0;
@@ -510,6 +593,7 @@ __device__ __forceinline__ void paged_decode_part_vec(
         }
     }
     write_partition_output<D, MAXG>(acc, sacc, part_acc, head0, group, parts, part);
+    fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
 }
 
 #define PAGED_DECODE_VEC(D, MAXG, VEC, U)                                                    \
@@ -520,11 +604,13 @@ __device__ __forceinline__ void paged_decode_part_vec(
             const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
             float* __restrict__ part_l, float* __restrict__ part_acc,                        \
             float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
-            int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
-        paged_decode_part_vec<D, MAXG, false, U>(q, k_cache, v_cache, tables, ctx_lens,      \
-                                                 part_m, part_l, part_acc, raw, raw_stride,  \
-                                                 num_kv_heads, group, block_size,            \
-                                                 max_blocks, part_size, scale, Rolling{});   \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale,        \
+            unsigned int* __restrict__ counters, __nv_bfloat16* __restrict__ out,            \
+            float* __restrict__ lse) {                                                       \
+        paged_decode_part_vec<D, MAXG, false, U>(                                            \
+            q, k_cache, v_cache, tables, ctx_lens, part_m, part_l, part_acc, raw, raw_stride, \
+            num_kv_heads, group, block_size, max_blocks, part_size, scale,                   \
+            Fold{counters, out, lse}, Rolling{});                                            \
     }                                                                                        \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS, 4)                          \
         paged_decode_part_##VEC##_rolling_d##D##_g##MAXG##_bf16(                             \
@@ -534,13 +620,14 @@ __device__ __forceinline__ void paged_decode_part_vec(
             float* __restrict__ part_l, float* __restrict__ part_acc,                        \
             float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
             int head_dim, int block_size, int max_blocks, int part_size, float scale,        \
-            const int32_t* __restrict__ pos, const int32_t* __restrict__ params,             \
-            const float* __restrict__ rope_cos, const float* __restrict__ rope_sin) {        \
-        paged_decode_part_vec<D, MAXG, true, U>(q, k_cache, v_cache, tables, ctx_lens,       \
-                                                part_m, part_l, part_acc, raw, raw_stride,   \
-                                                num_kv_heads, group, block_size, max_blocks, \
-                                                part_size, scale,                            \
-                                                Rolling{pos, params, rope_cos, rope_sin});   \
+            unsigned int* __restrict__ counters, __nv_bfloat16* __restrict__ out,            \
+            float* __restrict__ lse, const int32_t* __restrict__ pos,                        \
+            const int32_t* __restrict__ params, const float* __restrict__ rope_cos,          \
+            const float* __restrict__ rope_sin) {                                            \
+        paged_decode_part_vec<D, MAXG, true, U>(                                             \
+            q, k_cache, v_cache, tables, ctx_lens, part_m, part_l, part_acc, raw, raw_stride, \
+            num_kv_heads, group, block_size, max_blocks, part_size, scale,                   \
+            Fold{counters, out, lse}, Rolling{pos, params, rope_cos, rope_sin});             \
     }
 PAGED_DECODE_VEC(64, 4, vec, DECODE_UNROLL)
 PAGED_DECODE_VEC(64, 8, vec, DECODE_UNROLL)
@@ -551,28 +638,17 @@ PAGED_DECODE_VEC(64, 8, vec1, 1)
 PAGED_DECODE_VEC(128, 4, vec1, 1)
 PAGED_DECODE_VEC(128, 8, vec1, 1)
 
-// Reduction pass: grid (rows, H), block >= D threads. out = sum_p acc_p e^{m_p - M} /
-// sum_p l_p e^{m_p - M}; lse (optional, may be null) = M + log(L) in natural log of
-// the scaled scores.
+// Reduction pass, launched after the partition pass when it is not folded into it
+// (KVBENCH_DECODE_REDUCE=launch, groups over FOLD_MAX_GROUP): grid (rows, H), block a
+// multiple of 32 threads. out = sum_p acc_p e^{m_p - M} / sum_p l_p e^{m_p - M}; lse
+// (optional, may be null) = M + log(L) in natural log of the scaled scores.
 extern "C" __global__ void paged_decode_reduce_bf16(
     const float* __restrict__ part_m, const float* __restrict__ part_l,
     const float* __restrict__ part_acc, __nv_bfloat16* __restrict__ out,
     float* __restrict__ lse, int num_heads, int head_dim, int parts) {
-    const int row = blockIdx.x, h = blockIdx.y;
-    const int64_t base = ((int64_t)row * num_heads + h) * parts;
-    float M = -INFINITY;
-    for (int p = 0; p < parts; ++p) M = fmaxf(M, part_m[base + p]);
-    float L = 0.f;
-    for (int p = 0; p < parts; ++p)
-        if (part_m[base + p] > -INFINITY) L += part_l[base + p] * __expf(part_m[base + p] - M);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float acc = 0.f;
-        for (int p = 0; p < parts; ++p)
-            if (part_m[base + p] > -INFINITY)
-                acc += part_acc[(base + p) * head_dim + d] * __expf(part_m[base + p] - M);
-        out[((int64_t)row * num_heads + h) * head_dim + d] = __float2bfloat16(acc / L);
-    }
-    if (lse != nullptr && threadIdx.x == 0) lse[(int64_t)row * num_heads + h] = M + logf(L);
+    __shared__ float sml[2];
+    reduce_heads(part_m, part_l, part_acc, out, lse,
+                 (int64_t)blockIdx.x * num_heads + blockIdx.y, 1, head_dim, parts, sml);
 }
 
 // ---------------------------------------------------------------------------------
@@ -1138,7 +1214,7 @@ __device__ __forceinline__ void paged_decode_part_pipe(
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
-    int part_size, float scale) {
+    int part_size, float scale, Fold fold) {
     constexpr int LPR = D / 8;          // lanes per key row
     constexpr int RPW = WARP / LPR;     // keys per warp step
     static_assert(PIPE_TILE % (RPW * (DECODE_THREADS / WARP)) == 0,
@@ -1148,8 +1224,10 @@ __device__ __forceinline__ void paged_decode_part_pipe(
     float* ss = reinterpret_cast<float*>(ring + PIPE_STAGES * PIPE_TILE * D);  // [G, P]
     float* sacc = reinterpret_cast<float*>(ring);  // [warps, G, D], after the V pass
     const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
-    if (dp.n <= 0)
-        return empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+    if (dp.n <= 0) {
+        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
+    }
     const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int start = dp.start, end = dp.end, n = dp.n;
     const int64_t head0 = dp.head0;
@@ -1222,6 +1300,7 @@ __device__ __forceinline__ void paged_decode_part_pipe(
     asm volatile("cp.async.wait_group 0;\n" ::);
     __syncthreads();  // the ring is free: the warps' partial outputs go there
     write_partition_output<D, MAXG>(acc, sacc, part_acc, head0, group, parts, part);
+    fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
 }
 
 #define PAGED_DECODE_PIPE(D, MAXG)                                                           \
@@ -1232,10 +1311,13 @@ __device__ __forceinline__ void paged_decode_part_pipe(
             const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
             float* __restrict__ part_l, float* __restrict__ part_acc,                        \
             float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
-            int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale,        \
+            unsigned int* __restrict__ counters, __nv_bfloat16* __restrict__ out,            \
+            float* __restrict__ lse) {                                                       \
         paged_decode_part_pipe<D, MAXG>(q, k_cache, v_cache, tables, ctx_lens, part_m,       \
                                         part_l, part_acc, raw, raw_stride, num_kv_heads,     \
-                                        group, block_size, max_blocks, part_size, scale);    \
+                                        group, block_size, max_blocks, part_size, scale,     \
+                                        Fold{counters, out, lse});                           \
     }
 PAGED_DECODE_PIPE(64, 4)
 PAGED_DECODE_PIPE(64, 8)
@@ -1275,15 +1357,17 @@ __device__ __forceinline__ void paged_decode_part_mma(
     const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,
     float* __restrict__ part_l, float* __restrict__ part_acc, float* __restrict__ raw,
     int raw_stride, int num_kv_heads, int group, int block_size, int max_blocks,
-    int part_size, float scale) {
+    int part_size, float scale, Fold fold) {
     using L = MmaDecodeSmem<D>;
     static_assert(DECODE_THREADS == FM_THREADS && FM_BN == 16 * (DECODE_THREADS / WARP),
                   "each warp takes 16 keys of a tile");
     extern __shared__ __align__(128) unsigned char mdsmem[];
     __nv_bfloat16* sm = reinterpret_cast<__nv_bfloat16*>(mdsmem);
     const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
-    if (dp.n <= 0)
-        return empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+    if (dp.n <= 0) {
+        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
+        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
+    }
     const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int start = dp.start, end = dp.end, n = dp.n;
     const int64_t head0 = dp.head0;
@@ -1391,6 +1475,7 @@ __device__ __forceinline__ void paged_decode_part_mma(
             part_l[o_] = l;
         }
     }
+    fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
 }
 
 #define PAGED_DECODE_MMA(D)                                                                  \
@@ -1401,10 +1486,12 @@ __device__ __forceinline__ void paged_decode_part_mma(
             const int32_t* __restrict__ ctx_lens, float* __restrict__ part_m,                \
             float* __restrict__ part_l, float* __restrict__ part_acc,                        \
             float* __restrict__ raw, int raw_stride, int num_kv_heads, int group,            \
-            int head_dim, int block_size, int max_blocks, int part_size, float scale) {      \
+            int head_dim, int block_size, int max_blocks, int part_size, float scale,        \
+            unsigned int* __restrict__ counters, __nv_bfloat16* __restrict__ out,            \
+            float* __restrict__ lse) {                                                       \
         paged_decode_part_mma<D>(q, k_cache, v_cache, tables, ctx_lens, part_m, part_l,      \
                                  part_acc, raw, raw_stride, num_kv_heads, group, block_size, \
-                                 max_blocks, part_size, scale);                              \
+                                 max_blocks, part_size, scale, Fold{counters, out, lse});    \
     }
 PAGED_DECODE_MMA(64)
 PAGED_DECODE_MMA(128)

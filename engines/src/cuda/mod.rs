@@ -694,6 +694,46 @@ pub fn decode_choice() -> Result<DecodeChoice> {
     )
 }
 
+/// How a paged decode combines its partitions' outputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeReduce {
+    /// In the partition kernel: the last of a (row, KV head)'s partition blocks to finish
+    /// reduces the group's heads (one launch a layer fewer; kernels.cu's `fold_reduce`).
+    Folded,
+    /// A second kernel after the partition pass (earlier builds' form).
+    Launched,
+}
+
+impl DecodeReduce {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Folded => "folded",
+            Self::Launched => "launched",
+        }
+    }
+}
+
+/// What `KVBENCH_DECODE_REDUCE` asks for: unset, the reduction folded into the partition
+/// kernel; `launch`, launched after it (the fallback, and the "before" of a comparison
+/// in one sitting). Read once per process; any other value is an error naming it.
+pub fn decode_reduce() -> Result<DecodeReduce> {
+    static CHOICE: std::sync::OnceLock<std::result::Result<DecodeReduce, String>> =
+        std::sync::OnceLock::new();
+    crate::switch_once(
+        &CHOICE,
+        "KVBENCH_DECODE_REDUCE",
+        &[("launch", DecodeReduce::Launched)],
+        DecodeReduce::Folded,
+        "the reduction folded into the partition kernel",
+    )
+}
+
+/// Largest query group the folded reduction takes (kernels.cu's FOLD_MAX_GROUP).
+const FOLD_MAX_GROUP: usize = 16;
+/// KV heads per row the arrival counters of [`DecodeTables`] hold: the reduction of a
+/// model with more is launched.
+const FOLD_KV_HEADS: usize = 64;
+
 /// Blocks a decode launch aims for: two per SM of a 132-SM H100 or H200. With few rows
 /// (batch 1) partitions shrink until rows × KV heads × partitions reaches it.
 const DECODE_MIN_BLOCKS: usize = 264;
@@ -714,6 +754,10 @@ pub(crate) fn partition_size(max: usize, row_heads: usize, max_ctx: usize) -> us
 pub struct DecodeTables {
     pub(crate) tables: CudaSlice<i32>,
     pub(crate) ctx: CudaSlice<i32>,
+    /// The folded reduction's arrival counters, [rows, FOLD_KV_HEADS], zero between
+    /// launches (each launch's last blocks set theirs back): with the tables, so a CUDA
+    /// graph's replays find them where its capture did.
+    pub(crate) counters: CudaSlice<u32>,
     pub(crate) rows: usize,
     pub(crate) max_blocks: usize,
     pub(crate) max_ctx: usize,
@@ -747,6 +791,7 @@ impl DecodeTables {
         Ok(Self {
             tables: upload_i32(dev, &flat)?,
             ctx: upload_i32(dev, &ctx_i)?,
+            counters: dev.alloc_zeros::<u32>(rows.max(1) * FOLD_KV_HEADS)?,
             rows,
             max_blocks,
             max_ctx,
@@ -762,6 +807,7 @@ impl DecodeTables {
         Ok(Self {
             tables: dev.alloc_zeros::<i32>(rows.max(1) * max_blocks.max(1))?,
             ctx: dev.alloc_zeros::<i32>(rows.max(1))?,
+            counters: dev.alloc_zeros::<u32>(rows.max(1) * FOLD_KV_HEADS)?,
             rows,
             max_blocks: max_blocks.max(1),
             max_ctx,
@@ -826,7 +872,7 @@ pub fn paged_decode_with(
     s: DecodeShape,
     scores: Option<DecodeScores<'_>>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, scores, None, None)
+    paged_decode_impl(cache, q, t, s, scores, None, None, None)
 }
 
 /// Keys cached without RoPE and rotated as they are read, to their index in the cache
@@ -850,9 +896,12 @@ pub fn paged_decode_rolling(
     s: DecodeShape,
     roll: RollingKeys<'_>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, None, Some(roll), None)
+    paged_decode_impl(cache, q, t, s, None, Some(roll), None, None)
 }
 
+/// `kernel` and `reduce` pin the partition kernel and the reduction (`None`: as the
+/// environment chooses; `kvbench verify` and `bench-decode` pin them).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_decode_impl(
     cache: &LayerCache,
     q: &Tensor,
@@ -861,6 +910,7 @@ pub(crate) fn paged_decode_impl(
     scores: Option<DecodeScores<'_>>,
     roll: Option<RollingKeys<'_>>,
     kernel: Option<DecodeKernel>,
+    reduce: Option<DecodeReduce>,
 ) -> Result<Tensor> {
     check_bf16(q, "paged_decode q")?;
     let dev = device_of(q.device())?;
@@ -900,6 +950,11 @@ pub(crate) fn paged_decode_impl(
         partition_size(s.part_size, rows * kvh, t.max_ctx)
     };
     let parts = t.max_ctx.div_ceil(part_size).max(1);
+    let reduce = match reduce {
+        Some(r) => r,
+        None => decode_reduce()?,
+    };
+    let fold = reduce == DecodeReduce::Folded && group <= FOLD_MAX_GROUP && kvh <= FOLD_KV_HEADS;
 
     let q = q.contiguous()?;
     let (qs, ql) = q.storage_and_layout();
@@ -983,6 +1038,18 @@ pub(crate) fn paged_decode_impl(
         .arg(&mb_i)
         .arg(&ps_i)
         .arg(&scale);
+    // Folded: the counters, the output and the log-sum-exp (null counters: the
+    // reduction is launched below). The kernel writes the counters but leaves them as
+    // it found them (all zero), hence a shared borrow of the tables.
+    if fold {
+        b.arg(&t.counters).arg(&mut out);
+        match lse_out.as_mut() {
+            Some(l) => b.arg(&mut **l),
+            None => b.arg(&null),
+        };
+    } else {
+        b.arg(&null).arg(&null).arg(&null);
+    }
     if let Some(r) = &roll {
         b.arg(r.pos).arg(r.params).arg(r.cos).arg(r.sin);
     }
@@ -1013,6 +1080,9 @@ pub(crate) fn paged_decode_impl(
         )));
     }
     unsafe { b.launch(cfg) }.w()?;
+    if fold {
+        return Ok(tensor_from(&dev, out, (rows, h, d)));
+    }
 
     let h_i = as_i32(h, "heads")?;
     let parts_i = as_i32(parts, "partitions")?;
@@ -1026,7 +1096,8 @@ pub(crate) fn paged_decode_impl(
     b.arg(&h_i).arg(&d_i).arg(&parts_i);
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, h as u32, 1),
-        block_dim: (d.min(1024) as u32, 1, 1),
+        // Whole warps: the kernel reduces over partitions with warp shuffles.
+        block_dim: (d.next_multiple_of(32).min(1024) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     unsafe { b.launch(cfg) }.w()?;

@@ -86,14 +86,14 @@ fn bench(
     cases: &[(usize, usize)],
     kind: DeviceKind,
 ) -> Result<()> {
-    use kvbench_engines::cuda::bench::{self, BenchCase, KERNELS};
+    use kvbench_engines::cuda::bench::{self, BenchCase, FORMS};
     let dev = kind.candle().with_context(|| format!("opening {kind}"))?;
     let cases: Vec<BenchCase> = cases
         .iter()
         .map(|&(rows, ctx)| BenchCase { rows, ctx })
         .collect();
     eprintln!(
-        "bench-decode: {} (H={} KVH={} D={}), block {}, partitions of at most {} keys, {} cases × {} kernels",
+        "bench-decode: {} (H={} KVH={} D={}), block {}, partitions of at most {} keys, {} cases × {} kernel forms",
         a.preset,
         cfg.num_heads,
         cfg.num_kv_heads,
@@ -101,7 +101,7 @@ fn bench(
         a.block_size,
         a.partition,
         cases.len(),
-        KERNELS.len()
+        FORMS.len()
     );
     let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
     let mut r = bench::run(
@@ -110,7 +110,7 @@ fn bench(
         a.block_size,
         a.partition,
         &cases,
-        &KERNELS,
+        &FORMS,
         a.seed,
         &mut |line| eprintln!("{line}"),
     )?;
@@ -132,7 +132,12 @@ fn bench(
         .rows
         .iter()
         .filter(|x| !x.pass)
-        .map(|x| format!("{} at {}x{}", x.kernel, x.rows, x.ctx))
+        .map(|x| {
+            format!(
+                "{} ({} reduction) at {}x{}",
+                x.kernel, x.reduction, x.rows, x.ctx
+            )
+        })
         .chain(
             r.small
                 .iter()
@@ -148,7 +153,7 @@ fn bench(
         .collect();
     if !failed.is_empty() {
         bail!(
-            "bench-decode: {} row(s) disagree with the reference (the vector kernel; candle's operations; the fingerprint's two forms) or could not be timed or pinned: {}",
+            "bench-decode: {} row(s) disagree with the reference (the vector kernel with its reduction launched; candle's operations; the fingerprint's two forms) or could not be timed or pinned: {}",
             failed.len(),
             failed.join(", ")
         );
