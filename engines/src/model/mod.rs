@@ -370,12 +370,16 @@ impl Layer {
     }
 }
 
-/// One layer's fused projections: K and V as one `[2, kv, hidden]` matrix, gate and up
-/// as one `[2, ff, hidden]`, each run as one batched product whose two outputs are
-/// contiguous (`pair_product`). The layer's own `wk`, `wv`, `gate` and `up` are views
-/// into them, so nothing is held twice; Q keeps its own matrix.
+/// One layer's fused projections: Q, K and V as one `[q + 2·kv, hidden]` matrix, whose
+/// K and V rows are also one `[2, kv, hidden]` matrix, and gate and up as one `[2, ff,
+/// hidden]`. A single row (a batch-1 decode step) takes Q, K and V in one product: its
+/// output's column ranges are contiguous, one row being all there is. More rows take Q
+/// alone and K/V as one batched product whose two outputs are contiguous
+/// (`pair_product`), as gate/up always do. The layer's own `wq`, `wk`, `wv`, `gate` and
+/// `up` are views into them, so nothing is held twice.
 #[derive(Debug, Clone)]
 struct Fused {
+    qkv: Tensor,
     kv: Tensor,
     gate_up: Tensor,
 }
@@ -731,21 +735,23 @@ impl Llama {
         }
     }
 
-    /// K and V, and gate and up, each stacked into one matrix per layer and run as one
-    /// batched product, in the spirit of vLLM's merged linear layers: one launch
-    /// instead of two, which matters most at small batch, where each product is a
-    /// matrix-vector pass and the small K and V matrices read well below the memory's
-    /// rate. Q stays a product of its own: stacked with K and V (unequal halves) its
-    /// output could only be split into strided column ranges. The separate matrices
-    /// become views into the fused ones. A model with any quantized projection among
-    /// the four is returned unfused.
+    /// Q, K and V stacked into one matrix per layer, and gate and up, in the spirit of
+    /// vLLM's merged linear layers: fewer launches, which matters most at small batch,
+    /// where each product is a matrix-vector pass and the small K and V matrices read
+    /// well below the memory's rate. A single row runs Q, K and V as one product (its
+    /// output's column ranges are contiguous); more rows run Q alone and K/V as one
+    /// batched product, since column ranges of several rows are strided and every
+    /// operation after them would take candle's strided kernels ([`pair_product`]).
+    /// Gate and up are always one batched product. The separate matrices become views
+    /// into the fused ones. A model with any quantized projection among the five is
+    /// returned unfused.
     pub fn fuse_projections(mut self) -> Result<Self> {
         if self.fused.is_some() {
             return Ok(self);
         }
         // Packed matrices go back to the row layout: the fused ones are gemm's.
         for l in &mut self.layers {
-            for w in [&mut l.wk, &mut l.wv, &mut l.gate, &mut l.up] {
+            for w in [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.gate, &mut l.up] {
                 if matches!(w, Linear::Packed(_)) {
                     *w = w.unpacked()?;
                 }
@@ -755,12 +761,20 @@ impl Llama {
             Linear::Dense(w) => Some(w.clone()),
             Linear::Quantized { .. } | Linear::Packed(_) => None,
         };
-        // Every layer's four fused matrices (handles, no copy), or None if any is
+        // Every layer's five fused matrices (handles, no copy), or None if any is
         // quantized.
         let Some(parts) = self
             .layers
             .iter()
-            .map(|l| Some([dense(&l.wk)?, dense(&l.wv)?, dense(&l.gate)?, dense(&l.up)?]))
+            .map(|l| {
+                Some([
+                    dense(&l.wq)?,
+                    dense(&l.wk)?,
+                    dense(&l.wv)?,
+                    dense(&l.gate)?,
+                    dense(&l.up)?,
+                ])
+            })
             .collect::<Option<Vec<_>>>()
         else {
             return Ok(self);
@@ -769,11 +783,15 @@ impl Llama {
         // matrices of one layer are freed before the next: the load holds one layer's
         // projections twice at most.
         let mut fused = Vec::with_capacity(self.layers.len());
-        for (l, [k, v, g, u]) in self.layers.iter_mut().zip(parts) {
+        for (l, [q, k, v, g, u]) in self.layers.iter_mut().zip(parts) {
+            let (nq, nk) = (q.dim(0)?, k.dim(0)?);
+            let qkv = Tensor::cat(&[&q, &k, &v], 0)?;
             let f = Fused {
-                kv: Tensor::stack(&[&k, &v], 0)?,
+                kv: qkv.narrow(0, nq, 2 * nk)?.reshape((2, nk, ()))?,
+                qkv,
                 gate_up: Tensor::stack(&[&g, &u], 0)?,
             };
+            l.wq = Linear::Dense(f.qkv.narrow(0, 0, nq)?);
             l.wk = Linear::Dense(f.kv.get(0)?);
             l.wv = Linear::Dense(f.kv.get(1)?);
             l.gate = Linear::Dense(f.gate_up.get(0)?);
@@ -1071,6 +1089,16 @@ impl Llama {
             let (xn, h) = self.add_norm(x, pending.take().as_ref(), &l.attn_norm, eps)?;
             x = xn;
             let [q_raw, k_raw, v] = match fused {
+                Some(f) if t == 1 => {
+                    // One product; each column range of a single row is contiguous.
+                    let y = h.matmul(&f.qkv.t()?)?;
+                    let (nq, nk) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+                    [
+                        y.narrow(1, 0, nq)?,
+                        y.narrow(1, nq, nk)?,
+                        y.narrow(1, nq + nk, nk)?,
+                    ]
+                }
                 Some(f) => {
                     let y = pair_product(&h, &f.kv)?;
                     [l.wq.forward(&h)?, y.get(0)?, y.get(1)?]

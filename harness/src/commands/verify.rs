@@ -257,8 +257,14 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     ));
     if let Some(sep) = &separate {
         // Q/K/V and gate/up as one product each, against the same weights' separate
-        // products.
-        let d = max_abs_diff(&dense, sep);
+        // products: over the prompts, and for one token alone (a batch-1 decode step's
+        // rows, which take Q, K and V in a single product).
+        let one = [vec![prompts[0][0]]];
+        let none = [Vec::new()];
+        let d = max_abs_diff(&dense, sep).max(max_abs_diff(
+            &dense_logits(model, &one, &none)?,
+            &dense_logits(&model.with_separate_projections(), &one, &none)?,
+        ));
         rows.push(Row::forward("fused-projections", d, passes(d, tolerance)));
     }
     // Every strategy at budget 1.0 with each attention implementation (the same list
