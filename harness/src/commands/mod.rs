@@ -51,9 +51,10 @@ pub enum Command {
     /// against an f64 reference first, and decode steps both replayed from CUDA graphs
     /// and launched kernel by kernel).
     Verify(verify::VerifyArgs),
-    /// Time the CUDA paged decode kernels (vector, one-row, pipelined, tensor-core) on
-    /// their own over synthetic caches (batch × context cases), beside the card's copy
-    /// rate, each kernel's output checked against the vector kernel's; then a step's
+    /// Time the CUDA paged decode kernels (vector with its reduction launched and
+    /// folded; one-row, pipelined, tensor-core with it folded) on their own over
+    /// synthetic caches (batch × context cases), beside the card's copy rate, each
+    /// output checked against the vector kernel's with the reduction launched; then a step's
     /// RoPE and greedy choice, kvbench's kernels beside candle's operations, outputs
     /// checked against candle's; then InfiniGen's warm-up costs (the weights'
     /// fingerprint, the host tier's pinning) on 1 GiB beside their earlier forms.
