@@ -465,6 +465,64 @@ fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<Kernel
             ));
         }
     }
+    // Rolling positions: queries rotated to each row's last cache index, read from the
+    // step's parameters on the device, by f32 rotation rows; an index past the rows
+    // must give NaN (never another index's rotation).
+    let cuda = device_of(dev)?;
+    let stream = cuda.cuda_stream();
+    for &(h, d) in &[(9usize, 64usize), (32, 128)] {
+        let (half, indices) = (d / 2, 300usize);
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..indices {
+            for i in 0..half {
+                let a = p as f32 * 500_000f32.powf(-((2 * i) as f32) / d as f32);
+                cos.push(a.cos());
+                sin.push(a.sin());
+            }
+        }
+        let cos_d = stream.clone_htod(&cos).map_err(candle_core::Error::wrap)?;
+        let sin_d = stream.clone_htod(&sin).map_err(candle_core::Error::wrap)?;
+        for rows in [1usize, 3, 17] {
+            let x = rand_bf16(rng, rows * h * d, 2.0);
+            let m: Vec<usize> = (0..rows).map(|_| rng.random_range(1..=indices)).collect();
+            let params: Vec<i32> = m.iter().flat_map(|&m| [m as i32, 0, 0, 0]).collect();
+            let mut want = vec![0f64; x.len()];
+            for (r, &mr) in m.iter().enumerate() {
+                let at = (mr - 1) * half;
+                for hh in 0..h {
+                    let o = (r * h + hh) * d;
+                    for i in 0..half {
+                        let (c, s_) = (cos[at + i] as f64, sin[at + i] as f64);
+                        let (x0, x1) = (x[o + i] as f64, x[o + i + half] as f64);
+                        want[o + i] = x0 * c - x1 * s_;
+                        want[o + i + half] = x0 * s_ + x1 * c;
+                    }
+                }
+            }
+            let got = super::rope_last_index(
+                &upload(&x, &[rows, h, d], dev)?,
+                &super::upload_i32(&cuda, &params)?,
+                &cos_d,
+                &sin_d,
+            )?;
+            out.push(bf16_check(
+                "rope_last_index",
+                format!("{rows} rows x H={h} D={d}, indices up to {indices}"),
+                rel_err(&download(&got)?, &want),
+            ));
+        }
+        let past = super::rope_last_index(
+            &upload(&rand_bf16(rng, h * d, 2.0), &[1, h, d], dev)?,
+            &super::upload_i32(&cuda, &[indices as i32 + 1, 0, 0, 0])?,
+            &cos_d,
+            &sin_d,
+        )?;
+        out.push(exact_check(
+            "rope_last_index (past the rows)",
+            format!("H={h} D={d}: index {indices} of {indices} rows gives NaN"),
+            download(&past)?.iter().all(|v| v.is_nan()),
+        ));
+    }
     for &(hidden, ff) in &[(576usize, 1536usize), (4096, 14336)] {
         for rows in [1usize, 3, 17] {
             let gu = rand_bf16(rng, 2 * rows * ff, 4.0);

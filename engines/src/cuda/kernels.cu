@@ -2463,6 +2463,33 @@ extern "C" __global__ void rope_qk_bf16(const __nv_bfloat16* __restrict__ q,
     }
 }
 
+// Rolling positions (StreamingLLM): each decode row's query rotated to its cache's last
+// index, params[row * 4] - 1 (the row's kept slots m with the new token), from the
+// rotation rows cos/sin [indices, D/2] (f32) the decode kernel rotates keys with, so
+// the query's index comes from the device and a CUDA graph can replay the step. Halves
+// rotated together (non-interleaved), in f32, rounded once. x, out [R, H, D] bf16;
+// cos/sin hold `indices` rows; grid (R, ceil(H * D/2 / block)): a thread per pair.
+extern "C" __global__ void rope_last_index_bf16(const __nv_bfloat16* __restrict__ x,
+                                                const int32_t* __restrict__ params,
+                                                const float* __restrict__ cos,
+                                                const float* __restrict__ sin,
+                                                __nv_bfloat16* __restrict__ out, int num_heads,
+                                                int head_dim, int indices) {
+    const int r = blockIdx.x, half = head_dim / 2;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= num_heads * half) return;
+    const int h = i / half, d = i % half;
+    const int64_t index = params[(int64_t)r * 4] - 1;
+    // An index past the rows (tables not grown for it) gives NaN, which every check
+    // fails, rather than another index's rotation.
+    const bool ok = index >= 0 && index < indices;
+    const float c = ok ? cos[index * half + d] : NAN, s_ = ok ? sin[index * half + d] : NAN;
+    const int64_t row = ((int64_t)r * num_heads + h) * head_dim;
+    const float x0 = __bfloat162float(x[row + d]), x1 = __bfloat162float(x[row + d + half]);
+    out[row + d] = __float2bfloat16(x0 * c - x1 * s_);
+    out[row + d + half] = __float2bfloat16(x0 * s_ + x1 * c);
+}
+
 // The residual add and the next RMSNorm of one row per block: x_out = x + a (rounded
 // to bf16, as the separate add), h = x_out * rsqrt(mean(x_out^2) + eps) * w (f32,
 // rounded once). hidden % 8 == 0, 16-byte aligned rows; blockDim a multiple of 32, at

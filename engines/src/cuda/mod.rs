@@ -246,6 +246,54 @@ pub fn rope_pair(
     )))
 }
 
+/// Rolling positions: each decode row of `x` (`[R, H, D]` bf16) rotated to its cache's
+/// last index, `params[4 r] - 1` (the row's kept slots with the new token, as the
+/// evicting policies lay out their per-row parameters), by the rotation rows `cos`/`sin`
+/// (`[indices, D/2]` f32, non-interleaved RoPE) the rolling decode kernel rotates keys
+/// with. Nothing comes from the host, so a CUDA graph can replay it.
+pub fn rope_last_index(
+    x: &Tensor,
+    params: &CudaSlice<i32>,
+    cos: &CudaSlice<f32>,
+    sin: &CudaSlice<f32>,
+) -> Result<Tensor> {
+    check_bf16(x, "rope_last_index x")?;
+    let (r, h, d) = x.dims3()?;
+    if r == 0 || d == 0 || !d.is_multiple_of(2) || params.len() < 4 * r {
+        return Err(Error::Config(format!(
+            "rope_last_index: {r} rows of head dim {d} with {} parameters",
+            params.len()
+        )));
+    }
+    let dev = device_of(x.device())?;
+    let x = x.contiguous()?;
+    let (xs, xl) = x.storage_and_layout();
+    let xv = view(&xs, xl, "rope_last_index x")?;
+    // SAFETY: the kernel writes every element.
+    let mut out = unsafe { dev.alloc::<bf16>(r * h * d)? };
+    let f = dev.get_or_load_custom_func("rope_last_index_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    let (h_i, d_i) = (as_i32(h, "heads")?, as_i32(d, "head dim")?);
+    let n_i = as_i32(cos.len().min(sin.len()) / (d / 2), "rotation rows")?;
+    b.arg(&xv)
+        .arg(params)
+        .arg(cos)
+        .arg(sin)
+        .arg(&mut out)
+        .arg(&h_i)
+        .arg(&d_i)
+        .arg(&n_i);
+    const THREADS: usize = 256;
+    let cfg = LaunchConfig {
+        grid_dim: (r as u32, (h * d / 2).div_ceil(THREADS) as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop(xs);
+    Ok(tensor_from(&dev, out, (r, h, d)))
+}
+
 /// The residual add and the RMSNorm after it, for every row in one kernel where candle
 /// takes two: `(x + a, rms_norm(x + a) · w)`, both `[t, hidden]` bf16 (the sum rounded
 /// to bf16 before the norm, as the separate add leaves it). `None` where the kernel

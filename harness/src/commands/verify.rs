@@ -325,18 +325,24 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     // CUDA graphs of decode steps (on unless KVBENCH_CUDA_GRAPH=off; captured per row
     // count, context bucket and kind of step): the rows above ran as the switch says, so
     // `full` and `h2o` at budget 1.0 run here the other way too, against the reference;
-    // H2O at the audit's budget, where it evicts every step, with graphs against itself
+    // H2O and StreamingLLM (rolling positions: the query rotated on the device) at the
+    // audit's budget, where they evict every step, with graphs against themselves
     // without them. A run with graphs in which no step was replayed fails: it would have
     // checked nothing.
     if on_cuda {
         let chosen = kvbench_engines::decode_graphs::chosen();
         eprintln!(
-            "graph rows: full and h2o at 1.0 {} graphs against full + eager; h2o at {} with \
-             graphs against h2o without",
+            "graph rows: full and h2o at 1.0 {} graphs against full + eager; h2o and \
+             streaming at {} with graphs against themselves without",
             if chosen { "without" } else { "with" },
             a.audit_budget
         );
-        for (name, budget) in [("full", 1.0), ("h2o", 1.0), ("h2o", a.audit_budget)] {
+        for (name, budget) in [
+            ("full", 1.0),
+            ("h2o", 1.0),
+            ("h2o", a.audit_budget),
+            ("streaming", a.audit_budget),
+        ] {
             let spec = make(name, budget, &[])?;
             let with_graphs = |on: bool| EngineConfig {
                 cuda_graphs: Some(on),

@@ -28,8 +28,9 @@ use crate::config::ModelConfig;
 use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill, flash_prefill_contiguous,
     flash_prefill_with, flash_smem_bytes, grow_slice, initial_blocks, join_rows, kv_gather,
-    kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats, upload_i32,
-    DecodeScores, DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys, MODULE, PTX,
+    kv_write_at, paged_decode_rolling, paged_decode_with, prefill_attention_stats, rope_last_index,
+    upload_i32, DecodeScores, DecodeShape, DecodeTables, FlashKernel, LayerCache, RollingKeys,
+    MODULE, PTX,
 };
 use crate::decode_graphs::{ctx_bucket, GraphBinding, GraphBuffers};
 use crate::error::{Error, Result};
@@ -159,6 +160,9 @@ pub struct CudaEvictingPolicy<E: Eviction> {
     /// Rotation rows cos, sin (`[indices, D/2]`) of cache indices for rolling
     /// positions, and how many indices they cover.
     rope: Option<(CudaSlice<f32>, CudaSlice<f32>, usize)>,
+    /// Rotation rows outgrown, kept: a CUDA graph captured before they grew still reads
+    /// them (their rows are the new ones' first rows).
+    rope_retired: Vec<(CudaSlice<f32>, CudaSlice<f32>)>,
     /// SnapKV: the observation window's queries of sequences in prefill, per layer.
     window_q: HashMap<SeqId, Vec<Vec<Tensor>>>,
     /// Fixed step buffers of decode steps replayed from CUDA graphs, by (rows, context
@@ -238,6 +242,7 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             event_errors: 0,
             step: None,
             rope: None,
+            rope_retired: Vec::new(),
             window_q: HashMap::new(),
             graph_steps: GraphBuffers::default(),
             bound: None,
@@ -246,11 +251,11 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
     }
 
     /// Whether `batch` is a step a graph can run: every row decoding one token of a
-    /// prompt already prefilled. Rolling positions rotate the query on the host each
-    /// step (not capturable); prefill rows and rows finishing their prompt run as usual.
+    /// prompt already prefilled (rolling positions too: the query is rotated on the
+    /// device, to an index the step's parameters hold); prefill rows and rows finishing
+    /// their prompt run as usual.
     fn graph_step(&self, batch: &StepBatch) -> bool {
         !batch.seqs.is_empty()
-            && !self.rule.rolling_positions()
             && batch
                 .seqs
                 .iter()
@@ -437,7 +442,8 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
     }
 
     /// Rotation rows of cache indices `0..m` on the device (rolling positions), built
-    /// by the model's RoPE on the host as the CPU policy's, grown by powers of two.
+    /// by the model's RoPE on the host as the CPU policy's, grown by powers of two (the
+    /// outgrown rows kept for graphs that read them).
     fn rope_rows(&mut self, rope: &dyn crate::policy::Rope, m: usize) -> Result<()> {
         if self.rope.as_ref().is_some_and(|r| r.2 >= m) {
             return Ok(());
@@ -445,11 +451,14 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
         let idx: Vec<u32> = (0..m.next_power_of_two() as u32).collect();
         let (c, s) = rope.tables(&idx);
         let stream = self.dev.cuda_stream();
-        self.rope = Some((
+        let grown = (
             stream.clone_htod(&c).w()?,
             stream.clone_htod(&s).w()?,
             idx.len(),
-        ));
+        );
+        if let Some((c, s, _)) = self.rope.replace(grown) {
+            self.rope_retired.push((c, s));
+        }
         Ok(())
     }
 
@@ -489,18 +498,22 @@ impl<E: Eviction> CudaEvictingPolicy<E> {
             part_size: PART_SIZE,
         };
         let out = if self.rule.rolling_positions() {
-            // The query at its cache's last index; the kernel rotates each key to its.
-            let most = step.kept.iter().copied().max().unwrap_or(1);
+            // The query at its cache's last index (from the step's parameters, on the
+            // device); the kernel rotates each key to its. A graph's replays may reach
+            // any index of its context bucket: the rows cover the bucket.
+            let most = match self.bound {
+                Some((_, bucket, _)) => bucket,
+                None => step.kept.iter().copied().max().unwrap_or(1),
+            };
             self.rope_rows(input.rope, most)?;
             let (cos, sin, _) = self.rope.as_ref().expect("built above");
-            let last: Vec<u32> = step.kept.iter().map(|&m| (m - 1) as u32).collect();
             let raw = input.q_raw.to_dtype(DType::BF16)?;
             let raw = if step.rows.len() == batch.num_tokens {
                 raw
             } else {
                 raw.index_select(&Tensor::new(idx.as_slice(), q.device())?, 0)?
             };
-            let qr = input.rope.rotate(&raw, &last)?.to_dtype(DType::BF16)?;
+            let qr = rope_last_index(&raw, &step.params, cos, sin)?;
             let roll = RollingKeys {
                 pos: &self.layers[layer].pos,
                 params: &step.params,
