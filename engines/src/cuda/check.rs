@@ -460,8 +460,48 @@ fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<Kernel
             ));
             out.push(bf16_check(
                 "rope_pair (k)",
-                case,
+                case.clone(),
                 rel_err(&download(&ko)?, &rotate(&k, kvh)),
+            ));
+            // RoPE and the cache write in one kernel against rope_pair + kv_write on
+            // the same inputs: the same rotated queries and the same cache, to the bit.
+            let v = rand_bf16(rng, rows * kvh * d, 2.0);
+            let cuda = device_of(dev)?;
+            let pool = 4 * rows + 3;
+            let mut slots: Vec<i32> = (0..pool as i32).collect();
+            slots.shuffle(rng);
+            let slots_d = super::upload_i32(&cuda, &slots[..rows])?;
+            let (kt, vt) = (
+                upload(&k, &[rows, kvh, d], dev)?,
+                upload(&v, &[rows, kvh, d], dev)?,
+            );
+            let (ct, st) = (
+                upload(&cos, &[rows, half], dev)?,
+                upload(&sin, &[rows, half], dev)?,
+            );
+            let mut two = LayerCache::new(&cuda, pool, kvh * d)?;
+            super::kv_write_at(&mut two, &ko, &vt, &slots_d)?;
+            let mut one = LayerCache::new(&cuda, pool, kvh * d)?;
+            let qw = super::rope_write(
+                &mut one,
+                (&upload(&q, &[rows, h, d], dev)?, &kt, &vt),
+                (&ct, &st),
+                &slots_d,
+            )?;
+            let stream = cuda.cuda_stream();
+            let host = |c: &candle_core::cuda_backend::cudarc::driver::CudaSlice<bf16>| {
+                stream.clone_dtoh(c).map_err(candle_core::Error::wrap)
+            };
+            let same = download(&qw)?
+                .iter()
+                .zip(download(&qo)?.iter())
+                .all(|(a, b)| a.to_bits() == b.to_bits())
+                && host(&one.k)? == host(&two.k)?
+                && host(&one.v)? == host(&two.v)?;
+            out.push(exact_check(
+                "rope_write (= rope_pair + kv_write)",
+                format!("{case}, slots of a pool of {pool}"),
+                same,
             ));
         }
     }

@@ -200,10 +200,14 @@ fn run(
     inputs: &Inputs,
     out: &mut Option<Tensor>,
 ) -> Result<()> {
-    let logits =
-        model.forward_device(&inputs.ids, &inputs.cos, &inputs.sin, positions, &mut |i| {
-            policy.attend(batch, i)
-        })?;
+    let rotates = policy.rotates_on_write();
+    let logits = model.forward_device(
+        &inputs.ids,
+        (&inputs.cos, &inputs.sin),
+        positions,
+        rotates,
+        &mut |i| policy.attend(batch, i),
+    )?;
     match out {
         Some(o) => o.slice_set(&logits, 0, 0)?,
         None => *out = Some(logits),

@@ -2463,6 +2463,47 @@ extern "C" __global__ void rope_qk_bf16(const __nv_bfloat16* __restrict__ q,
     }
 }
 
+// rope_qk_bf16 and kv_write_bf16 in one launch (a decode step of `full` replayed from a
+// CUDA graph): queries rotated into q_out, keys rotated and values copied straight into
+// the cache rows at slots[t]. The same arithmetic as rope_qk_bf16, so the same bits.
+// grid (T, ceil((H + 2 KVH) * D/2 / block)): a thread per rotated pair, or per two
+// value elements (d and d + D/2).
+extern "C" __global__ void rope_write_bf16(const __nv_bfloat16* __restrict__ q,
+                                           const __nv_bfloat16* __restrict__ k,
+                                           const __nv_bfloat16* __restrict__ v,
+                                           const __nv_bfloat16* __restrict__ cos,
+                                           const __nv_bfloat16* __restrict__ sin,
+                                           __nv_bfloat16* __restrict__ q_out,
+                                           __nv_bfloat16* __restrict__ k_cache,
+                                           __nv_bfloat16* __restrict__ v_cache,
+                                           const int32_t* __restrict__ slots, int num_heads,
+                                           int num_kv_heads, int head_dim) {
+    const int t = blockIdx.x, half = head_dim / 2;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= (num_heads + 2 * num_kv_heads) * half) return;
+    const int h = i / half, d = i % half;
+    const int64_t cache_row = (int64_t)slots[t] * num_kv_heads * head_dim;
+    if (h >= num_heads + num_kv_heads) {
+        const int g = h - num_heads - num_kv_heads;
+        const int64_t src = ((int64_t)t * num_kv_heads + g) * head_dim;
+        __nv_bfloat16* dst = v_cache + cache_row + (int64_t)g * head_dim;
+        dst[d] = v[src + d];
+        dst[d + half] = v[src + d + half];
+        return;
+    }
+    const float c = __bfloat162float(cos[(int64_t)t * half + d]);
+    const float s_ = __bfloat162float(sin[(int64_t)t * half + d]);
+    const bool is_q = h < num_heads;
+    const __nv_bfloat16* src =
+        is_q ? q + ((int64_t)t * num_heads + h) * head_dim
+             : k + ((int64_t)t * num_kv_heads + (h - num_heads)) * head_dim;
+    __nv_bfloat16* dst = is_q ? q_out + ((int64_t)t * num_heads + h) * head_dim
+                              : k_cache + cache_row + (int64_t)(h - num_heads) * head_dim;
+    const float x0 = __bfloat162float(src[d]), x1 = __bfloat162float(src[d + half]);
+    dst[d] = __float2bfloat16(x0 * c - x1 * s_);
+    dst[d + half] = __float2bfloat16(x0 * s_ + x1 * c);
+}
+
 // Rolling positions (StreamingLLM): each decode row's query rotated to its cache's last
 // index, params[row * 4] - 1 (the row's kept slots m with the new token), from the
 // rotation rows cos/sin [indices, D/2] (f32) the decode kernel rotates keys with, so

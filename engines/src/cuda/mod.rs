@@ -246,6 +246,93 @@ pub fn rope_pair(
     )))
 }
 
+/// [`rope_pair`] and [`kv_write_at`] in one kernel: the queries `q` (`[t, H, D]`)
+/// rotated and returned, the keys `k` (`[t, KVH, D]`) rotated and the values `v` copied
+/// straight into `cache` at `slots` (one per row), with `cos`/`sin` `[t, D/2]`, all
+/// bf16 and contiguous. The same bits as the two kernels; one launch a layer fewer in a
+/// decode step of `full` replayed from a CUDA graph.
+pub fn rope_write(
+    cache: &mut LayerCache,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (cos, sin): (&Tensor, &Tensor),
+    slots: &CudaSlice<i32>,
+) -> Result<Tensor> {
+    let (t, h, d) = q.dims3()?;
+    let (tk, kvh, dk) = k.dims3()?;
+    let usable = |u: &Tensor| u.dtype() == DType::BF16 && u.is_contiguous();
+    if tk != t
+        || dk != d
+        || v.dims() != k.dims()
+        || t == 0
+        || d == 0
+        || !d.is_multiple_of(2)
+        || cos.dims() != [t, d / 2]
+        || sin.dims() != [t, d / 2]
+        || slots.len() < t
+        || !cache.k.len().is_multiple_of(kvh * d)
+        || ![q, k, v, cos, sin].into_iter().all(usable)
+    {
+        return Err(Error::Config(format!(
+            "rope_write: q {:?}, k {:?}, v {:?}, cos {:?} (bf16, contiguous, one slot a row; \
+             {} slots given)",
+            q.dims(),
+            k.dims(),
+            v.dims(),
+            cos.dims(),
+            slots.len()
+        )));
+    }
+    let dev = device_of(q.device())?;
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (cs, cl) = cos.storage_and_layout();
+    let (ss, sl) = sin.storage_and_layout();
+    let (qv, kv, vv) = (
+        view(&qs, ql, "rope_write q")?,
+        view(&ks, kl, "rope_write k")?,
+        view(&vs, vl, "rope_write v")?,
+    );
+    let (cv, sv) = (
+        view(&cs, cl, "rope_write cos")?,
+        view(&ss, sl, "rope_write sin")?,
+    );
+    // SAFETY: the kernel writes every element.
+    let mut qo = unsafe { dev.alloc::<bf16>(t * h * d)? };
+    let f = dev.get_or_load_custom_func("rope_write_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    let (h_i, kvh_i, d_i) = (
+        as_i32(h, "heads")?,
+        as_i32(kvh, "KV heads")?,
+        as_i32(d, "head dim")?,
+    );
+    b.arg(&qv)
+        .arg(&kv)
+        .arg(&vv)
+        .arg(&cv)
+        .arg(&sv)
+        .arg(&mut qo)
+        .arg(&mut cache.k)
+        .arg(&mut cache.v)
+        .arg(slots)
+        .arg(&h_i)
+        .arg(&kvh_i)
+        .arg(&d_i);
+    const THREADS: usize = 256;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            t as u32,
+            ((h + 2 * kvh) * d / 2).div_ceil(THREADS) as u32,
+            1,
+        ),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop((qs, ks, vs, cs, ss));
+    Ok(tensor_from(&dev, qo, (t, h, d)))
+}
+
 /// Rolling positions: each decode row of `x` (`[R, H, D]` bf16) rotated to its cache's
 /// last index, `params[4 r] - 1` (the row's kept slots with the new token, as the
 /// evicting policies lay out their per-row parameters), by the rotation rows `cos`/`sin`

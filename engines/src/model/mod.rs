@@ -1042,24 +1042,25 @@ impl Llama {
     ) -> Result<Tensor> {
         let ids = Tensor::new(tokens, &self.device)?;
         let (cos, sin) = self.rope_tables(positions)?;
-        self.forward_inputs(&ids, &cos, &sin, positions, sample_rows, attend)
+        self.forward_inputs(&ids, (&cos, &sin), positions, sample_rows, false, attend)
     }
 
     /// [`Llama::forward`] from inputs already on the model's device: token ids `ids`
     /// (`[T]` u32) and their RoPE rows `cos`/`sin` (`[T, dh/2]` in the model's dtype),
     /// every row's logits returned (`[T, vocab]` f32). Nothing is read from the host
     /// (`positions` only reaches the policy's `attend`), so a CUDA graph can capture it
-    /// and replay it over new values in the same buffers.
+    /// and replay it over new values in the same buffers. `policy_rotates`: the policy
+    /// takes queries and keys without RoPE ([`KvPolicy::rotates_on_write`]).
     pub fn forward_device(
         &self,
         ids: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         positions: &[u32],
+        policy_rotates: bool,
         attend: &mut AttendFn<'_>,
     ) -> Result<Tensor> {
         let all: Vec<u32> = (0..ids.dim(0)? as u32).collect();
-        self.forward_inputs(ids, cos, sin, positions, &all, attend)
+        self.forward_inputs(ids, (cos, sin), positions, &all, policy_rotates, attend)
     }
 
     /// The f32 cos and sin rows of `positions` (`[T, dh/2]` each, row-major).
@@ -1070,10 +1071,10 @@ impl Llama {
     fn forward_inputs(
         &self,
         ids: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
         positions: &[u32],
         sample_rows: &[u32],
+        policy_rotates: bool,
         attend: &mut AttendFn<'_>,
     ) -> Result<Tensor> {
         let c = &self.cfg;
@@ -1081,6 +1082,10 @@ impl Llama {
         let eps = c.rms_norm_eps as f32;
         let mut x = self.embed_rows(ids)?;
         let (cos, sin) = (cos.clone(), sin.clone());
+        // The queries and keys left to the policy where it asked and the model would
+        // have rotated them in its own fused kernel (which the policy's replaces).
+        let leave_rope =
+            policy_rotates && self.fused_kernels == FusedKernels::All && !self.cfg.rope_interleaved;
         // The previous layer's MLP output, added to the residual together with the
         // next norm (one kernel where `add_norm` fuses them).
         let mut pending: Option<Tensor> = None;
@@ -1108,7 +1113,11 @@ impl Llama {
             let q_raw = q_raw.reshape((t, c.num_heads, c.head_dim))?;
             let k_raw = k_raw.reshape((t, c.num_kv_heads, c.head_dim))?;
             let v = v.reshape((t, c.num_kv_heads, c.head_dim))?;
-            let (q, k) = self.rope_qk(&q_raw, &k_raw, &cos, &sin)?;
+            let (q, k) = if leave_rope {
+                (q_raw.clone(), k_raw.clone())
+            } else {
+                self.rope_qk(&q_raw, &k_raw, &cos, &sin)?
+            };
             let a = attend(&LayerInput {
                 layer: li,
                 x: &h,
@@ -1119,6 +1128,7 @@ impl Llama {
                 k_raw: &k_raw,
                 positions,
                 rope: self,
+                rope_rows: leave_rope.then_some((&cos, &sin)),
             })?;
             let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
             let (xn, h) = self.add_norm(x, Some(&a), &l.ffn_norm, eps)?;
@@ -1277,7 +1287,7 @@ mod tests {
             let (cos, sin) = (table(c), table(s));
             let mut causal = |i: &LayerInput<'_>| Ok(causal_attention(i.q, i.k, i.v)?);
             let out = m
-                .forward_device(&ids, &cos, &sin, &positions, &mut causal)
+                .forward_device(&ids, (&cos, &sin), &positions, false, &mut causal)
                 .unwrap();
             let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(out.dims(), dense.dims());

@@ -412,6 +412,9 @@ impl KvPolicy for HybridPolicy {
                 k_raw: &k_raw,
                 positions: &positions,
                 rope: input.rope,
+                // A hybrid never asks to rotate (`KvPolicy::rotates_on_write`): its
+                // rows come rotated.
+                rope_rows: None,
             };
             outs.push(self.policy(side).attend(&sub, &part)?);
             order.extend(rows);

@@ -115,6 +115,11 @@ pub struct LayerInput<'a> {
     /// Absolute position of each row.
     pub positions: &'a [u32],
     pub rope: &'a dyn Rope,
+    /// `Some` only where the policy asked to rotate the queries and keys itself
+    /// ([`KvPolicy::rotates_on_write`]) and the model could leave them to it: then `q`
+    /// and `k` are the raw ones, and these are the rows' RoPE cos and sin (`[T, dh/2]`,
+    /// the model's dtype).
+    pub rope_rows: Option<(&'a Tensor, &'a Tensor)>,
 }
 
 /// Memory a policy holds, in bytes.
@@ -255,6 +260,15 @@ pub trait KvPolicy: Send {
     /// layer's queries. Everything the layer knows is in `input`, including its (normed)
     /// input, which InfiniGen uses to speculate on the next layer.
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor>;
+
+    /// Whether this step's queries and keys may reach [`KvPolicy::attend`] without RoPE,
+    /// with their rotation rows in [`LayerInput::rope_rows`], for the policy to rotate
+    /// them as it writes the keys (CUDA `full` in a graph step: RoPE and the cache write
+    /// in one kernel). The model leaves them unrotated only where it would have rotated
+    /// them in its own fused kernel; `attend` must take either form.
+    fn rotates_on_write(&self) -> bool {
+        false
+    }
 
     /// After all layers of a step.
     fn end_step(&mut self, _batch: &StepBatch) -> Result<()> {

@@ -9,7 +9,7 @@ use crate::attention::prefill::AttentionImpl;
 use crate::config::ModelConfig;
 use crate::cuda::{
     as_i32, device_of, drain_event_seconds, flash_prefill, initial_blocks, kv_gather, kv_write_at,
-    paged_decode, upload_i32, DecodeShape, DecodeTables, LayerCache,
+    paged_decode, rope_write, upload_i32, DecodeShape, DecodeTables, LayerCache,
 };
 use crate::decode_graphs::{ctx_bucket, GraphBinding, GraphBuffers};
 use crate::error::{Error, Result};
@@ -157,12 +157,19 @@ impl CudaFullPolicy {
             .graph_inputs
             .get(&key)
             .ok_or_else(|| Error::Config("graph step bound to inputs that were dropped".into()))?;
-        let q = input.q.to_dtype(DType::BF16)?;
-        let k = input.k.to_dtype(DType::BF16)?;
-        let v = input.v.to_dtype(DType::BF16)?;
         let shape = self.shape();
         let layer = &mut self.layers[input.layer];
-        kv_write_at(layer, &k, &v, &inputs.slots)?;
+        let v = input.v.to_dtype(DType::BF16)?;
+        let q = match input.rope_rows {
+            // Raw queries and keys (`rotates_on_write`): RoPE and the cache write in one
+            // kernel.
+            Some(rows) => rope_write(layer, (input.q, input.k, &v), rows, &inputs.slots)?,
+            None => {
+                let k = input.k.to_dtype(DType::BF16)?;
+                kv_write_at(layer, &k, &v, &inputs.slots)?;
+                input.q.to_dtype(DType::BF16)?
+            }
+        };
         let o = paged_decode(layer, &q, &inputs.tables, shape)?;
         Ok(o.to_dtype(input.q.dtype())?)
     }
@@ -198,6 +205,11 @@ impl KvPolicy for CudaFullPolicy {
 
     fn release(&mut self, seq: SeqId) {
         self.tables.release(seq);
+    }
+
+    /// In a graph step: RoPE and the cache write in one kernel ([`rope_write`]).
+    fn rotates_on_write(&self) -> bool {
+        self.bound.is_some()
     }
 
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor> {
