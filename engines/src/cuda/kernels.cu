@@ -2433,6 +2433,17 @@ extern "C" __global__ void silu_mul_bf16(const __nv_bfloat16* __restrict__ gu,
     }
 }
 
+// The pair (src[d], src[d + half]) rotated by (c, s) into dst: (x0 c - x1 s, x0 s + x1 c)
+// in f32, rounded once. rope_qk_bf16, rope_write_bf16 and rope_last_index_bf16 rotate
+// through it, so the first two agree to the bit.
+__device__ __forceinline__ void rotate_pair(const __nv_bfloat16* __restrict__ src,
+                                            __nv_bfloat16* __restrict__ dst, int d, int half,
+                                            float c, float s) {
+    const float x0 = __bfloat162float(src[d]), x1 = __bfloat162float(src[d + half]);
+    dst[d] = __float2bfloat16(x0 * c - x1 * s);
+    dst[d + half] = __float2bfloat16(x0 * s + x1 * c);
+}
+
 // RoPE on a step's queries and keys in one launch (candle's rope_thd takes one each):
 // q [T, H, D] and k [T, KVH, D], halves rotated together (dimension i pairs with
 // i + D/2): (x0 c - x1 s, x0 s + x1 c) with cos/sin [T, D/2] of each row's position,
@@ -2455,17 +2466,14 @@ extern "C" __global__ void rope_qk_bf16(const __nv_bfloat16* __restrict__ q,
         const bool is_q = h < num_heads;
         const int64_t row = is_q ? ((int64_t)t * num_heads + h) * head_dim
                                  : ((int64_t)t * num_kv_heads + (h - num_heads)) * head_dim;
-        const __nv_bfloat16* src = is_q ? q + row : k + row;
-        __nv_bfloat16* dst = is_q ? q_out + row : k_out + row;
-        const float x0 = __bfloat162float(src[d]), x1 = __bfloat162float(src[d + half]);
-        dst[d] = __float2bfloat16(x0 * c - x1 * s_);
-        dst[d + half] = __float2bfloat16(x0 * s_ + x1 * c);
+        rotate_pair(is_q ? q + row : k + row, is_q ? q_out + row : k_out + row, d, half, c,
+                    s_);
     }
 }
 
 // rope_qk_bf16 and kv_write_bf16 in one launch (a decode step of `full` replayed from a
 // CUDA graph): queries rotated into q_out, keys rotated and values copied straight into
-// the cache rows at slots[t]. The same arithmetic as rope_qk_bf16, so the same bits.
+// the cache rows at slots[t]. Both rotate through rotate_pair: the same bits.
 // grid (T, ceil((H + 2 KVH) * D/2 / block)): a thread per rotated pair, or per two
 // value elements (d and d + D/2).
 extern "C" __global__ void rope_write_bf16(const __nv_bfloat16* __restrict__ q,
@@ -2499,9 +2507,7 @@ extern "C" __global__ void rope_write_bf16(const __nv_bfloat16* __restrict__ q,
              : k + ((int64_t)t * num_kv_heads + (h - num_heads)) * head_dim;
     __nv_bfloat16* dst = is_q ? q_out + ((int64_t)t * num_heads + h) * head_dim
                               : k_cache + cache_row + (int64_t)(h - num_heads) * head_dim;
-    const float x0 = __bfloat162float(src[d]), x1 = __bfloat162float(src[d + half]);
-    dst[d] = __float2bfloat16(x0 * c - x1 * s_);
-    dst[d + half] = __float2bfloat16(x0 * s_ + x1 * c);
+    rotate_pair(src, dst, d, half, c, s_);
 }
 
 // Rolling positions (StreamingLLM): each decode row's query rotated to its cache's last
@@ -2526,9 +2532,7 @@ extern "C" __global__ void rope_last_index_bf16(const __nv_bfloat16* __restrict_
     const bool ok = index >= 0 && index < indices;
     const float c = ok ? cos[index * half + d] : NAN, s_ = ok ? sin[index * half + d] : NAN;
     const int64_t row = ((int64_t)r * num_heads + h) * head_dim;
-    const float x0 = __bfloat162float(x[row + d]), x1 = __bfloat162float(x[row + d + half]);
-    out[row + d] = __float2bfloat16(x0 * c - x1 * s_);
-    out[row + d + half] = __float2bfloat16(x0 * s_ + x1 * c);
+    rotate_pair(x + row, out + row, d, half, c, s_);
 }
 
 // The residual add and the next RMSNorm of one row per block: x_out = x + a (rounded
