@@ -410,6 +410,8 @@ fn argmax_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
 /// against f64, at SmolLM2's and Llama-3.1-8B's widths, one row and several.
 fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
     let mut out = Vec::new();
+    let cuda = device_of(dev)?;
+    let stream = cuda.cuda_stream();
     // RoPE of queries and keys together: (H, KVH, D) of SmolLM2 and Llama-3.1-8B, rows
     // at positions spread over a long context, cos/sin as the model rounds them (bf16).
     for &(h, kvh, d) in &[(9usize, 3usize, 64usize), (32, 8, 128)] {
@@ -466,7 +468,6 @@ fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<Kernel
             // RoPE and the cache write in one kernel against rope_pair + kv_write on
             // the same inputs: the same rotated queries and the same cache, to the bit.
             let v = rand_bf16(rng, rows * kvh * d, 2.0);
-            let cuda = device_of(dev)?;
             let pool = 4 * rows + 3;
             let mut slots: Vec<i32> = (0..pool as i32).collect();
             slots.shuffle(rng);
@@ -488,7 +489,6 @@ fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<Kernel
                 (&ct, &st),
                 &slots_d,
             )?;
-            let stream = cuda.cuda_stream();
             let host = |c: &candle_core::cuda_backend::cudarc::driver::CudaSlice<bf16>| {
                 stream.clone_dtoh(c).map_err(candle_core::Error::wrap)
             };
@@ -508,8 +508,6 @@ fn fused_elementwise_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<Kernel
     // Rolling positions: queries rotated to each row's last cache index, read from the
     // step's parameters on the device, by f32 rotation rows; an index past the rows
     // must give NaN (never another index's rotation).
-    let cuda = device_of(dev)?;
-    let stream = cuda.cuda_stream();
     for &(h, d) in &[(9usize, 64usize), (32, 128)] {
         let (half, indices) = (d / 2, 300usize);
         let (mut cos, mut sin) = (Vec::new(), Vec::new());

@@ -90,23 +90,6 @@ struct Rolling {
     const float* sin;
 };
 
-// A partition past its row's context: m = -inf, l = 0 and a zero output for each of
-// the group's heads (head0 = row * H + kvh * group), as the reduction expects.
-__device__ __forceinline__ void empty_partition(float* __restrict__ part_m,
-                                                float* __restrict__ part_l,
-                                                float* __restrict__ part_acc, int64_t head0,
-                                                int group, int D, int parts, int part) {
-    for (int i = threadIdx.x; i < group; i += blockDim.x) {
-        const int64_t o = (head0 + i) * parts + part;
-        part_m[o] = -INFINITY;
-        part_l[o] = 0.f;
-    }
-    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
-        const int64_t o = (head0 + i / D) * parts + part;
-        part_acc[o * D + i % D] = 0.f;
-    }
-}
-
 // Where a partition block of the decode kernels works: grid (rows, KVH, parts), keys
 // [start, end) of its row's context (n of them; none past the context), head0 the
 // group's first query head in [rows, H].
@@ -239,6 +222,25 @@ __device__ __forceinline__ void fold_reduce(const float* __restrict__ part_m,
     if (threadIdx.x == 0) *count = 0u;
 }
 
+// A partition past its row's context: m = -inf, l = 0 and a zero output for each of
+// the group's heads, as the reduction expects; then its share of the folded reduction.
+__device__ __forceinline__ void empty_partition(float* __restrict__ part_m,
+                                                float* __restrict__ part_l,
+                                                float* __restrict__ part_acc, Fold fold,
+                                                const DecodePart& dp, int num_kv_heads,
+                                                int group, int D) {
+    for (int i = threadIdx.x; i < group; i += blockDim.x) {
+        const int64_t o = (dp.head0 + i) * dp.parts + dp.part;
+        part_m[o] = -INFINITY;
+        part_l[o] = 0.f;
+    }
+    for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
+        const int64_t o = (dp.head0 + i / D) * dp.parts + dp.part;
+        part_acc[o * D + i % D] = 0.f;
+    }
+    fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
+}
+
 template <bool ROLL>
 __device__ __forceinline__ void paged_decode_part(
     const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k_cache,
@@ -258,10 +260,8 @@ __device__ __forceinline__ void paged_decode_part(
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int warps = blockDim.x / WARP;
 
-    if (n <= 0) {
-        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, parts, part);
-        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
-    }
+    if (n <= 0)
+        return empty_partition(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
 
     for (int i = threadIdx.x; i < group * D; i += blockDim.x) {
         const int g = i / D, d = i % D;
@@ -473,10 +473,8 @@ __device__ __forceinline__ void paged_decode_part_vec(
     constexpr int RPW = WARP / LPR;     // keys per warp step
     extern __shared__ float smem[];
     const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
-    if (dp.n <= 0) {
-        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
-        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
-    }
+    if (dp.n <= 0)
+        return empty_partition(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
     const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int start = dp.start, n = dp.n;
     const int64_t head0 = dp.head0;
@@ -1224,10 +1222,8 @@ __device__ __forceinline__ void paged_decode_part_pipe(
     float* ss = reinterpret_cast<float*>(ring + PIPE_STAGES * PIPE_TILE * D);  // [G, P]
     float* sacc = reinterpret_cast<float*>(ring);  // [warps, G, D], after the V pass
     const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
-    if (dp.n <= 0) {
-        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
-        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
-    }
+    if (dp.n <= 0)
+        return empty_partition(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
     const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int start = dp.start, end = dp.end, n = dp.n;
     const int64_t head0 = dp.head0;
@@ -1364,10 +1360,8 @@ __device__ __forceinline__ void paged_decode_part_mma(
     extern __shared__ __align__(128) unsigned char mdsmem[];
     __nv_bfloat16* sm = reinterpret_cast<__nv_bfloat16*>(mdsmem);
     const DecodePart dp = decode_part(ctx_lens, num_kv_heads, group, part_size);
-    if (dp.n <= 0) {
-        empty_partition(part_m, part_l, part_acc, dp.head0, group, D, dp.parts, dp.part);
-        return fold_reduce(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
-    }
+    if (dp.n <= 0)
+        return empty_partition(part_m, part_l, part_acc, fold, dp, num_kv_heads, group, D);
     const int row = dp.row, kvh = dp.kvh, part = dp.part, parts = dp.parts;
     const int start = dp.start, end = dp.end, n = dp.n;
     const int64_t head0 = dp.head0;
