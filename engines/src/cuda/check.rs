@@ -119,11 +119,15 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
     let cuda = device_of(dev)?;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
-    // (H, KVH, D, block size, decode partition): SmolLM2-135M, Llama-3.1-8B, MHA.
-    for &(h, kvh, d, bs, part) in &[
-        (9usize, 3usize, 64usize, 16usize, 512usize),
-        (32, 8, 128, 16, 512),
-        (4, 4, 128, 16, 64),
+    // (H, KVH, D, block size, decode partition, decode only): SmolLM2-135M,
+    // Llama-3.1-8B, MHA, and Llama-3.1-70B's groups of 8 (the decode kernels' other
+    // build, and the pipelined kernel's largest tiles, past the 48 KB a block has
+    // without opting in), for the cache and decode checks alone.
+    for &(h, kvh, d, bs, part, decode_only) in &[
+        (9usize, 3usize, 64usize, 16usize, 512usize, false),
+        (32, 8, 128, 16, 512, false),
+        (4, 4, 128, 16, 64, false),
+        (64, 8, 128, 16, 512, true),
     ] {
         let row = kvh * d;
         // Sequences with lengths at and around block and partition boundaries.
@@ -249,6 +253,9 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                     same,
                 ));
             }
+        }
+        if decode_only {
+            continue;
         }
 
         // Flash prefill through the block tables: a whole prompt (sequence 4) and the

@@ -11,9 +11,10 @@ pub mod graph;
 
 use crate::attention::prefill::ColumnStats;
 use crate::error::{Error, Result};
-use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaEvent, CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
@@ -1034,6 +1035,43 @@ pub fn paged_decode_rolling(
     paged_decode_impl(cache, q, t, s, None, Some(roll), None, None)
 }
 
+/// Lets `f` launch with `dynamic` bytes of dynamic shared memory a block. The kernel's
+/// static shared memory (the folded reduction's, for one) counts against the same
+/// limit, 48 KB unless the kernel is opted in to more; past it the kernel is opted in
+/// on every such call, as FlashAttention's launchers do: the attribute belongs to each
+/// loaded copy of the module (one per device instance), and setting it is no stream
+/// operation, so a graph capture may make the call.
+fn allow_dynamic_shared(
+    dev: &CudaDevice,
+    f: &CudaFunction,
+    dynamic: usize,
+    what: &str,
+) -> Result<()> {
+    const WITHOUT_OPT_IN: usize = 48 * 1024;
+    let fixed = usize::try_from(f.shared_size_bytes().w()?).unwrap_or(0);
+    if fixed + dynamic <= WITHOUT_OPT_IN {
+        return Ok(());
+    }
+    let most = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .w()?;
+    let most = usize::try_from(most).unwrap_or(0);
+    if fixed + dynamic > most {
+        return Err(Error::Config(format!(
+            "{what} needs {dynamic} B of shared memory per block besides its own {fixed} B, \
+             over the {most} B a block may have on this device: lower the partition size"
+        )));
+    }
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        as_i32(dynamic, "shared memory")?,
+    )
+    .w()?;
+    Ok(())
+}
+
 /// `kernel` and `reduce` pin the partition kernel and the reduction (`None`: as the
 /// environment chooses; `kvbench verify` and `bench-decode` pin them).
 #[allow(clippy::too_many_arguments)]
@@ -1194,26 +1232,12 @@ pub(crate) fn paged_decode_impl(
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: shared as u32,
     };
-    if kernel == DecodeKernel::TensorCore {
-        // Over the default 48 KB at head dim 128: allowed once per process (one device),
-        // so a captured step never makes the call.
-        static SET: [std::sync::OnceLock<()>; 2] =
-            [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
-        let once = &SET[usize::from(d == 128)];
-        if once.get().is_none() {
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared as i32,
-            )
-            .w()?;
-            let _ = once.set(());
-        }
-    } else if shared > 48 * 1024 {
-        return Err(Error::Config(format!(
-            "paged decode needs {shared} B of shared memory per block (group {group}, \
-             partition {part_size}): lower the partition size"
-        )));
-    }
+    allow_dynamic_shared(
+        &dev,
+        &f,
+        shared,
+        &format!("paged decode ({name}, group {group}, partition {part_size})"),
+    )?;
     unsafe { b.launch(cfg) }.w()?;
     if fold {
         return Ok(tensor_from(&dev, out, (rows, h, d)));
