@@ -3,7 +3,9 @@
 paged_decode_reduce_bf16 in engines/src/cuda/kernels.cu) in NumPy, in float32 as the
 device computes it: each head's max and sum of exp over its partitions by the 32 lanes
 of a warp (lanes strided over the partitions, then xor-shuffle rounds), each output
-element's sum over the partitions in order, rounded to bf16. The folded form runs the
+element's sum over the partitions in order, rounded to bf16; the element pass as the
+kernel runs it, its threads' trips and the partitions' weights staged REDUCE_CHUNK at a
+time (checked against the same sums with one weight per element, to the bit). The folded form runs the
 partition blocks of a launch in a random order, each adding one to its (row, KV head)'s
 counter once its partials are written; the block that brings the count to the number of
 partitions reduces the group's heads and sets the counter back to zero. It checks that
@@ -40,8 +42,51 @@ def warp_reduce(vals, op):
     return v[0]
 
 
-def reduce_heads(pm, pl, pacc, out, lse, head0, heads, D, parts):
-    """reduce_heads: per head, the warp's M and L, then every (head, d) over p in order."""
+REDUCE_CHUNK = 32
+
+
+def reduce_heads(pm, pl, pacc, out, lse, head0, heads, D, parts, block):
+    """reduce_heads: per head, the warp's M and L, then every (head, d) over p in order,
+    by `block` threads in the kernel's trips (bases, chunks, staged weights)."""
+    sml = reduce_heads_plain(pm, pl, pacc, None, lse, head0, heads, D, parts)
+    n = heads * D
+    accs = {}
+    for base in range(0, n, block):
+        acc = [F32(0)] * block
+        for p0 in range(0, parts, REDUCE_CHUNK):
+            c = min(REDUCE_CHUNK, parts - p0)
+            sw = np.full(heads * REDUCE_CHUNK, np.nan, dtype=F32)  # unstaged: NaN
+            for t in range(block):
+                for j in range(t, heads * REDUCE_CHUNK, block):
+                    h, p = j // REDUCE_CHUNK, j % REDUCE_CHUNK
+                    if p < c:
+                        m = pm[(head0 + h) * parts + p0 + p]
+                        sw[j] = np.exp(F32(m - sml[2 * h]), dtype=F32) if m > -np.inf else F32(-1)
+            # __syncthreads()
+            for t in range(block):
+                i = base + t
+                if i >= n:
+                    continue
+                g, d = i // D, i % D
+                w = sw[g * REDUCE_CHUNK:(g + 1) * REDUCE_CHUNK]
+                a0 = ((head0 + g) * parts + p0) * D + d
+                for p in range(c):
+                    x = pacc[a0 + p * D]
+                    if w[p] >= 0:
+                        acc[t] = F32(acc[t] + F32(x * w[p]))
+            # __syncthreads()
+        for t in range(block):
+            i = base + t
+            if i < n:
+                g, d = i // D, i % D
+                out[(head0 + g) * D + d] = bf16(F32(acc[t] / sml[2 * g + 1]))
+                accs[i] = True
+    assert len(accs) == n  # every element written once
+
+
+def reduce_heads_plain(pm, pl, pacc, out, lse, head0, heads, D, parts):
+    """One weight per element (the kernel's earlier element pass); returns [M, L] a head."""
+    sml = []
     for g in range(heads):
         b = (head0 + g) * parts
         lanes_m = []
@@ -62,6 +107,9 @@ def reduce_heads(pm, pl, pacc, out, lse, head0, heads, D, parts):
         L = warp_reduce(lanes_l, lambda x, y: F32(x + y))
         if lse is not None:
             lse[head0 + g] = F32(M + np.log(L, dtype=F32))
+        sml += [M, L]
+        if out is None:
+            continue
         for d in range(D):
             acc = F32(0)
             for p in range(parts):
@@ -69,6 +117,7 @@ def reduce_heads(pm, pl, pacc, out, lse, head0, heads, D, parts):
                 if m > -np.inf:
                     acc = F32(acc + F32(pacc[(b + p) * D + d] * np.exp(F32(m - M), dtype=F32)))
             out[(head0 + g) * D + d] = bf16(F32(acc / L))
+    return sml
 
 
 def partials(R, KVH, G, D, parts, ctx):
@@ -94,12 +143,14 @@ def run(R, KVH, G, D, parts, ctx):
     # Launched: grid (rows, H), one head a block.
     out_l = np.zeros(R * H * D, dtype=F32)
     lse_l = np.zeros(R * H, dtype=F32)
+    out_p = np.zeros(R * H * D, dtype=F32)
     for r in range(R):
         for h in range(H):
-            reduce_heads(pm, pl, pacc, out_l, lse_l, r * H + h, 1, D, parts)
+            reduce_heads(pm, pl, pacc, out_l, lse_l, r * H + h, 1, D, parts, -(-D // WARP) * WARP)
+            reduce_heads_plain(pm, pl, pacc, out_p, None, r * H + h, 1, D, parts)
+    ok = out_p.view(np.uint32).tolist() == out_l.view(np.uint32).tolist()
     # Folded: two launches (two layers) over the same counters, blocks in random order.
     counters = np.zeros(R * 64, dtype=np.uint32)
-    ok = True
     for launch in range(2):
         out_f = np.full(R * H * D, np.nan, dtype=F32)
         lse_f = np.full(R * H, np.nan, dtype=F32)
@@ -115,7 +166,7 @@ def run(R, KVH, G, D, parts, ctx):
             if prev == parts - 1:
                 if not written[r, k].all():
                     ok = False  # a partition read before its block wrote it
-                reduce_heads(pm, pl, pacc, out_f, lse_f, r * H + k * G, G, D, parts)
+                reduce_heads(pm, pl, pacc, out_f, lse_f, r * H + k * G, G, D, parts, 128)
                 reduced[r, k] += 1
                 counters[idx] = 0
         ok &= bool((reduced == 1).all()) and not counters.any()
@@ -139,6 +190,8 @@ for R, KVH, G, D, parts, ctx in [
     (1, 8, 4, 128, 16, [1024]),           # batch 1, Llama-3.1-8B: 16 partitions of 64
     (3, 3, 3, 64, 5, [2500, 1, 700]),     # SmolLM2 shapes, rows with empty partitions
     (2, 4, 1, 128, 40, [2500, 40]),       # more partitions than lanes
+    (1, 8, 4, 128, 70, [8960]),           # three chunks of weights, the last partial
+    (2, 3, 3, 64, 33, [4200, 100]),       # a chunk of one partition; heads x D over 128
     (2, 2, 8, 64, 1, [7, 3]),             # one partition
 ]:
     ok, err, err_lse = run(R, KVH, G, D, parts, ctx)

@@ -140,18 +140,29 @@ __device__ __forceinline__ void partition_softmax(float* __restrict__ ss,
     }
 }
 
+// Partitions a chunk of the reduction's element pass weighs at a time.
+#define REDUCE_CHUNK 32
+
 // The reduction of heads head0..head0+heads-1 over their partitions (by the whole
 // block): each head's max M and sum L of exp over the partitions by one warp (lanes
 // stride over the partitions), then out = sum_p acc_p e^{m_p - M} / L for each of the
 // heads' D elements by the block's threads, partitions in order; lse (may be null) gets
 // M + log(L). Loads bypass L1: in the folded form other blocks wrote the partitions.
+// The element pass takes the partitions REDUCE_CHUNK at a time: each (head, partition)'s
+// weight e^{m_p - M} is computed once into sw ([heads, REDUCE_CHUNK]; -1 marks an empty
+// partition, skipped), so a thread issues a chunk's loads together where it used to
+// wait on a weight's load and exponential for each partition and element (a folded
+// block reduces a whole group's heads alone). The same products and sums in the same
+// order as one weight per element, so the outputs are unchanged to the bit.
 // The launched reduction and the folded one both run it, so they agree to the bit.
+// Every thread of the block must call it (it synchronizes the block).
 __device__ __forceinline__ void reduce_heads(const float* __restrict__ part_m,
                                              const float* __restrict__ part_l,
                                              const float* __restrict__ part_acc,
                                              __nv_bfloat16* __restrict__ out,
                                              float* __restrict__ lse, int64_t head0, int heads,
-                                             int D, int parts, float* __restrict__ sml) {
+                                             int D, int parts, float* __restrict__ sml,
+                                             float* __restrict__ sw) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int warps = blockDim.x / WARP;
     for (int g = warp; g < heads; g += warps) {
@@ -172,17 +183,46 @@ __device__ __forceinline__ void reduce_heads(const float* __restrict__ part_m,
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < heads * D; i += blockDim.x) {
-        const int g = i / D, d = i % D;
-        const int64_t b = (head0 + g) * parts;
-        const float M = sml[2 * g], L = sml[2 * g + 1];
+    // Trip counts the same for every thread (the barriers inside need all of them).
+    const int n = heads * D;
+    for (int base = 0; base < n; base += blockDim.x) {
+        const int i = base + threadIdx.x;
+        const bool mine = i < n;
+        const int g = mine ? i / D : 0, d = i % D;
         float acc = 0.f;
-#pragma unroll 4
-        for (int p = 0; p < parts; ++p) {
-            const float m = __ldcg(part_m + b + p);
-            if (m > -INFINITY) acc += __ldcg(part_acc + (b + p) * D + d) * __expf(m - M);
+        for (int p0 = 0; p0 < parts; p0 += REDUCE_CHUNK) {
+            const int c = min(REDUCE_CHUNK, parts - p0);
+            for (int j = threadIdx.x; j < heads * REDUCE_CHUNK; j += blockDim.x) {
+                const int h = j / REDUCE_CHUNK, p = j % REDUCE_CHUNK;
+                if (p < c) {
+                    const float m = __ldcg(part_m + (head0 + h) * parts + p0 + p);
+                    sw[j] = m > -INFINITY ? __expf(m - sml[2 * h]) : -1.f;
+                }
+            }
+            __syncthreads();
+            if (mine) {
+                // Every partition's outputs are written (an empty one's as zeros), so
+                // the loads need no guard and a whole chunk's go out together.
+                const float* w = sw + g * REDUCE_CHUNK;
+                const float* a = part_acc + ((head0 + g) * parts + p0) * D + d;
+                if (c == REDUCE_CHUNK) {
+                    float x[REDUCE_CHUNK];
+#pragma unroll
+                    for (int p = 0; p < REDUCE_CHUNK; ++p) x[p] = __ldcg(a + (int64_t)p * D);
+#pragma unroll
+                    for (int p = 0; p < REDUCE_CHUNK; ++p)
+                        if (w[p] >= 0.f) acc += x[p] * w[p];
+                } else {
+#pragma unroll 8
+                    for (int p = 0; p < c; ++p) {
+                        const float x = __ldcg(a + (int64_t)p * D);
+                        if (w[p] >= 0.f) acc += x * w[p];
+                    }
+                }
+            }
+            __syncthreads();
         }
-        out[(head0 + g) * D + d] = __float2bfloat16(acc / L);
+        if (mine) out[(head0 + g) * D + d] = __float2bfloat16(acc / sml[2 * g + 1]);
     }
 }
 
@@ -211,6 +251,7 @@ __device__ __forceinline__ void fold_reduce(const float* __restrict__ part_m,
     if (f.counters == nullptr) return;
     __shared__ int last;
     __shared__ float sml[2 * FOLD_MAX_GROUP];
+    __shared__ float sw[FOLD_MAX_GROUP * REDUCE_CHUNK];
     __threadfence();
     __syncthreads();
     unsigned int* count = f.counters + (int64_t)dp.row * num_kv_heads + dp.kvh;
@@ -218,7 +259,7 @@ __device__ __forceinline__ void fold_reduce(const float* __restrict__ part_m,
     __syncthreads();
     if (!last) return;
     __threadfence();
-    reduce_heads(part_m, part_l, part_acc, f.out, f.lse, dp.head0, group, D, dp.parts, sml);
+    reduce_heads(part_m, part_l, part_acc, f.out, f.lse, dp.head0, group, D, dp.parts, sml, sw);
     if (threadIdx.x == 0) *count = 0u;
 }
 
@@ -645,8 +686,9 @@ extern "C" __global__ void paged_decode_reduce_bf16(
     const float* __restrict__ part_acc, __nv_bfloat16* __restrict__ out,
     float* __restrict__ lse, int num_heads, int head_dim, int parts) {
     __shared__ float sml[2];
+    __shared__ float sw[REDUCE_CHUNK];
     reduce_heads(part_m, part_l, part_acc, out, lse,
-                 (int64_t)blockIdx.x * num_heads + blockIdx.y, 1, head_dim, parts, sml);
+                 (int64_t)blockIdx.x * num_heads + blockIdx.y, 1, head_dim, parts, sml, sw);
 }
 
 // ---------------------------------------------------------------------------------
