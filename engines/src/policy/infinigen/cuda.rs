@@ -1583,8 +1583,17 @@ pub fn gather(
     if src.rows == 0 {
         return Ok(());
     }
-    // The token order needs a mark per (row, KV head, position) and a lane per KV head.
-    let tokens = order == GatherOrder::Tokens && dims.num_kv_heads <= 32;
+    // The token order needs a mark per (row, KV head, position) and a lane per KV head;
+    // asked for past 32 KV heads it is refused, not swapped for the head order under a
+    // cell identity that names it.
+    let tokens = order == GatherOrder::Tokens;
+    if tokens && dims.num_kv_heads > 32 {
+        return Err(Error::Config(format!(
+            "KVBENCH_IG_GATHER=tokens gathers up to 32 KV heads a lane each, not {}: \
+             use KVBENCH_IG_GATHER=heads",
+            dims.num_kv_heads
+        )));
+    }
     if stage.k.len() < src.rows * b * dims.row()
         || src.kcap >= b
         || (tokens && marks.len() < src.rows * dims.num_kv_heads * src.stride)
