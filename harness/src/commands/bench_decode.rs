@@ -87,6 +87,7 @@ fn bench(
     kind: DeviceKind,
 ) -> Result<()> {
     use kvbench_engines::cuda::bench::{self, BenchCase, FORMS};
+    use kvbench_engines::cuda::DecodeKernel;
     let dev = kind.candle().with_context(|| format!("opening {kind}"))?;
     let cases: Vec<BenchCase> = cases
         .iter()
@@ -104,30 +105,65 @@ fn bench(
         FORMS.len()
     );
     let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let progress = &mut |line: &str| eprintln!("{line}");
+    // The forms verified on a GPU first, then the tensor-core kernel in a pass of its
+    // own: a fault there ends the device's context, and the rows before it are kept.
+    let (proven, newer): (Vec<_>, Vec<_>) = FORMS
+        .iter()
+        .copied()
+        .partition(|f| f.kernel != DecodeKernel::TensorCore);
     let mut r = bench::run(
         &dev,
         shape,
         a.block_size,
         a.partition,
         &cases,
-        &FORMS,
+        &proven,
         a.seed,
-        &mut |line| eprintln!("{line}"),
+        progress,
     )?;
+    // Each phase's results are written as it ends, so that one which fails (or a call
+    // cut at its limit) keeps those before it; a phase that fails is reported with the
+    // rest below.
+    let write = |r: &bench::DecodeBench| -> Result<()> {
+        if let Some(p) = &a.out {
+            let json = serde_json::to_string_pretty(r)?;
+            std::fs::write(p, json).with_context(|| format!("writing {}", p.display()))?;
+        }
+        Ok(())
+    };
+    write(&r)?;
+    let mut aborted = Vec::new();
+    match bench::run(
+        &dev,
+        shape,
+        a.block_size,
+        a.partition,
+        &cases,
+        &newer,
+        a.seed,
+        progress,
+    ) {
+        Ok(more) => r.rows.extend(more.rows),
+        Err(e) => aborted.push(format!("the tensor-core form: {e}")),
+    }
+    write(&r)?;
     // The step's small kernels at the cases' row counts.
     let mut rows: Vec<usize> = cases.iter().map(|c| c.rows).collect();
     rows.sort_unstable();
     rows.dedup();
-    r.small = bench::small_kernels(&dev, shape, cfg.vocab_size, &rows, &mut |line| {
-        eprintln!("{line}")
-    })?;
-    // InfiniGen's warm-up costs on 1 GiB, beside the forms they replaced.
-    r.warmup = bench::warmup_costs(&dev, 1 << 30, &mut |line| eprintln!("{line}"))?;
-    let json = serde_json::to_string_pretty(&r)?;
-    if let Some(p) = &a.out {
-        std::fs::write(p, &json).with_context(|| format!("writing {}", p.display()))?;
+    match bench::small_kernels(&dev, shape, cfg.vocab_size, &rows, progress) {
+        Ok(small) => r.small = small,
+        Err(e) => aborted.push(format!("the small kernels: {e}")),
     }
-    println!("{json}");
+    write(&r)?;
+    // InfiniGen's warm-up costs on 1 GiB, beside the forms they replaced.
+    match bench::warmup_costs(&dev, 1 << 30, progress) {
+        Ok(warmup) => r.warmup = warmup,
+        Err(e) => aborted.push(format!("InfiniGen's warm-up costs: {e}")),
+    }
+    write(&r)?;
+    println!("{}", serde_json::to_string_pretty(&r)?);
     let failed: Vec<String> = r
         .rows
         .iter()
@@ -151,9 +187,25 @@ fn bench(
                 .map(|x| format!("{} ({})", x.op, x.form)),
         )
         .collect();
+    if !aborted.is_empty() {
+        bail!(
+            "bench-decode: {} phase(s) stopped with an error (the rows before them are kept): {}{}",
+            aborted.len(),
+            aborted.join("; "),
+            if failed.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; and {} row(s) failed: {}",
+                    failed.len(),
+                    failed.join(", ")
+                )
+            }
+        );
+    }
     if !failed.is_empty() {
         bail!(
-            "bench-decode: {} row(s) disagree with the reference (the vector kernel with its reduction launched; candle's operations; the fingerprint's two forms) or could not be timed or pinned: {}",
+            "bench-decode: {} row(s) disagree with the reference (the vector kernel with its reduction launched; candle's operations; the fingerprint's two forms), left the folded reduction's counters raised, or could not be timed or pinned: {}",
             failed.len(),
             failed.join(", ")
         );

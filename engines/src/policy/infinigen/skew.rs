@@ -479,7 +479,10 @@ pub(crate) fn hash_staged(tag: &str, t: &Tensor, stage: &mut Stage) -> Result<u6
             .stream
             .memcpy_dtoh(&bytes.slice(off..off + len), &mut stage.buf)
             .map_err(fail)?;
-        // Waits for the copy (the buffer's event).
+        // The copy into pinned memory is asynchronous, and the buffer's own event is
+        // never recorded with cudarc's event tracking off (engines/src/device.rs), so
+        // `as_slice` would not wait for it: the stream is waited on instead.
+        stage.stream.synchronize().map_err(fail)?;
         h.update(&stage.buf.as_slice().map_err(fail)?[..len]);
         off += len;
     }
