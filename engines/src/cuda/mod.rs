@@ -1037,10 +1037,10 @@ pub fn paged_decode_rolling(
 
 /// Lets `f` launch with `dynamic` bytes of dynamic shared memory a block. The kernel's
 /// static shared memory (the folded reduction's, for one) counts against the same
-/// limit, 48 KB unless the kernel is opted in to more; past it the kernel is opted in
-/// on every such call, as FlashAttention's launchers do: the attribute belongs to each
-/// loaded copy of the module (one per device instance), and setting it is no stream
-/// operation, so a graph capture may make the call.
+/// limit, 48 KB unless the kernel is opted in to more; past it the kernel is opted in.
+/// The attribute belongs to each loaded copy of a module (one per device instance), so
+/// what was set is remembered per loaded kernel: a step's first, uncaptured launch
+/// sets it, and the launches a CUDA graph captures make no driver call.
 fn allow_dynamic_shared(
     dev: &CudaDevice,
     f: &CudaFunction,
@@ -1048,8 +1048,20 @@ fn allow_dynamic_shared(
     what: &str,
 ) -> Result<()> {
     const WITHOUT_OPT_IN: usize = 48 * 1024;
-    let fixed = usize::try_from(f.shared_size_bytes().w()?).unwrap_or(0);
-    if fixed + dynamic <= WITHOUT_OPT_IN {
+    // (loaded kernel, its static bytes, the dynamic bytes it is opted in to).
+    static SEEN: std::sync::Mutex<Vec<(usize, usize, usize)>> = std::sync::Mutex::new(Vec::new());
+    let handle = f.cu_function() as usize;
+    let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
+    let at = match seen.iter().position(|e| e.0 == handle) {
+        Some(at) => at,
+        None => {
+            let fixed = usize::try_from(f.shared_size_bytes().w()?).unwrap_or(0);
+            seen.push((handle, fixed, WITHOUT_OPT_IN.saturating_sub(fixed)));
+            seen.len() - 1
+        }
+    };
+    let (_, fixed, opted) = seen[at];
+    if dynamic <= opted {
         return Ok(());
     }
     let most = dev
@@ -1069,6 +1081,7 @@ fn allow_dynamic_shared(
         as_i32(dynamic, "shared memory")?,
     )
     .w()?;
+    seen[at].2 = dynamic;
     Ok(())
 }
 
