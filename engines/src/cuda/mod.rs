@@ -1045,7 +1045,7 @@ fn allow_dynamic_shared(
     dev: &CudaDevice,
     f: &CudaFunction,
     dynamic: usize,
-    what: &str,
+    what: &dyn Fn() -> String,
 ) -> Result<()> {
     const WITHOUT_OPT_IN: usize = 48 * 1024;
     // (loaded kernel, its static bytes, the dynamic bytes it is opted in to).
@@ -1072,8 +1072,9 @@ fn allow_dynamic_shared(
     let most = usize::try_from(most).unwrap_or(0);
     if fixed + dynamic > most {
         return Err(Error::Config(format!(
-            "{what} needs {dynamic} B of shared memory per block besides its own {fixed} B, \
-             over the {most} B a block may have on this device: lower the partition size"
+            "{} needs {dynamic} B of shared memory per block besides its own {fixed} B, \
+             over the {most} B a block may have on this device: lower the partition size",
+            what()
         )));
     }
     f.set_attribute(
@@ -1245,12 +1246,9 @@ pub(crate) fn paged_decode_impl(
         block_dim: (DECODE_THREADS, 1, 1),
         shared_mem_bytes: shared as u32,
     };
-    allow_dynamic_shared(
-        &dev,
-        &f,
-        shared,
-        &format!("paged decode ({name}, group {group}, partition {part_size})"),
-    )?;
+    allow_dynamic_shared(&dev, &f, shared, &|| {
+        format!("paged decode ({name}, group {group}, partition {part_size})")
+    })?;
     unsafe { b.launch(cfg) }.w()?;
     if fold {
         return Ok(tensor_from(&dev, out, (rows, h, d)));
