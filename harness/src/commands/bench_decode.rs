@@ -106,8 +106,9 @@ fn bench(
     );
     let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
     let progress = &mut |line: &str| eprintln!("{line}");
-    // The forms verified on a GPU first, then the tensor-core kernel in a pass of its
-    // own: a fault there ends the device's context, and the rows before it are kept.
+    // The kernels that have run on a GPU first, then the tensor-core kernel (never run
+    // on one) in a pass of its own: a fault there ends the device's context, and the
+    // rows before it are kept.
     let (proven, newer): (Vec<_>, Vec<_>) = FORMS
         .iter()
         .copied()
