@@ -247,14 +247,7 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                         .iter()
                         .zip(&outs[1])
                         .all(|(a, b)| a.to_bits() == b.to_bits());
-                // Every counter back at zero: a fold whose last block never came would
-                // leave one raised, and its output whatever the buffer held before.
-                let settled = cuda
-                    .cuda_stream()
-                    .clone_dtoh(&t.counters)
-                    .map_err(candle_core::Error::wrap)?
-                    .iter()
-                    .all(|&c| c == 0);
+                let settled = t.counters_settled(&cuda)?;
                 out.push(exact_check(
                     "paged_decode reduction (folded = launched)",
                     format!("{name}, {case}, counters back at zero ({settled})"),

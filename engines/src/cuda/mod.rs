@@ -900,6 +900,14 @@ pub struct DecodeTables {
 }
 
 impl DecodeTables {
+    /// Whether every folded-reduction counter is back at zero: a fold whose last block
+    /// never came (a count that misses the partitions) leaves one raised, where its
+    /// output would be whatever the buffer held before. (`verify` and `bench-decode`.)
+    pub fn counters_settled(&self, dev: &CudaDevice) -> Result<bool> {
+        let c = dev.cuda_stream().clone_dtoh(&self.counters).w()?;
+        Ok(c.iter().all(|&x| x == 0))
+    }
+
     /// Row `r` attends the first `ctx[r]` tokens of the sequence with block `tables[r]`.
     pub fn new(dev: &CudaDevice, tables: &[Vec<i32>], ctx: &[usize]) -> Result<Self> {
         let max_ctx = ctx.iter().copied().max().unwrap_or(0);
