@@ -1048,7 +1048,10 @@ pub fn paged_decode_rolling(
 /// limit, 48 KB unless the kernel is opted in to more; past it the kernel is opted in.
 /// The attribute belongs to each loaded copy of a module (one per device instance), so
 /// what was set is remembered per loaded kernel: a step's first, uncaptured launch
-/// sets it, and the launches a CUDA graph captures make no driver call.
+/// sets it, and the launches a CUDA graph captures make no driver call. The record
+/// holds the kernel, which keeps its module loaded: a module unloaded with its device
+/// could hand its kernels' handles to the next one loaded, which would then pass for
+/// opted in.
 fn allow_dynamic_shared(
     dev: &CudaDevice,
     f: &CudaFunction,
@@ -1057,18 +1060,19 @@ fn allow_dynamic_shared(
 ) -> Result<()> {
     const WITHOUT_OPT_IN: usize = 48 * 1024;
     // (loaded kernel, its static bytes, the dynamic bytes it is opted in to).
-    static SEEN: std::sync::Mutex<Vec<(usize, usize, usize)>> = std::sync::Mutex::new(Vec::new());
-    let handle = f.cu_function() as usize;
+    static SEEN: std::sync::Mutex<Vec<(CudaFunction, usize, usize)>> =
+        std::sync::Mutex::new(Vec::new());
+    let handle = f.cu_function();
     let mut seen = SEEN.lock().unwrap_or_else(|e| e.into_inner());
-    let at = match seen.iter().position(|e| e.0 == handle) {
+    let at = match seen.iter().position(|e| e.0.cu_function() == handle) {
         Some(at) => at,
         None => {
             let fixed = usize::try_from(f.shared_size_bytes().w()?).unwrap_or(0);
-            seen.push((handle, fixed, WITHOUT_OPT_IN.saturating_sub(fixed)));
+            seen.push((f.clone(), fixed, WITHOUT_OPT_IN.saturating_sub(fixed)));
             seen.len() - 1
         }
     };
-    let (_, fixed, opted) = seen[at];
+    let (fixed, opted) = (seen[at].1, seen[at].2);
     if dynamic <= opted {
         return Ok(());
     }

@@ -106,23 +106,6 @@ fn bench(
     );
     let shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
     let progress = &mut |line: &str| eprintln!("{line}");
-    // The kernels that have run on a GPU first, then the tensor-core kernel (never run
-    // on one) in a pass of its own: a fault there ends the device's context, and the
-    // rows before it are kept.
-    let (proven, newer): (Vec<_>, Vec<_>) = FORMS
-        .iter()
-        .copied()
-        .partition(|f| f.kernel != DecodeKernel::TensorCore);
-    let mut r = bench::run(
-        &dev,
-        shape,
-        a.block_size,
-        a.partition,
-        &cases,
-        &proven,
-        a.seed,
-        progress,
-    )?;
     // Each phase's results are written as it ends, so that one which fails (or a call
     // cut at its limit) keeps those before it; a phase that fails is reported with the
     // rest below.
@@ -133,22 +116,47 @@ fn bench(
         }
         Ok(())
     };
-    write(&r)?;
-    let mut aborted = Vec::new();
-    match bench::run(
+    // The reference (the vector kernel with its reduction launched, verified on GPUs)
+    // first and alone: every other form is compared with it. Then the forms with the
+    // folded reduction on the kernels that have run on a GPU, then the tensor-core
+    // kernel, each in a phase of its own: a fault in one ends the device's context,
+    // and an error that does not (a launch refused) leaves the phases after it to run.
+    let (reference, rest): (Vec<_>, Vec<_>) =
+        FORMS.iter().copied().partition(|&f| f == bench::REFERENCE);
+    let (proven, newer): (Vec<_>, Vec<_>) = rest
+        .into_iter()
+        .partition(|f| f.kernel != DecodeKernel::TensorCore);
+    let mut r = bench::run(
         &dev,
         shape,
         a.block_size,
         a.partition,
         &cases,
-        &newer,
+        &reference,
         a.seed,
         progress,
-    ) {
-        Ok(more) => r.rows.extend(more.rows),
-        Err(e) => aborted.push(format!("the tensor-core form: {e}")),
-    }
+    )?;
     write(&r)?;
+    let mut aborted = Vec::new();
+    for (what, forms) in [
+        ("the folded forms", proven),
+        ("the tensor-core form", newer),
+    ] {
+        match bench::run(
+            &dev,
+            shape,
+            a.block_size,
+            a.partition,
+            &cases,
+            &forms,
+            a.seed,
+            progress,
+        ) {
+            Ok(more) => r.rows.extend(more.rows),
+            Err(e) => aborted.push(format!("{what}: {e}")),
+        }
+        write(&r)?;
+    }
     // The step's small kernels at the cases' row counts.
     let mut rows: Vec<usize> = cases.iter().map(|c| c.rows).collect();
     rows.sort_unstable();
