@@ -108,12 +108,24 @@ validate-cost: build
         -o results/baselines/cpu/calibration-cpu.yaml \
         --validate results/baselines/cpu/cpu-output-scaling results/baselines/cpu/cpu-quickstart \
         --table "$tmp/cpu.md" > "$tmp/cpu.log"
-    # The full cells of gpu-batch-scaling were recorded before the engine synchronized
-    # the GPU after each forward: their per-step times are not their own (NOTES.md).
-    "$kvbench" calibrate results/baselines/h100/gpu-batch-scaling --device h100-sxm --engines h2o \
-        --ceilings results/baselines/h100/ceilings.json \
-        -o results/baselines/h100/calibration-h100-sxm.yaml \
-        --validate results/baselines/h100/gpu-ttft results/baselines/h100/gpu-smoke --table "$tmp/h100.md" > "$tmp/h100.log"
+    # H100, the engine of the fourth lease (build d4a05e2f: FlashAttention-2 prefill,
+    # the vector paged decode, the fused forms; before CUDA graphs): fitted on the
+    # paradigms' full and h2o cells and the 16K/32K prefill cells, all of that build; it
+    # predicts InfiniGen's cells (held out, two later builds), the fused forms' cells
+    # (the same build, another experiment) and the next build's decode with CUDA graphs.
+    h100=results/baselines/h100
+    "$kvbench" calibrate $h100/gpu-paradigms $h100/prefill-kernel/fa2/gpu-prefill-kernel \
+        --device h100-sxm --engines full,h2o --ceilings $h100/ceilings.json \
+        -o $h100/calibration-h100-sxm.yaml \
+        --validate $h100/gpu-paradigms $h100/fused-projections/on/gpu-fused-projections \
+        $h100/decode-graph/on/gpu-decode-graph --table "$tmp/h100-now.md" > "$tmp/h100-now.log"
+    # H100, the first builds: the full cells of gpu-batch-scaling were recorded before
+    # the engine synchronized the GPU after each forward: their per-step times are not
+    # their own (NOTES.md).
+    "$kvbench" calibrate $h100/gpu-batch-scaling --device h100-sxm --engines h2o \
+        --ceilings $h100/ceilings.json \
+        -o $h100/calibration-h100-sxm-first-build.yaml \
+        --validate $h100/gpu-ttft $h100/gpu-smoke --table "$tmp/h100.md" > "$tmp/h100.log"
     # H200, the current engine (vector paged decode, mma.sync prefill): fitted on the
     # paradigms at batch 32 and the 16K/32K prefill cells, it predicts the decode-kernel
     # cells (batch 1 and 16, another experiment); a second fit on full and h2o alone
@@ -161,7 +173,18 @@ validate-cost: build
         echo '```'
         echo
         cat "$tmp/cpu.md"
-        echo "## H100 (results/baselines/h100, one H100 80GB HBM3)"
+        echo "## H100 (results/baselines/h100, one H100 80GB HBM3), the engine of the fourth lease"
+        echo
+        echo "The calibration (calibration-h100-sxm.yaml), fitted on the full and h2o cells of gpu-paradigms and the FlashAttention-2 prefill cells of gpu-prefill-kernel (16K and 32K tokens), all recorded by build d4a05e2f (FlashAttention-2 prefill, vector paged decode, fused forms, before CUDA graphs). The host link keeps the rate measured on the card (pinned copies, ceilings.json): gpu-paradigms' infinigen rows (recorded by two later builds) are held out, its full and h2o rows are the fit's own cells; gpu-fused-projections is the same build's, gpu-decode-graph the next build's with CUDA graphs on:"
+        echo
+        echo '```text'
+        grep -E "^(prefill|decode):" "$tmp/h100-now.log"
+        echo '```'
+        echo
+        cat "$tmp/h100-now.md"
+        echo "## H100, the first builds"
+        echo
+        echo "Before the GPU was synchronized after each forward and before issue 18's kernels (calibration-h100-sxm-first-build.yaml), fitted on gpu-batch-scaling's h2o cells:"
         echo
         echo '```text'
         grep -E "^(prefill|decode):" "$tmp/h100.log"
@@ -210,4 +233,4 @@ validate-cost: build
     } > docs/cost-validation.md
     # The README's summary table, each row's medians over the cells it names.
     python3 scripts/validation-table.py
-    echo "docs/cost-validation.md, README.md (its table), results/baselines/cpu/calibration-cpu.yaml, results/baselines/h100/calibration-h100-sxm.yaml, results/baselines/h200/calibration-h200.yaml, results/baselines/h200/calibration-h200-first-build.yaml"
+    echo "docs/cost-validation.md, README.md (its table), results/baselines/cpu/calibration-cpu.yaml, results/baselines/h100/calibration-h100-sxm.yaml, results/baselines/h100/calibration-h100-sxm-first-build.yaml, results/baselines/h200/calibration-h200.yaml, results/baselines/h200/calibration-h200-first-build.yaml"

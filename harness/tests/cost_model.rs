@@ -205,7 +205,7 @@ fn the_h100_calibration_predicts_the_ttft_grid_it_was_not_fitted_on() {
     cal.ceilings = Some("results/baselines/h100/ceilings.json".into());
     let target = committed_target(
         &cal,
-        "results/baselines/h100/calibration-h100-sxm.yaml",
+        "results/baselines/h100/calibration-h100-sxm-first-build.yaml",
         h100,
     );
     let checks = validate(&dir("gpu-ttft"), &target).unwrap();
@@ -226,6 +226,59 @@ fn the_h100_calibration_predicts_the_ttft_grid_it_was_not_fitted_on() {
         .unwrap();
     assert_eq!(ttft.cells, 12);
     assert!(ttft.median_abs_rel <= 0.05, "{ttft:?}");
+}
+
+/// The H100's committed calibration describes the engine of the fourth lease
+/// (FlashAttention-2 prefill, the vector paged decode, one build): fitted on the
+/// paradigms' `full` and `h2o` cells and the 16K/32K prefill cells, with H2O's
+/// statistics pass at a rate of its own (its kernel is not FlashAttention-2's), it
+/// predicts InfiniGen's TTFT at batch 16 and 32 (held out, recorded by later builds)
+/// within 10 % and the same build's `full` decode after a 1K prompt (another
+/// experiment) within 20 % (5.4 % and 14.6 % medians when this was written). With
+/// the statistics at the attention rate the same fit missed InfiniGen's TTFT by a
+/// median of 10.4 % of the fitted cells' and 42 % of the other experiment's.
+#[test]
+fn the_h100_calibration_of_the_current_engine_times_the_statistics_pass_apart() {
+    let h100 = card_device("h100-sxm", "h100");
+    let dir = |name: &str| measured("h100", name);
+    let fitted = [
+        dir("gpu-paradigms"),
+        dir("prefill-kernel/fa2/gpu-prefill-kernel"),
+    ];
+    let full_h2o = ["full".to_string(), "h2o".to_string()];
+    let (mut cal, obs) = calibrate(&fitted, &h100, &full_h2o, None).unwrap();
+    cal.ceilings = Some("results/baselines/h100/ceilings.json".into());
+    assert!(obs.left_out.is_empty(), "{:?}", obs.left_out);
+    // The statistics pass has its own rate, below attention's.
+    let pre = &cal.prefill.fit.efficiency;
+    let (att, stats) = (pre.attention_flops.unwrap(), pre.statistics_flops.unwrap());
+    assert!(stats < att / 2.0, "{pre:?}");
+    assert_eq!(cal.decode.fit.efficiency.statistics_flops, None);
+    let target = committed_target(
+        &cal,
+        "results/baselines/h100/calibration-h100-sxm.yaml",
+        h100,
+    );
+    let checks = validate(&fitted[0], &target).unwrap();
+    let ig: Vec<_> = checks
+        .into_iter()
+        .filter(|c| c.key.starts_with("engine=infinigen;params=;"))
+        .collect();
+    assert_eq!(ig.len(), 2);
+    let error = |checks: &[_], metric: &str| {
+        metric_errors(checks)
+            .unwrap()
+            .into_iter()
+            .find(|e| e.metric == metric)
+            .unwrap()
+    };
+    let ttft = error(&ig, "ttft_mean_s");
+    assert!(ttft.median_abs_rel <= 0.10, "{ttft:?}");
+    let fused = validate(&dir("fused-projections/on/gpu-fused-projections"), &target).unwrap();
+    assert!(outcome_mismatches(&fused).is_empty());
+    let decode = error(&fused, "decode_tok_s");
+    assert_eq!(decode.cells, 2);
+    assert!(decode.median_abs_rel <= 0.20, "{decode:?}");
 }
 
 #[test]

@@ -12,12 +12,19 @@ use std::path::Path;
 
 /// The terms each phase fits. Prefill has no per-sequence term: each prefill step
 /// holds one prompt in the study's sequential mode, so it cannot be told from the
-/// step overhead. Terms whose feature is zero in every observation (the host link
-/// without offloading, all-reduces on one device) stay at zero.
+/// step overhead. Only prefill gives the statistics passes a rate of their own: there
+/// H2O's is a pass over the prompt's keys of its own kernel, where a decode step's
+/// statistics are a few FLOPs per key beside attention's (a rate fitted to those
+/// would stand for whatever else tells h2o's steps from full's). Terms whose feature
+/// is zero in every observation (the host link without offloading, all-reduces on one
+/// device) stay at zero.
 pub fn terms(phase: Phase) -> Vec<Term> {
     Term::ALL
         .into_iter()
-        .filter(|&t| phase == Phase::Decode || t != Term::PerSequence)
+        .filter(|&t| match phase {
+            Phase::Prefill => t != Term::PerSequence,
+            Phase::Decode => t != Term::StatisticsFlops,
+        })
         .collect()
 }
 

@@ -4,9 +4,14 @@
 //!
 //! Time model of one step (additive: no overlap between terms):
 //! `t = forwards·o + sequences·s + device_bytes/BW + matmul_flops/F
-//!      + attention_flops/Fa + transfer_bytes/L + allreduces·a + allreduce_bytes/I`.
-//! It is linear in `θ = (o, s, 1/BW, 1/F, 1/Fa, 1/L, a, 1/I)`, which is fitted by
+//!      + attention_flops/Fa + statistics_flops/Fs + transfer_bytes/L + allreduces·a
+//!      + allreduce_bytes/I`.
+//! It is linear in `θ = (o, s, 1/BW, 1/F, 1/Fa, 1/Fs, 1/L, a, 1/I)`, which is fitted by
 //! non-negative least squares on relative errors (each step weighted by 1/its time).
+//! The statistics passes (H2O's column sums, SnapKV's vote, StreamingLLM's
+//! re-rotation) run at the attention rate unless a rate of their own explains the
+//! steps better: on a GPU they are kernels of their own, FlashAttention-2's forward
+//! several times faster than kvbench's statistics pass.
 
 use super::device::Device;
 use super::{CostError, Result, StepCost};
@@ -25,10 +30,15 @@ pub struct PhaseEfficiency {
     pub bandwidth: Option<f64>,
     /// Achieved FLOP/s of the dense products (linear layers, InfiniGen's speculation).
     pub flops: Option<f64>,
-    /// Achieved FLOP/s of attention and the passes like it (QKᵀ, PV, H2O's
-    /// statistics, re-rotation): kernels of their own, far from the GEMMs' rate.
+    /// Achieved FLOP/s of attention (QKᵀ and PV): kernels of their own, far from the
+    /// GEMMs' rate; also of the statistics passes unless `statistics_flops` is set.
     #[serde(default)]
     pub attention_flops: Option<f64>,
+    /// Achieved FLOP/s of the statistics passes (H2O's column sums, SnapKV's vote,
+    /// StreamingLLM's re-rotation) where it differs from attention's; `None`: at the
+    /// attention rate (calibrations written before this term read so).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub statistics_flops: Option<f64>,
     /// Achieved host-link bandwidth, bytes/s.
     pub link: Option<f64>,
     /// Seconds per all-reduce beyond its bytes.
@@ -47,6 +57,7 @@ impl PhaseEfficiency {
             bandwidth: Some(d.bandwidth()?),
             flops: Some(d.flops()?),
             attention_flops: Some(d.flops()?),
+            statistics_flops: None,
             link: d.host_link_bandwidth().ok(),
             allreduce_latency_s: 0.0,
             interconnect: d.interconnect_bandwidth().ok(),
@@ -73,10 +84,16 @@ impl PhaseEfficiency {
             + c.sequences * self.per_sequence_s
             + per(c.device_bytes(), self.bandwidth)
             + per(c.matmul_flops(), self.flops)
-            + per(c.attention_flops(), self.attention_flops)
+            + per(c.flops_attention, self.attention_flops)
+            + per(c.flops_statistics, self.statistics_rate())
             + per(c.transfer_bytes(), self.link)
             + c.allreduces * self.allreduce_latency_s
             + per(c.allreduce_bytes, self.interconnect)
+    }
+
+    /// The rate the statistics passes run at: their own, else attention's.
+    pub fn statistics_rate(&self) -> Option<f64> {
+        self.statistics_flops.or(self.attention_flops)
     }
 
     /// Achieved fractions of the device's peaks: (bandwidth, dense FLOP/s, host link);
@@ -100,18 +117,20 @@ pub enum Term {
     Bandwidth,
     Flops,
     AttentionFlops,
+    StatisticsFlops,
     Link,
     AllreduceLatency,
     Interconnect,
 }
 
 impl Term {
-    pub const ALL: [Term; 8] = [
+    pub const ALL: [Term; 9] = [
         Term::StepOverhead,
         Term::PerSequence,
         Term::Bandwidth,
         Term::Flops,
         Term::AttentionFlops,
+        Term::StatisticsFlops,
         Term::Link,
         Term::AllreduceLatency,
         Term::Interconnect,
@@ -123,7 +142,8 @@ impl Term {
             Term::PerSequence => c.sequences,
             Term::Bandwidth => c.device_bytes(),
             Term::Flops => c.matmul_flops(),
-            Term::AttentionFlops => c.attention_flops(),
+            Term::AttentionFlops => c.flops_attention,
+            Term::StatisticsFlops => c.flops_statistics,
             Term::Link => c.transfer_bytes(),
             Term::AllreduceLatency => c.allreduces,
             Term::Interconnect => c.allreduce_bytes,
@@ -138,6 +158,7 @@ impl Term {
             Term::Bandwidth => e.bandwidth = rate,
             Term::Flops => e.flops = rate,
             Term::AttentionFlops => e.attention_flops = rate,
+            Term::StatisticsFlops => e.statistics_flops = rate,
             Term::Link => e.link = rate,
             Term::AllreduceLatency => e.allreduce_latency_s = theta,
             Term::Interconnect => e.interconnect = rate,
@@ -156,6 +177,7 @@ impl Term {
             Term::Bandwidth => to.bandwidth = from.bandwidth,
             Term::Flops => to.flops = from.flops,
             Term::AttentionFlops => to.attention_flops = from.attention_flops,
+            Term::StatisticsFlops => to.statistics_flops = from.statistics_flops,
             Term::Link => to.link = from.link,
             Term::AllreduceLatency => to.allreduce_latency_s = from.allreduce_latency_s,
             Term::Interconnect => to.interconnect = from.interconnect,
@@ -170,6 +192,7 @@ impl Term {
             Term::Bandwidth => e.bandwidth,
             Term::Flops => e.flops,
             Term::AttentionFlops => e.attention_flops,
+            Term::StatisticsFlops => e.statistics_rate(),
             Term::Link => e.link,
             Term::Interconnect => e.interconnect,
         }
@@ -264,15 +287,35 @@ pub fn fit_phase(
     // Terms whose feature is zero in every observation cannot be fitted: they keep
     // their value in `fixed` (a calibration passes the datasheet's, so a transfer
     // never seen in the fitted runs still costs its time at the link's peak).
-    let live: Vec<Term> = terms
+    let mut live: Vec<Term> = terms
         .iter()
         .copied()
         .filter(|t| obs.iter().any(|o| t.feature(&o.cost) != 0.0))
         .collect();
+    // The statistics passes' FLOPs count with attention's where their own rate is not
+    // among the terms to fit: their column is then only ever merged into attention's.
+    let stats_own = live.contains(&Term::StatisticsFlops);
+    if !stats_own
+        && live.contains(&Term::AttentionFlops)
+        && obs
+            .iter()
+            .any(|o| Term::StatisticsFlops.feature(&o.cost) != 0.0)
+    {
+        live.push(Term::StatisticsFlops);
+    }
     let ceilings: Vec<Option<f64>> = live.iter().map(|t| t.rate(fixed)).collect();
     let mut base = *fixed;
     for t in &live {
         t.clear(&mut base);
+    }
+    // The statistics passes either run at a rate of their own or at attention's: a
+    // subset without their term fits attention on both features together.
+    let stats_j = live.iter().position(|&t| t == Term::StatisticsFlops);
+    let att_j = live.iter().position(|&t| t == Term::AttentionFlops);
+    if stats_j.is_some() {
+        // Fitted below: no time of theirs in the base (cleared, they would fall back
+        // to attention's rate, which is the base's where attention is not fitted).
+        base.statistics_flops = Some(f64::INFINITY);
     }
     let y: Vec<f64> = obs.iter().map(|o| o.seconds - base.time(&o.cost)).collect();
     if live.is_empty() {
@@ -295,10 +338,10 @@ pub fn fit_phase(
         .iter()
         .map(|t| obs.iter().map(|o| t.feature(&o.cost) / o.seconds).collect())
         .collect();
-    let sse = |theta: &[f64], idx: &[usize]| -> f64 {
+    let sse = |theta: &[f64], sub: &[Vec<f64>]| -> f64 {
         (0..obs.len())
             .map(|i| {
-                let p: f64 = idx.iter().zip(theta).map(|(&j, t)| cols[j][i] * t).sum();
+                let p: f64 = sub.iter().zip(theta).map(|(c, t)| c[i] * t).sum();
                 (y[i] - p).powi(2)
             })
             .sum()
@@ -306,11 +349,32 @@ pub fn fit_phase(
     let mut best: Option<(f64, Vec<usize>, Vec<f64>)> = None;
     for mask in 1u32..(1 << live.len()) {
         let idx: Vec<usize> = (0..live.len()).filter(|j| mask & (1 << j) != 0).collect();
-        let sub: Vec<Vec<f64>> = idx.iter().map(|&j| cols[j].clone()).collect();
+        if !stats_own && stats_j.is_some_and(|s| idx.contains(&s)) {
+            continue;
+        }
+        let merged = stats_j.filter(|s| !idx.contains(s));
+        let sub: Vec<Vec<f64>> = idx
+            .iter()
+            .map(|&j| match merged {
+                Some(s) if Some(j) == att_j => {
+                    cols[j].iter().zip(&cols[s]).map(|(a, b)| a + b).collect()
+                }
+                _ => cols[j].clone(),
+            })
+            .collect();
         let Some(theta) = least_squares(&sub, &y) else {
             continue;
         };
         if theta.iter().any(|&t| t < 0.0) {
+            continue;
+        }
+        // A rate of their own that is infinite is no rate: the statistics take
+        // attention's in the subset without their term.
+        if idx
+            .iter()
+            .zip(&theta)
+            .any(|(&j, &t)| Some(j) == stats_j && t == 0.0)
+        {
             continue;
         }
         // θ is seconds per unit: above its ceiling's rate when 1/θ exceeds it.
@@ -321,7 +385,7 @@ pub fn fit_phase(
         {
             continue;
         }
-        let e = sse(&theta, &idx);
+        let e = sse(&theta, &sub);
         if best.as_ref().is_none_or(|(b, _, _)| e < *b) {
             best = Some((e, idx, theta));
         }
@@ -332,6 +396,9 @@ pub fn fit_phase(
         ));
     };
     let mut eff = base;
+    if stats_j.is_some_and(|s| !idx.contains(&s)) {
+        eff.statistics_flops = None;
+    }
     for (&j, &t) in idx.iter().zip(&theta) {
         live[j].set(&mut eff, t);
     }
@@ -449,6 +516,83 @@ mod tests {
             seconds: f64::NAN,
         }];
         assert!(fit_phase(&bad, &terms, &peak).is_err());
+    }
+
+    /// Prefills of `full` and `h2o` (its exact statistics pass) whose statistics run
+    /// at a quarter of attention's rate: fitted with their own term the two rates come
+    /// back; without it (decode's terms) their FLOPs are charged at the one attention
+    /// rate both in the fit and in its predictions; and an efficiency without the
+    /// field, as calibrations written before it read, times them at attention's.
+    #[test]
+    fn the_statistics_pass_gets_a_rate_of_its_own_only_where_it_is_fitted() {
+        use crate::cost::traffic::prefill;
+        use crate::policy::evicting::h2o::H2oParams;
+        let table = DeviceTable::builtin().unwrap();
+        let h100 = table.get("h100-sxm").unwrap();
+        let peak = PhaseEfficiency::peak(h100).unwrap();
+        let truth = PhaseEfficiency {
+            step_overhead_s: 2e-3,
+            flops: Some(500e12),
+            attention_flops: Some(300e12),
+            statistics_flops: Some(75e12),
+            ..peak
+        };
+        let cfg = preset("llama-3.1-8b").unwrap();
+        let h2o = PolicySpec::H2o(H2oParams {
+            budget: 0.3,
+            ..Default::default()
+        });
+        let mut rng = 11u64;
+        let mut obs = Vec::new();
+        for policy in [PolicySpec::full(), h2o] {
+            let s = Setup::new(cfg.clone(), policy, Precision::BF16);
+            for len in [1000, 4000, 16000, 32000] {
+                let info = SeqInfo {
+                    prompt_len: len,
+                    max_new_tokens: 1,
+                    prefill_len: len,
+                };
+                let c = prefill(&s, &info, 1 << 20);
+                let t = truth.time(&c) * (1.0 + 0.005 * noise(&mut rng));
+                obs.push(Observation {
+                    cost: c,
+                    seconds: t,
+                });
+            }
+        }
+        assert!(obs.iter().any(|o| o.cost.flops_statistics > 0.0));
+        let close = |a: Option<f64>, b: f64| a.is_some_and(|a| ((a - b) / b).abs() < 0.05);
+        let own = [
+            Term::StepOverhead,
+            Term::Flops,
+            Term::AttentionFlops,
+            Term::StatisticsFlops,
+        ];
+        let e = fit_phase(&obs, &own, &peak).unwrap().efficiency;
+        assert!(close(e.attention_flops, 300e12), "{e:?}");
+        assert!(close(e.statistics_flops, 75e12), "{e:?}");
+        // Without their term: one attention rate, used for both, and a worse fit.
+        let merged = fit_phase(&obs, &own[..3], &peak).unwrap();
+        let m = merged.efficiency;
+        assert_eq!(m.statistics_flops, None);
+        assert_eq!(m.statistics_rate(), m.attention_flops);
+        assert!(merged.max_relative_error > 0.02, "{merged:?}");
+        let h2o_step = obs.last().unwrap().cost;
+        let as_attention = StepCost {
+            flops_attention: h2o_step.flops_attention + h2o_step.flops_statistics,
+            flops_statistics: 0.0,
+            ..h2o_step
+        };
+        let (t, by_hand) = (m.time(&h2o_step), m.time(&as_attention));
+        assert!((t - by_hand).abs() <= 1e-9 * by_hand, "{t} {by_hand}");
+        assert!(e.time(&h2o_step) != e.time(&as_attention));
+        // A calibration file from before the field: the statistics at attention's rate.
+        let yaml = "step_overhead_s: 0.0\nper_sequence_s: 0.0\nbandwidth: null\n\
+                    flops: 5.0e14\nattention_flops: 3.0e14\nlink: null\n\
+                    allreduce_latency_s: 0.0\ninterconnect: null\n";
+        let old: PhaseEfficiency = serde_yaml::from_str(yaml).unwrap();
+        assert_eq!(old.statistics_flops, None);
+        assert_eq!(old.statistics_rate(), Some(3.0e14));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use crate::run::write_atomic;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_engines::cost::calibrate::PhaseFit;
+use kvbench_engines::cost::fit::Term;
 use kvbench_engines::cost::{Calibration, Ceilings, Device, DeviceTable, Efficiency};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -158,7 +159,7 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
     let e = &p.fit.efficiency;
     format!(
         "{name}: {} steps, {} terms; overhead {:.3} ms/step + {:.3} ms/sequence; \
-         bandwidth {} ({} of peak), matmul {} ({} of peak), attention {}, host link {}; \
+         bandwidth {} ({} of peak), matmul {} ({} of peak), attention {}{}, host link {}; \
          R² {:.4}, median |error| {:.1} %, largest {:.1} %{}",
         p.fit.observations,
         p.fit.active_terms,
@@ -169,6 +170,11 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
         rate(e.flops, "TFLOP/s", 1e12),
         pct(p.flops_of_peak),
         rate(e.attention_flops, "TFLOP/s", 1e12),
+        // Only where the statistics passes run at a rate of their own.
+        e.statistics_flops.map_or(String::new(), |r| format!(
+            ", statistics passes {}",
+            rate(Some(r), "TFLOP/s", 1e12)
+        )),
         rate(e.link, "GB/s", 1e9),
         p.fit.r_squared,
         p.median_relative_error * 100.0,
@@ -180,10 +186,11 @@ pub fn describe_phase(name: &str, p: &PhaseFit) -> String {
 /// The terms the fitted runs never exercised: those kept at the device's rate, and
 /// those that took another calibration's fitted value (`--rates-from`).
 fn unobserved(p: &PhaseFit) -> String {
+    // The statistics passes never seen run at the attention rate, not the device's.
     let kept: Vec<_> = p
         .unobserved
         .iter()
-        .filter(|t| !p.taken.contains(t))
+        .filter(|t| !p.taken.contains(t) && **t != Term::StatisticsFlops)
         .collect();
     let mut s = String::new();
     if !kept.is_empty() {
