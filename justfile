@@ -113,8 +113,9 @@ validate-cost: build
     # paradigms' full and h2o cells and the 16K/32K prefill cells, all of that build; it
     # predicts InfiniGen's cells (held out, two later builds), the fused forms' cells
     # (the same build, another experiment) and the next build's decode with CUDA graphs.
-    # The fitted experiments are copies (cells, requests, runs and steps) kept where no
-    # campaign step writes: the study's sweep reruns gpu-paradigms on its own build.
+    # The fitted experiments are copies (the YAML and the requests, runs and steps
+    # tables) kept where no campaign step writes: the study's sweep reruns
+    # gpu-paradigms on its own build.
     h100=results/baselines/h100
     fit100=$h100/calibration-cells/d4a05e2f
     "$kvbench" calibrate $fit100/gpu-paradigms $fit100/gpu-prefill-kernel \
@@ -124,11 +125,13 @@ validate-cost: build
         $h100/decode-graph/on/gpu-decode-graph --table "$tmp/h100-now.md" > "$tmp/h100-now.log"
     # H100, the first builds: the full cells of gpu-batch-scaling were recorded before
     # the engine synchronized the GPU after each forward: their per-step times are not
-    # their own (NOTES.md).
-    "$kvbench" calibrate $h100/gpu-batch-scaling --device h100-sxm --engines h2o \
+    # their own (NOTES.md). Copies of the three experiments, as the study's sweeps will
+    # run them again on its build.
+    first100=$h100/calibration-cells/first-builds
+    "$kvbench" calibrate $first100/gpu-batch-scaling --device h100-sxm --engines h2o \
         --ceilings $h100/ceilings.json \
         -o $h100/calibration-h100-sxm-first-build.yaml \
-        --validate $h100/gpu-ttft $h100/gpu-smoke --table "$tmp/h100.md" > "$tmp/h100.log"
+        --validate $first100/gpu-ttft $first100/gpu-smoke --table "$tmp/h100.md" > "$tmp/h100.log"
     # H200, the current engine (vector paged decode, mma.sync prefill): fitted on the
     # paradigms at batch 32 and the 16K/32K prefill cells, it predicts the decode-kernel
     # cells (batch 1 and 16, another experiment); a second fit on full and h2o alone
@@ -178,7 +181,7 @@ validate-cost: build
         cat "$tmp/cpu.md"
         echo "## H100 (results/baselines/h100, one H100 80GB HBM3), the engine of the fourth lease"
         echo
-        echo "The calibration (calibration-h100-sxm.yaml), fitted on the full and h2o cells of gpu-paradigms and the FlashAttention-2 prefill cells of gpu-prefill-kernel (16K and 32K tokens; copies of both as that build left them, calibration-cells/d4a05e2f/), all recorded by build d4a05e2f (FlashAttention-2 prefill, vector paged decode, fused forms, before CUDA graphs). The host link keeps the rate measured on the card (pinned copies, ceilings.json): gpu-paradigms' infinigen rows (recorded by two later builds) are held out, its full and h2o rows are the fit's own cells; gpu-fused-projections is the same build's, gpu-decode-graph the next build's with CUDA graphs on:"
+        echo "The calibration (calibration-h100-sxm.yaml), fitted on the full and h2o cells of gpu-paradigms and the FlashAttention-2 prefill cells of gpu-prefill-kernel (16K and 32K tokens; copies of both tables as that build left them, calibration-cells/d4a05e2f/), all recorded by build d4a05e2f (FlashAttention-2 prefill, vector paged decode, fused forms, before CUDA graphs). The host link keeps the rate measured on the card (pinned copies, ceilings.json): gpu-paradigms' infinigen rows (recorded by two later builds) are held out, its full and h2o rows are the fit's own cells; gpu-fused-projections is the same build's, gpu-decode-graph the next build's with CUDA graphs on:"
         echo
         echo '```text'
         grep -E "^(prefill|decode):" "$tmp/h100-now.log"
@@ -187,7 +190,7 @@ validate-cost: build
         cat "$tmp/h100-now.md"
         echo "## H100, the first builds"
         echo
-        echo "Before the GPU was synchronized after each forward and before issue 18's kernels (calibration-h100-sxm-first-build.yaml), fitted on gpu-batch-scaling's h2o cells:"
+        echo "Before the GPU was synchronized after each forward and before issue 18's kernels (calibration-h100-sxm-first-build.yaml), fitted on gpu-batch-scaling's h2o cells (this experiment and the two it predicts read from copies of their tables, calibration-cells/first-builds/):"
         echo
         echo '```text'
         grep -E "^(prefill|decode):" "$tmp/h100.log"
