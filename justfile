@@ -136,8 +136,10 @@ validate-cost: build
     # paradigms at batch 32 and the 16K/32K prefill cells, it predicts the decode-kernel
     # cells (batch 1 and 16, another experiment); a second fit on full and h2o alone
     # predicts infinigen at batch 32 (held out).
+    # The 16K/32K prefill cells are read from a copy of their tables: the campaign's
+    # prefill-mma step, run again, would replace them with another build's.
     h200=results/baselines/h200
-    "$kvbench" calibrate $h200/gpu-paradigms-batch32 $h200/prefill-kernel/mma/gpu-prefill-kernel \
+    "$kvbench" calibrate $h200/gpu-paradigms-batch32 $h200/calibration-cells/third-lease/gpu-prefill-kernel \
         --device h200 --ceilings $h200/ceilings.json -o $h200/calibration-h200.yaml \
         --validate $h200/decode-kernel/vector/gpu-decode-kernel \
         --table "$tmp/h200-now.md" > "$tmp/h200-now.log"
@@ -151,7 +153,7 @@ validate-cost: build
     # at the pinned copy rate measured on the card, then at the link rate the other
     # build's calibration fitted on its own InfiniGen cells (the gather kernel is the
     # same in both builds; the batch and the decode kernel are not).
-    now=($h200/gpu-paradigms-batch32 $h200/prefill-kernel/mma/gpu-prefill-kernel)
+    now=($h200/gpu-paradigms-batch32 $h200/calibration-cells/third-lease/gpu-prefill-kernel)
     "$kvbench" calibrate "${now[@]}" --device h200 --engines full,h2o --ceilings $h200/ceilings.json \
         -o "$tmp/h200-now-full-h2o.yaml" \
         --validate $h200/gpu-paradigms-batch32 --table "$tmp/h200-now-ig.md" > "$tmp/h200-now-ig.log"

@@ -403,7 +403,7 @@ fn the_h200_calibration_of_the_current_engine_predicts_the_decode_kernel_cells()
     let dir = |name: &str| measured("h200", name);
     let fitted = [
         dir("gpu-paradigms-batch32"),
-        dir("prefill-kernel/mma/gpu-prefill-kernel"),
+        dir("calibration-cells/third-lease/gpu-prefill-kernel"),
     ];
     let (mut cal, obs) = calibrate(&fitted, &h200, &[], None).unwrap();
     cal.ceilings = Some("results/baselines/h200/ceilings.json".into());
@@ -437,7 +437,7 @@ fn the_h200_link_fitted_on_one_build_predicts_the_other_builds_infinigen() {
     );
     let batch32 = [
         dir("gpu-paradigms-batch32"),
-        dir("prefill-kernel/mma/gpu-prefill-kernel"),
+        dir("calibration-cells/third-lease/gpu-prefill-kernel"),
     ];
     let batch16 = [dir("gpu-paradigms-batch16")];
     let full_h2o = ["full".to_string(), "h2o".to_string()];
