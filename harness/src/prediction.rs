@@ -281,6 +281,9 @@ pub struct CellObservations {
     pub dropped: usize,
     /// Cells left out of the fit because the model does not describe them: (key, why).
     pub left_out: Vec<(String, &'static str)>,
+    /// The builds that measured the fitted cells (`not recorded` for cells from before
+    /// builds were).
+    pub builds: std::collections::BTreeSet<String>,
 }
 
 /// Steps of a measured cell, in order: (prefill rows, decode rows, seconds).
@@ -501,9 +504,11 @@ impl Measured {
         // ran the cell, and results come from other machines.
         let keys = column(strings(&df, schema::CELL_KEY)?, &path, schema::CELL_KEY)?;
         let outcomes = column(strings(&df, "outcome")?, &path, "outcome")?;
+        // Tables written before builds were recorded have no such column.
+        let builds = strings(&df, schema::ENV_BUILD)?.unwrap_or_else(|| vec![None; outcomes.len()]);
         let by_key: HashMap<String, &Cell> = self.plan.cells.iter().map(|c| (c.key(), c)).collect();
         let mut out = Vec::new();
-        for (row, (key, outcome)) in keys.iter().zip(&outcomes).enumerate() {
+        for (row, ((key, outcome), build)) in keys.iter().zip(&outcomes).zip(builds).enumerate() {
             let Some(cell) = key.as_deref().and_then(|k| by_key.get(k)) else {
                 continue;
             };
@@ -511,6 +516,7 @@ impl Measured {
                 cell: (*cell).clone(),
                 row,
                 outcome: outcome.clone().unwrap_or_default(),
+                build,
             });
         }
         Ok(out)
@@ -527,7 +533,8 @@ impl Measured {
         let data = measured(&self.dir)?;
         let mut all = CellObservations::default();
         let mut cells = 0;
-        for (cell, _) in self.ok_cells()? {
+        for run in self.runs()?.into_iter().filter(|r| r.outcome == "ok") {
+            let cell = run.cell;
             if !engines.is_empty() && !engines.contains(&cell.engine) {
                 continue;
             }
@@ -551,6 +558,8 @@ impl Measured {
             let o = cell_observations(&self.plan, &cell, &self.cfg, device, reqs, steps)
                 .with_context(|| format!("{}: cell {}", self.dir.display(), cell.key()))?;
             cells += 1;
+            all.builds
+                .insert(run.build.unwrap_or_else(|| "not recorded".into()));
             all.prefill.extend(o.prefill);
             all.decode.extend(o.decode);
             all.aligned += o.aligned;
@@ -565,6 +574,9 @@ pub struct RunRow {
     pub cell: Cell,
     pub row: usize,
     pub outcome: String,
+    /// The build that measured it (`None` in tables without the column, or for a cell
+    /// recorded before builds were).
+    pub build: Option<String>,
 }
 
 /// Fit a calibration of `device` to the steps of measured experiments (of the cells
@@ -602,8 +614,10 @@ pub fn calibrate(
         all.aligned += o.aligned;
         all.dropped += o.dropped;
         all.left_out.extend(o.left_out);
+        all.builds.extend(o.builds);
     }
-    let c = Calibration::fit_with(device, sources, &all.prefill, &all.decode, rates_from)?;
+    let mut c = Calibration::fit_with(device, sources, &all.prefill, &all.decode, rates_from)?;
+    c.builds = all.builds.iter().cloned().collect();
     Ok((c, all))
 }
 

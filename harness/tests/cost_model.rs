@@ -253,6 +253,12 @@ fn the_h100_calibration_of_the_current_engine_times_the_statistics_pass_apart() 
     let (mut cal, obs) = calibrate(&fitted, &h100, &full_h2o, None).unwrap();
     cal.ceilings = Some("results/baselines/h100/ceilings.json".into());
     assert!(obs.left_out.is_empty(), "{:?}", obs.left_out);
+    // The engine whose times these are, named wherever the calibration is used.
+    assert_eq!(cal.builds, ["d4a05e2f6e7fa8bf"]);
+    assert!(cal
+        .efficiency()
+        .source
+        .ends_with("gpu-paradigms, gpu-prefill-kernel (build d4a05e2f6e7fa8bf)"));
     // The statistics pass has its own rate, below attention's.
     let pre = &cal.prefill.fit.efficiency;
     let (att, stats) = (pre.attention_flops.unwrap(), pre.statistics_flops.unwrap());

@@ -37,6 +37,9 @@ pub const EXPERIMENT: &str = "experiment";
 pub const CELL_PREFIX: &str = "cell_";
 /// The cell's identity (a hash of everything that can change its result).
 pub const CELL_ID: &str = "cell_id";
+/// The build of kvbench that measured the cell (a hash of its sources; absent from
+/// tables written before it was recorded, null for cells recorded before builds were).
+pub const ENV_BUILD: &str = "env_build";
 /// The cell's position in the plan's expansion.
 pub const CELL_INDEX: &str = "cell_index";
 /// The cell's readable key (`engine=h2o;params=...;repeat=0`).

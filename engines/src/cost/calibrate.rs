@@ -114,6 +114,10 @@ pub struct Calibration {
     /// `taken`), when one was given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rates_from: Option<String>,
+    /// The builds of kvbench that measured the fitted cells (`not recorded` for cells
+    /// from before builds were): the engine whose times the constants describe.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub builds: Vec<String>,
     pub prefill: PhaseFit,
     pub decode: PhaseFit,
 }
@@ -153,6 +157,7 @@ impl Calibration {
             sources,
             ceilings: None,
             rates_from: other.map(|(_, name)| name.to_string()),
+            builds: Vec::new(),
             prefill: PhaseFit::new(device, Phase::Prefill, prefill, other.map(|o| &o.0.prefill))?,
             decode: PhaseFit::new(device, Phase::Decode, decode, other.map(|o| &o.0.decode))?,
         })
@@ -163,7 +168,16 @@ impl Calibration {
         Efficiency {
             prefill: self.prefill.fit.efficiency,
             decode: self.decode.fit.efficiency,
-            source: format!("{} calibrated on {}", self.device, self.sources.join(", ")),
+            source: format!(
+                "{} calibrated on {}{}",
+                self.device,
+                self.sources.join(", "),
+                match self.builds.as_slice() {
+                    [] => String::new(),
+                    [one] => format!(" (build {one})"),
+                    many => format!(" (builds {})", many.join(", ")),
+                }
+            ),
         }
     }
 

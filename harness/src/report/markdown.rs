@@ -4,6 +4,7 @@ use super::claims::shared::*;
 use super::claims::*;
 use super::read::*;
 use anyhow::Result;
+use kvbench_plots::schema;
 use polars::prelude::DataFrame;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -197,9 +198,9 @@ fn sections(
     if df
         .get_column_names()
         .iter()
-        .any(|c| c.as_str() == "env_build")
+        .any(|c| c.as_str() == schema::ENV_BUILD)
     {
-        let builds: BTreeSet<String> = strings(df, "env_build")
+        let builds: BTreeSet<String> = strings(df, schema::ENV_BUILD)
             .into_iter()
             .map(|b| b.unwrap_or_else(|| "not recorded".into()))
             .collect();
