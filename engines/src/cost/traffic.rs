@@ -70,12 +70,6 @@ impl StepCost {
         self.flops_linear + self.flops_speculation
     }
 
-    /// FLOPs of attention and the passes like it: QKᵀ and PV, H2O's statistics,
-    /// StreamingLLM's re-rotation.
-    pub fn attention_flops(&self) -> f64 {
-        self.flops_attention + self.flops_statistics
-    }
-
     /// Bytes over the host link, both directions.
     pub fn transfer_bytes(&self) -> f64 {
         self.h2d + self.d2h
