@@ -486,16 +486,6 @@ impl Measured {
         self.plan.exp.name.clone()
     }
 
-    /// The cells recorded with outcome `ok`, with their row of runs.parquet.
-    pub fn ok_cells(&self) -> Result<Vec<(Cell, usize)>> {
-        Ok(self
-            .runs()?
-            .into_iter()
-            .filter(|r| r.outcome == "ok")
-            .map(|r| (r.cell, r.row))
-            .collect())
-    }
-
     /// Every recorded cell of this plan with its outcome and row.
     pub fn runs(&self) -> Result<Vec<RunRow>> {
         let path = self.dir.join(schema::RUNS_FILE);
