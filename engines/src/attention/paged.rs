@@ -703,6 +703,13 @@ mod simd {
         out
     }
 
+    /// How far ahead of its reads [`dot4_packed`] asks for the packed rows' cache lines.
+    /// The hardware prefetchers alone left a batch-1 decode step's products well under
+    /// the read probe's rate on an Intel Xeon host with AVX-512 (the probe at 31 GB/s
+    /// on 2 threads): 3-6 KB ahead made the whole step 9-12 % faster there, 2 KB 7 %,
+    /// 8 KB 9 % (docs/correctness-and-performance.md, "Prefetching the packed rows").
+    const PACKED_PREFETCH_AHEAD: usize = 6 << 10;
+
     /// [`dot4`] over four rows packed as [`crate::model::packed`] lays them out (each
     /// 8-column chunk of the four rows side by side, then the four rows' last `k % 8`
     /// columns): the same accumulators, order of sums and tail, so the same results to
@@ -718,6 +725,13 @@ mod simd {
         while i + 16 <= k {
             let (x0, x1) = (_mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(px.add(i + 8)));
             let (p0, p1) = (pw.add(4 * i), pw.add(4 * (i + 8)));
+            // The step's four cache lines, `PACKED_PREFETCH_AHEAD` bytes on (past this
+            // group's end: the next group's, which the block reads next). A hint: it
+            // never faults, so the address may lie past the slice.
+            let ahead = (p0 as *const i8).wrapping_add(PACKED_PREFETCH_AHEAD);
+            for line in 0..4 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
+            }
             for (r, a) in acc.iter_mut().enumerate() {
                 a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(8 * r)), x0, a[0]);
                 a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(8 * r)), x1, a[1]);
