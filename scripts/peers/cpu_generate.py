@@ -13,8 +13,9 @@ tok/s <= bandwidth / bytes; each kvbench f32 batch-1 run is set against its roun
       --prompt-file datasets/fixtures/prose/pride_and_prejudice_pg42671.txt --prompt-chars 2600 \
       [--f32-gguf models/SmolLM2-135M-Instruct.f32.gguf]
 
-Needs (PyPI): llama-cpp-python (builds llama.cpp from source), torch, transformers and
-gguf (transformers reads the GGUF and dequantizes it to f32). Prints a Markdown table
+Needs (PyPI): llama-cpp-python (builds llama.cpp from source), torch, transformers,
+accelerate (transformers asks for it to load a GGUF) and gguf (transformers reads the
+GGUF and dequantizes it to f32). Prints a Markdown table
 and writes every measurement as JSON (--out).
 
 Definitions, the same for every engine: TTFT is the time from submitting the prompt(s)
