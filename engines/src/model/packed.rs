@@ -214,7 +214,10 @@ impl PackedRows {
             ));
         };
         let xs = &x_data[x_layout.start_offset()..][..t * k];
-        let mut out = vec![0f32; t * n];
+        // Left unset: gemm writes every element (it is told not to read the
+        // destination), and zeroing 4 MB per product first cost about 7 % of a
+        // 576-token prefill's time on the thread that runs it.
+        let mut out: Vec<f32> = Vec::with_capacity(t * n);
         let threads = candle_core::utils::get_num_threads();
         let parallelism = if threads > 1 {
             gemm::Parallelism::Rayon(threads)
@@ -272,6 +275,9 @@ impl PackedRows {
         })?;
         SCRATCH.with(|c| c.replace(buf));
         drop(x_storage);
+        // SAFETY: the blocks cover columns `0..n` of all `t` rows, and gemm (with
+        // `read_dst` false) wrote each of those elements.
+        unsafe { out.set_len(t * n) };
         Ok(Tensor::from_vec(out, (t, n), &Device::Cpu)?)
     }
 }
