@@ -101,9 +101,10 @@ impl EngineConfig {
 /// than putting it to sleep once per kernel; kept awake, the other workers take that
 /// work without a wake-up on the step's path (a system call, and in a virtual machine
 /// an interrupt through the host), which a decode step would otherwise pay once for
-/// each of its products (about 120 in SmolLM2's): batch-1 decode 1.1–1.17× faster on 2
-/// threads (docs/correctness-and-performance.md). A worker with nothing to take yields
-/// its CPU to the system, so a pool larger than the machine does not starve the forward.
+/// each of its products (about 120 in SmolLM2's): batch-1 decode steps on 2 threads at
+/// 72–81 % of the memory bound against 65–72 % (docs/correctness-and-performance.md).
+/// A worker with nothing to take yields its CPU to the system, so a pool larger than
+/// the machine does not starve the forward.
 fn forward_with_pool_awake<T: Send>(forward: impl FnOnce() -> T + Send) -> T {
     use std::sync::atomic::{AtomicBool, Ordering};
     /// Lets the workers go when the forward returns or unwinds.
