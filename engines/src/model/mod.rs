@@ -2,6 +2,7 @@
 //! Attention is delegated to a [`KvPolicy`]; [`Llama::forward_dense`] is the no-cache
 //! reference every policy is checked against.
 
+mod elementwise;
 pub mod load;
 pub mod packed;
 pub mod pages;
@@ -323,6 +324,15 @@ fn gemv_packed_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys
             }
         }
     }
+}
+
+/// `silu(gate) · up`: on the forward's thread pool on the CPU, candle's operations
+/// elsewhere.
+fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if let Some(m) = elementwise::silu_mul(gate, up)? {
+        return Ok(m);
+    }
+    Ok((candle_nn::ops::silu(gate)? * up)?)
 }
 
 /// [`Llama::activation_bytes`] from the shape alone (elements of `elem` bytes): the
@@ -846,7 +856,8 @@ impl Llama {
     }
 
     /// `x + r` (when given) and the RMSNorm of it: one CUDA kernel with fused kernels
-    /// on, candle's two operations otherwise.
+    /// on; elsewhere the add on the CPU's thread pool ([`elementwise`]) or candle's,
+    /// then candle's RMSNorm.
     fn add_norm(
         &self,
         x: Tensor,
@@ -861,7 +872,10 @@ impl Llama {
             }
         }
         let x = match r {
-            Some(r) => (x + r)?,
+            Some(r) => match elementwise::add(&x, r)? {
+                Some(sum) => sum,
+                None => (x + r)?,
+            },
             None => x,
         };
         let h = candle_nn::ops::rms_norm(&x, w, eps)?;
@@ -869,7 +883,7 @@ impl Llama {
     }
 
     /// `silu(gate) · up` from the batched gate/up product (`[2, t, ff]`): one CUDA
-    /// kernel with fused kernels on, candle's two operations otherwise.
+    /// kernel with fused kernels on, [`silu_mul`] otherwise.
     fn swiglu_pair(&self, y: &Tensor) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if self.kernels_fused() {
@@ -877,7 +891,7 @@ impl Llama {
                 return Ok(m);
             }
         }
-        Ok((candle_nn::ops::silu(&y.get(0)?)? * y.get(1)?)?)
+        silu_mul(&y.get(0)?, &y.get(1)?)
     }
 
     /// The same weights with the projections run one by one (the layers' matrices are
@@ -1141,7 +1155,7 @@ impl Llama {
                 Some(f) => self.swiglu_pair(&pair_product(&h, &f.gate_up)?)?,
                 None => {
                     let [gate, up] = Linear::forward_many([&l.gate, &l.up], &h)?;
-                    (candle_nn::ops::silu(&gate)? * up)?
+                    silu_mul(&gate, &up)?
                 }
             };
             pending = Some(l.down.forward(&act)?);
