@@ -710,12 +710,15 @@ mod simd {
         out
     }
 
-    /// How far ahead of its reads [`dot4_packed`] asks for the packed rows' cache lines.
-    /// The hardware prefetchers alone left a batch-1 decode step's products well under
-    /// the read probe's rate on an Intel Xeon host with AVX-512 (the probe at 31 GB/s
-    /// on 2 threads): 3-6 KB ahead made the whole step 9-12 % faster there, 2 KB 7 %,
-    /// 8 KB 9 % (docs/correctness-and-performance.md, "Prefetching the packed rows").
-    const PACKED_PREFETCH_AHEAD: usize = 6 << 10;
+    /// How far ahead of its reads [`dot4_packed`] asks for the packed rows' cache lines
+    /// (into L2: `prefetcht1`). The hardware prefetchers alone left a batch-1 decode
+    /// step's products well under the read probe's rate on an Intel Xeon host with
+    /// AVX-512 (the probe at 31-37 GB/s on 2 threads). Passes over 537 MB of packed
+    /// rows split in halves, as shares of the probe: no hints 77-79 %, `prefetcht0` 6 KB
+    /// ahead 80-86 %, 2-3 KB 88-92 %; with the loads in address order (below), `t0` 3 KB
+    /// 89-91 %, `t1` 3 KB 92-94 %, `t1` 6 KB 86 % (docs/correctness-and-performance.md,
+    /// "Prefetching the packed rows: into L2, 3 KB ahead").
+    const PACKED_PREFETCH_AHEAD: usize = 3 << 10;
 
     /// [`dot4`] over four rows packed as [`crate::model::packed`] lays them out (each
     /// 8-column chunk of the four rows side by side, then the four rows' last `k % 8`
@@ -737,10 +740,15 @@ mod simd {
             // never faults, so the address may lie past the slice.
             let ahead = (p0 as *const i8).wrapping_add(PACKED_PREFETCH_AHEAD);
             for line in 0..4 {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line));
+                _mm_prefetch::<_MM_HINT_T1>(ahead.wrapping_add(64 * line));
             }
+            // The four lines in address order (interleaving the two halves read lines
+            // 0, 2, 0, 2, 1, 3, 1, 3: 2 points of the probe slower). Each accumulator
+            // takes the same sums in the same order either way.
             for (r, a) in acc.iter_mut().enumerate() {
                 a[0] = _mm256_fmadd_ps(_mm256_loadu_ps(p0.add(8 * r)), x0, a[0]);
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
                 a[1] = _mm256_fmadd_ps(_mm256_loadu_ps(p1.add(8 * r)), x1, a[1]);
             }
             i += 16;
