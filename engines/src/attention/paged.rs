@@ -70,7 +70,16 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
     let splits = if serial || rows >= 2 * threads {
         1
     } else {
-        (4 * threads).div_ceil(rows).min(longest / MIN_SPLIT).max(1)
+        let n = (4 * threads).div_ceil(rows).min(longest / MIN_SPLIT).max(1);
+        // Whole rounds over the threads: 5 splits on 2 threads left one thread a third
+        // split alone, and a batch-1 step's attention at 650 tokens took 3.8-4.2 ms
+        // against 2.2-2.6 ms with 4 (docs/correctness-and-performance.md, "Attention's
+        // key splits in whole rounds over the threads").
+        if n >= threads {
+            n / threads * threads
+        } else {
+            n
+        }
     };
     let group_rows = h;
     // The query heads of one row.
