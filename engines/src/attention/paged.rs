@@ -36,10 +36,55 @@ pub fn paged_attention(
     v: KvView<'_>,
     shape: AttnShape,
 ) -> Vec<f32> {
-    run(q, seqs, k, v, shape)
+    run(Simd::detect(), q, seqs, k, v, shape)
 }
 
-fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnShape) -> Vec<f32> {
+/// The instruction sets the kernel runs on, checked once per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Simd {
+    Portable,
+    /// AVX2 and FMA.
+    Avx2,
+    /// AVX2 and FMA, and AVX-512F for the inner loops that take all the query heads of
+    /// a KV head at once (the same sums in the same order: the same results to the
+    /// bit as `Avx2`). A 576-token prefill of SmolLM2-135M reached its first token in
+    /// 0.92 of the time (docs/correctness-and-performance.md, "The query heads of a KV
+    /// head at once").
+    Avx512,
+}
+
+impl Simd {
+    fn detect() -> Self {
+        if !has_avx2_fma() {
+            Simd::Portable
+        } else if has_avx512f() {
+            Simd::Avx512
+        } else {
+            Simd::Avx2
+        }
+    }
+}
+
+/// Whether the AVX-512F build of the attention's inner loops can run here.
+pub fn has_avx512f() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn run(
+    simd: Simd,
+    q: &[f32],
+    seqs: &[SeqAttn<'_>],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    s: AttnShape,
+) -> Vec<f32> {
     let (h, hkv, dh) = (s.num_heads, s.num_kv_heads, s.head_dim);
     let rows: usize = seqs.iter().map(|x| x.q_start + x.q_len).max().unwrap_or(0);
     debug_assert!(q.len() >= rows * h * dh);
@@ -58,7 +103,6 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
     // `examples/decode_attention.rs`). Too few rows for the threads split each row's keys
     // instead (below).
     let chunk = h * dh;
-    let avx = has_avx2_fma();
     // Handing a few microseconds of work to the pool costs more than it saves.
     let keys: usize = seqs.iter().map(|x| x.q_len * x.kv_len).sum();
     let serial = threads == 1 || keys * h * dh < 1 << 16;
@@ -91,7 +135,7 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
             };
             let mut ml = vec![0f32; 2 * group_rows];
             attend_row(
-                avx,
+                simd,
                 query(row),
                 o,
                 0..pos + 1,
@@ -129,7 +173,7 @@ fn run(q: &[f32], seqs: &[SeqAttn<'_>], k: KvView<'_>, v: KvView<'_>, s: AttnSha
             let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
             if !keys.is_empty() {
                 attend_row(
-                    avx,
+                    simd,
                     query(row),
                     &mut o,
                     keys,
@@ -196,13 +240,13 @@ pub fn has_avx2_fma() -> bool {
 
 /// Attention of the query heads of KV heads `groups` (`qr`: `[groups × G, dh]`) over
 /// `keys` (starting on a block boundary), unnormalized: `out` holds Σ e^{s−m}·v and
-/// `ml` each head's running max `m` then its sum `l`. The AVX2+FMA build when `avx`
+/// `ml` each head's running max `m` then its sum `l`, on the instruction sets `simd`
 /// (decided once per call by the caller). Prefetch hints when `hints`: a decode row's
 /// K/V come from memory, while a prefill chunk's rows read what the rows before them
 /// brought into cache, and hints there cost 2–3 % of a 576-token prefill's TTFT.
 #[allow(clippy::too_many_arguments)]
 fn attend_row(
-    avx: bool,
+    simd: Simd,
     qr: &[f32],
     out: &mut [f32],
     keys: std::ops::Range<usize>,
@@ -215,13 +259,38 @@ fn attend_row(
     hints: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if avx {
-        // SAFETY: `avx` comes from `has_avx2_fma`.
-        unsafe { attend_row_avx2(qr, out, keys, table, k, v, groups, s, ml, hints) };
-        return;
+    match simd {
+        // SAFETY: `Simd::detect` checked the CPU for each.
+        Simd::Avx512 => {
+            unsafe { attend_row_avx512(qr, out, keys, table, k, v, groups, s, ml, hints) };
+            return;
+        }
+        Simd::Avx2 => {
+            unsafe { attend_row_avx2(qr, out, keys, table, k, v, groups, s, ml, hints) };
+            return;
+        }
+        Simd::Portable => {}
     }
-    let _ = avx;
-    attend_row_impl::<false>(qr, out, keys, table, k, v, groups, s, ml, hints)
+    let _ = simd;
+    attend_row_impl::<false, false>(qr, out, keys, table, k, v, groups, s, ml, hints)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_row_avx512(
+    qr: &[f32],
+    out: &mut [f32],
+    keys: std::ops::Range<usize>,
+    table: &[BlockId],
+    k: KvView<'_>,
+    v: KvView<'_>,
+    groups: std::ops::Range<usize>,
+    s: AttnShape,
+    ml: &mut [f32],
+    hints: bool,
+) {
+    attend_row_impl::<true, true>(qr, out, keys, table, k, v, groups, s, ml, hints)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -239,7 +308,7 @@ unsafe fn attend_row_avx2(
     ml: &mut [f32],
     hints: bool,
 ) {
-    attend_row_impl::<true>(qr, out, keys, table, k, v, groups, s, ml, hints)
+    attend_row_impl::<true, false>(qr, out, keys, table, k, v, groups, s, ml, hints)
 }
 
 /// Keys scored together before one softmax update (rounded down to whole blocks): a
@@ -253,10 +322,11 @@ const SPAN: usize = 256;
 /// Blocks read ahead by prefetch hints.
 const AHEAD: usize = 2;
 
-/// `AVX`: called from the AVX2+FMA build only after the CPU was checked.
+/// `AVX`: called from the AVX2+FMA build only after the CPU was checked; `WIDE`: from
+/// the AVX-512F build, likewise.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn attend_row_impl<const AVX: bool>(
+fn attend_row_impl<const AVX: bool, const WIDE: bool>(
     qr: &[f32],
     out: &mut [f32],
     keys: std::ops::Range<usize>,
@@ -317,6 +387,36 @@ fn attend_row_impl<const AVX: bool>(
             hint(&k, t + AHEAD * bs, end);
             for (gi, g) in groups.clone().enumerate() {
                 let kb = k.rows(first(t, g), len, dh, &mut kf);
+                #[cfg(target_arch = "x86_64")]
+                if WIDE && simd::wide_scores_fit(g_size, dh) {
+                    // Every query head of this KV head over four keys at a time, each
+                    // key's row loaded once for all of them (the keys of the block
+                    // past its last four: one by one below).
+                    let qg = &qr[gi * g_size * dh..(gi + 1) * g_size * dh];
+                    let quads = len / 4;
+                    for (qi, kq) in kb.chunks_exact(4 * dh).take(quads).enumerate() {
+                        // SAFETY: `WIDE` comes from the AVX-512F build.
+                        let d = unsafe { simd::dot4_heads(kq, qg, dh) };
+                        for (j, dj) in d.iter().take(g_size).enumerate() {
+                            let at = (gi * g_size + j) * span + (t - start) + 4 * qi;
+                            for (pt, x) in p[at..at + 4].iter_mut().zip(dj) {
+                                *pt = scale * x;
+                            }
+                        }
+                    }
+                    for j in 0..g_size {
+                        let hq = gi * g_size + j;
+                        let qh = &qr[hq * dh..(hq + 1) * dh];
+                        let ps = &mut p[hq * span + (t - start)..][..len];
+                        for (pt, kt) in ps[4 * quads..]
+                            .iter_mut()
+                            .zip(kb[4 * quads * dh..].chunks_exact(dh))
+                        {
+                            *pt = scale * dot_dispatch::<AVX>(qh, kt);
+                        }
+                    }
+                    continue;
+                }
                 for j in 0..g_size {
                     let hq = gi * g_size + j;
                     let qh = &qr[hq * dh..(hq + 1) * dh];
@@ -370,6 +470,16 @@ fn attend_row_impl<const AVX: bool>(
             }
             for (gi, g) in groups.clone().enumerate() {
                 let vb = v.rows(first(t, g), len, dh, &mut vf);
+                #[cfg(target_arch = "x86_64")]
+                if WIDE && simd::wide_values_fit(g_size, dh) {
+                    // Every query head of this KV head at once, each value row
+                    // loaded once for all of them.
+                    let at = gi * g_size * span + (t - start);
+                    let og = &mut out[gi * g_size * dh..(gi + 1) * g_size * dh];
+                    // SAFETY: `WIDE` comes from the AVX-512F build.
+                    unsafe { simd::accumulate_heads(&p[at..], span, len, vb, og, g_size, dh) };
+                    continue;
+                }
                 for j in 0..g_size {
                     let hq = gi * g_size + j;
                     let ps = &p[hq * span + (t - start)..][..len];
@@ -719,6 +829,133 @@ mod simd {
         out
     }
 
+    /// The two 256-bit halves of `z`: lanes 0-7 and 8-15.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn halves(z: __m512) -> [__m256; 2] {
+        [
+            _mm512_castps512_ps256(z),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(z))),
+        ]
+    }
+
+    /// Whether [`dot4_heads`] takes `g` query heads of `dh` (registers: `4g` sums).
+    pub fn wide_scores_fit(g: usize, dh: usize) -> bool {
+        (1..=4).contains(&g) && dh.is_multiple_of(16) && dh > 0
+    }
+
+    /// [`dot4`] of four keys' rows (`kq`: `[4, dh]`) with each of the `G ≤ 4` query
+    /// heads of `qg` (`[G, dh]`; row `j` of the result for head `j`, rows past `G`
+    /// zero), each key's 16-float chunk loaded once for every head. Lanes 0-7 of each
+    /// 512-bit sum take exactly [`dot4`]'s first accumulator's sums and lanes 8-15 its
+    /// second's, in the same order, so the results are [`dot4`]'s to the bit. `dh` a
+    /// multiple of 16 ([`wide_scores_fit`]).
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub unsafe fn dot4_heads(kq: &[f32], qg: &[f32], dh: usize) -> [[f32; 4]; 4] {
+        match qg.len() / dh {
+            1 => widen(dot4_heads_g::<1>(kq, qg, dh)),
+            2 => widen(dot4_heads_g::<2>(kq, qg, dh)),
+            3 => widen(dot4_heads_g::<3>(kq, qg, dh)),
+            _ => widen(dot4_heads_g::<4>(kq, qg, dh)),
+        }
+    }
+
+    fn widen<const G: usize>(d: [[f32; 4]; G]) -> [[f32; 4]; 4] {
+        std::array::from_fn(|j| if j < G { d[j] } else { [0.0; 4] })
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn dot4_heads_g<const G: usize>(kq: &[f32], qg: &[f32], dh: usize) -> [[f32; 4]; G] {
+        assert!(kq.len() >= 4 * dh && qg.len() >= G * dh && dh.is_multiple_of(16));
+        let (pk, pq) = (kq.as_ptr(), qg.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 4]; G];
+        let mut i = 0;
+        while i + 16 <= dh {
+            let kr: [__m512; 4] = std::array::from_fn(|r| _mm512_loadu_ps(pk.add(r * dh + i)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let x = _mm512_loadu_ps(pq.add(j * dh + i));
+                for (a, kv) in aj.iter_mut().zip(kr) {
+                    *a = _mm512_fmadd_ps(kv, x, *a);
+                }
+            }
+            i += 16;
+        }
+        let mut out = [[0f32; 4]; G];
+        for (o, aj) in out.iter_mut().zip(&acc) {
+            let mut two = [[_mm256_setzero_ps(); 2]; 4];
+            for (t, a) in two.iter_mut().zip(aj) {
+                *t = halves(*a);
+            }
+            *o = reduce4(&two);
+        }
+        out
+    }
+
+    /// Whether [`accumulate_heads`] takes `g` query heads of `dh` (registers: `g + 1`
+    /// rows of `dh / 16`).
+    pub fn wide_values_fit(g: usize, dh: usize) -> bool {
+        matches!((g, dh), (1..=4, 64) | (1..=2, 128))
+    }
+
+    /// [`accumulate`] for the `g` query heads of one KV head at once: head `j` adds
+    /// `Σ_t p[j·stride + t] · vb[t]` over `t < len` into `out[j·dh..]`, each value row
+    /// loaded once for every head. Lanes of each 512-bit sum take [`accumulate`]'s sums
+    /// in its order: the same results to the bit. [`wide_values_fit`] must hold.
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub unsafe fn accumulate_heads(
+        p: &[f32],
+        stride: usize,
+        len: usize,
+        vb: &[f32],
+        out: &mut [f32],
+        g: usize,
+        dh: usize,
+    ) {
+        match (g, dh) {
+            (1, 64) => acc_heads::<1, 4>(p, stride, len, vb, out),
+            (2, 64) => acc_heads::<2, 4>(p, stride, len, vb, out),
+            (3, 64) => acc_heads::<3, 4>(p, stride, len, vb, out),
+            (4, 64) => acc_heads::<4, 4>(p, stride, len, vb, out),
+            (1, 128) => acc_heads::<1, 8>(p, stride, len, vb, out),
+            (2, 128) => acc_heads::<2, 8>(p, stride, len, vb, out),
+            _ => panic!("accumulate_heads: {g} heads of {dh} do not fit its registers"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn acc_heads<const G: usize, const N: usize>(
+        p: &[f32],
+        stride: usize,
+        len: usize,
+        vb: &[f32],
+        out: &mut [f32],
+    ) {
+        let dh = 16 * N;
+        assert!(p.len() >= (G - 1) * stride + len && vb.len() >= len * dh);
+        assert!(out.len() >= G * dh);
+        let (pp, pv) = (p.as_ptr(), vb.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); N]; G];
+        for t in 0..len {
+            let row: [__m512; N] =
+                std::array::from_fn(|c| _mm512_loadu_ps(pv.add(t * dh + 16 * c)));
+            for (j, aj) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*pp.add(j * stride + t));
+                for (a, r) in aj.iter_mut().zip(row) {
+                    *a = _mm512_fmadd_ps(w, r, *a);
+                }
+            }
+        }
+        let o = out.as_mut_ptr();
+        for (j, aj) in acc.iter().enumerate() {
+            for (c, a) in aj.iter().enumerate() {
+                let at = o.add(j * dh + 16 * c);
+                _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), *a));
+            }
+        }
+    }
+
     /// How far ahead of its reads [`dot4_packed`] asks for the packed rows' cache lines
     /// (into L2: `prefetcht1`). The hardware prefetchers alone left a batch-1 decode
     /// step's products well under the read probe's rate on an Intel Xeon host with
@@ -869,6 +1106,95 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX-512F inner loops (all query heads of a KV head at once) give the AVX2
+    /// build's results to the bit: decode rows over long contexts (split keys) and a
+    /// prefill chunk whose keys end inside a block and past a multiple of four, over
+    /// shuffled block tables, for head shapes that take the wide loops for both passes,
+    /// for the scores only (`dh` 48; 4 heads of 128) and for neither (8 heads a group).
+    /// On a CPU without AVX-512F the dispatch must not choose it.
+    #[test]
+    fn avx512_heads_match_avx2_to_the_bit() {
+        use rand::seq::SliceRandom;
+        use rand::{Rng, SeedableRng};
+        if !(has_avx2_fma() && has_avx512f()) {
+            assert_ne!(Simd::detect(), Simd::Avx512, "no AVX-512F here");
+            eprintln!("avx512_heads_match_avx2_to_the_bit: this CPU has no AVX-512F");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let bs = 16;
+        for (h, hkv, dh) in [
+            (9, 3, 64),
+            (8, 2, 64),
+            (4, 4, 64),
+            (8, 4, 128),
+            (8, 2, 128),
+            (12, 4, 48),
+            (8, 1, 64),
+        ] {
+            let s = AttnShape {
+                num_heads: h,
+                num_kv_heads: hkv,
+                head_dim: dh,
+                block_size: bs,
+            };
+            let blocks = 80;
+            let n = blocks * hkv * bs * dh;
+            let kp: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let vp: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut ids: Vec<BlockId> = (0..blocks as BlockId).collect();
+            ids.shuffle(&mut rng);
+            let (ta, tb, tc) = (&ids[..40], &ids[40..43], &ids[43..80]);
+            // (rows, keys) per sequence: decode rows at 600 and 37 keys, a prefill
+            // chunk of 21 rows ending at 37 keys.
+            for seqs in [
+                vec![SeqAttn {
+                    q_start: 0,
+                    q_len: 1,
+                    kv_len: 600,
+                    table: ta,
+                }],
+                vec![
+                    SeqAttn {
+                        q_start: 0,
+                        q_len: 1,
+                        kv_len: 37,
+                        table: tb,
+                    },
+                    SeqAttn {
+                        q_start: 1,
+                        q_len: 1,
+                        kv_len: 590,
+                        table: tc,
+                    },
+                ],
+                vec![SeqAttn {
+                    q_start: 0,
+                    q_len: 21,
+                    kv_len: 37,
+                    table: tb,
+                }],
+            ] {
+                let rows: usize = seqs.iter().map(|x| x.q_len).sum();
+                let q: Vec<f32> = (0..rows * h * dh)
+                    .map(|_| rng.random_range(-2.0..2.0))
+                    .collect();
+                let (kv, vv) = (KvView::F32(&kp), KvView::F32(&vp));
+                let narrow = run(Simd::Avx2, &q, &seqs, kv, vv, s);
+                let wide = run(Simd::Avx512, &q, &seqs, kv, vv, s);
+                assert!(narrow.iter().all(|x| x.is_finite()));
+                let same = narrow
+                    .iter()
+                    .zip(&wide)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "heads {h}/{hkv} of {dh}, rows {rows}: the wide loops differ"
+                );
+            }
+        }
+    }
 
     /// Four rows at once equal four plain dot products (f64), with and without the
     /// AVX2 build, for widths that leave every remainder.
