@@ -134,19 +134,17 @@ fn run(
                 return;
             };
             let mut ml = vec![0f32; 2 * group_rows];
-            attend_row(
-                simd,
-                query(row),
-                o,
-                0..pos + 1,
-                seqs[si].table,
+            let item = Row {
+                qr: query(row),
+                keys: 0..pos + 1,
+                table: seqs[si].table,
                 k,
                 v,
-                0..hkv,
+                groups: 0..hkv,
                 s,
-                &mut ml,
-                seqs[si].q_len == 1,
-            );
+                hints: seqs[si].q_len == 1,
+            };
+            attend_row(simd, item, o, &mut ml);
             normalize(o, &ml, dh);
         };
         if serial {
@@ -172,19 +170,17 @@ fn run(
             let span = n.div_ceil(splits).div_ceil(s.block_size) * s.block_size;
             let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
             if !keys.is_empty() {
-                attend_row(
-                    simd,
-                    query(row),
-                    &mut o,
+                let item = Row {
+                    qr: query(row),
                     keys,
-                    seqs[si].table,
+                    table: seqs[si].table,
                     k,
                     v,
-                    0..hkv,
+                    groups: 0..hkv,
                     s,
-                    &mut ml,
-                    seqs[si].q_len == 1,
-                );
+                    hints: seqs[si].q_len == 1,
+                };
+                attend_row(simd, item, &mut o, &mut ml);
             }
             (o, ml)
         })
@@ -238,77 +234,47 @@ pub fn has_avx2_fma() -> bool {
     }
 }
 
-/// Attention of the query heads of KV heads `groups` (`qr`: `[groups × G, dh]`) over
-/// `keys` (starting on a block boundary), unnormalized: `out` holds Σ e^{s−m}·v and
-/// `ml` each head's running max `m` then its sum `l`, on the instruction sets `simd`
-/// (decided once per call by the caller). Prefetch hints when `hints`: a decode row's
-/// K/V come from memory, while a prefill chunk's rows read what the rows before them
-/// brought into cache, and hints there cost 2–3 % of a 576-token prefill's TTFT.
-#[allow(clippy::too_many_arguments)]
-fn attend_row(
-    simd: Simd,
-    qr: &[f32],
-    out: &mut [f32],
+/// One query row's work for [`attend_row`]: its query heads of KV heads `groups` (`qr`:
+/// `[groups × G, dh]`) over `keys` (starting on a block boundary) of the sequence with
+/// block table `table`. Prefetch hints when `hints`: a decode row's K/V come from
+/// memory, while a prefill chunk's rows read what the rows before them brought into
+/// cache, and hints there cost 2–3 % of a 576-token prefill's TTFT.
+struct Row<'a> {
+    qr: &'a [f32],
     keys: std::ops::Range<usize>,
-    table: &[BlockId],
-    k: KvView<'_>,
-    v: KvView<'_>,
+    table: &'a [BlockId],
+    k: KvView<'a>,
+    v: KvView<'a>,
     groups: std::ops::Range<usize>,
     s: AttnShape,
-    ml: &mut [f32],
     hints: bool,
-) {
+}
+
+/// Attention of `row`, unnormalized: `out` holds Σ e^{s−m}·v and `ml` each head's
+/// running max `m` then its sum `l`, on the instruction sets `simd` (decided once per
+/// call by the caller).
+fn attend_row(simd: Simd, row: Row<'_>, out: &mut [f32], ml: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match simd {
         // SAFETY: `Simd::detect` checked the CPU for each.
-        Simd::Avx512 => {
-            unsafe { attend_row_avx512(qr, out, keys, table, k, v, groups, s, ml, hints) };
-            return;
-        }
-        Simd::Avx2 => {
-            unsafe { attend_row_avx2(qr, out, keys, table, k, v, groups, s, ml, hints) };
-            return;
-        }
+        Simd::Avx512 => return unsafe { attend_row_avx512(row, out, ml) },
+        Simd::Avx2 => return unsafe { attend_row_avx2(row, out, ml) },
         Simd::Portable => {}
     }
     let _ = simd;
-    attend_row_impl::<false, false>(qr, out, keys, table, k, v, groups, s, ml, hints)
+    attend_row_impl::<false, false>(row, out, ml)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_row_avx512(
-    qr: &[f32],
-    out: &mut [f32],
-    keys: std::ops::Range<usize>,
-    table: &[BlockId],
-    k: KvView<'_>,
-    v: KvView<'_>,
-    groups: std::ops::Range<usize>,
-    s: AttnShape,
-    ml: &mut [f32],
-    hints: bool,
-) {
-    attend_row_impl::<true, true>(qr, out, keys, table, k, v, groups, s, ml, hints)
+unsafe fn attend_row_avx512(row: Row<'_>, out: &mut [f32], ml: &mut [f32]) {
+    attend_row_impl::<true, true>(row, out, ml)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend_row_avx2(
-    qr: &[f32],
-    out: &mut [f32],
-    keys: std::ops::Range<usize>,
-    table: &[BlockId],
-    k: KvView<'_>,
-    v: KvView<'_>,
-    groups: std::ops::Range<usize>,
-    s: AttnShape,
-    ml: &mut [f32],
-    hints: bool,
-) {
-    attend_row_impl::<true, false>(qr, out, keys, table, k, v, groups, s, ml, hints)
+unsafe fn attend_row_avx2(row: Row<'_>, out: &mut [f32], ml: &mut [f32]) {
+    attend_row_impl::<true, false>(row, out, ml)
 }
 
 /// Keys scored together before one softmax update (rounded down to whole blocks): a
@@ -325,19 +291,21 @@ const AHEAD: usize = 2;
 /// `AVX`: called from the AVX2+FMA build only after the CPU was checked; `WIDE`: from
 /// the AVX-512F build, likewise.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn attend_row_impl<const AVX: bool, const WIDE: bool>(
-    qr: &[f32],
+    row: Row<'_>,
     out: &mut [f32],
-    keys: std::ops::Range<usize>,
-    table: &[BlockId],
-    k: KvView<'_>,
-    v: KvView<'_>,
-    groups: std::ops::Range<usize>,
-    s: AttnShape,
     ml: &mut [f32],
-    hints: bool,
 ) {
+    let Row {
+        qr,
+        keys,
+        table,
+        k,
+        v,
+        groups,
+        s,
+        hints,
+    } = row;
     let (hkv, dh, bs) = (s.num_kv_heads, s.head_dim, s.block_size);
     let g_size = s.num_heads / hkv;
     let nh = groups.len() * g_size; // query heads of this item
