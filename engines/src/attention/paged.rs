@@ -649,6 +649,39 @@ pub fn dot4x2_packed_with(avx: bool, w: &[f32], x0: &[f32], x1: &[f32]) -> [[f32
     [d[0], d[1]]
 }
 
+/// Whether the 512-bit packed kernel ([`dot4xn_packed_wide`]) can run here: AVX2 and
+/// FMA, AVX-512F and AVX-512DQ.
+pub fn has_avx512_packed() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2_fma()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Four packed rows dotted with each of `N` inputs in one pass over the rows, in
+/// 512-bit registers where [`has_avx512_packed`] (two rows of an 8-column chunk a
+/// register): each input's results are [`dot4x2_packed_with`]'s AVX2 results to the
+/// bit, whatever it is grouped with. Elsewhere, [`dot4x2_packed_with`]'s portable
+/// form.
+#[inline]
+pub fn dot4xn_packed_wide<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [[f32; 4]; N] {
+    let k = xs.first().map_or(0, |x| x.len());
+    assert!(w.len() >= 4 * k && xs.iter().all(|x| x.len() == k));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512_packed() {
+        // SAFETY: the CPU features checked just above; lengths asserted.
+        return unsafe { simd::dot4xn_packed_z(w, xs) };
+    }
+    let d = dot4_unpacked(w, &xs);
+    std::array::from_fn(|j| d[j])
+}
+
 /// `out += Σ_t p[t] · vb[t]` (`vb`: `[p.len(), out.len()]`), AVX2+FMA when `avx`.
 #[inline]
 pub fn accumulate_with(avx: bool, p: &[f32], vb: &[f32], out: &mut [f32]) {
@@ -1020,6 +1053,47 @@ mod simd {
                 let wv = *pt.add(r * tail + i - full);
                 *a += wv * x0[i];
                 *b += wv * x1[i];
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// [`dot4x2_packed`] for `N` inputs: each 8-column chunk of the four rows is two
+    /// 512-bit registers (rows 0-1, rows 2-3), each input's chunk broadcast to both
+    /// halves, so that lanes 0-7 and 8-15 of a sum take exactly the sums of
+    /// [`dot4x2_packed`]'s accumulators for two rows, in the same order; then the same
+    /// reduction and tail.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512dq")]
+    pub unsafe fn dot4xn_packed_z<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [[f32; 4]; N] {
+        let k = xs.first().map_or(0, |x| x.len());
+        assert!(w.len() >= 4 * k && xs.iter().all(|x| x.len() == k));
+        let pw = w.as_ptr();
+        let px = xs.map(|x| x.as_ptr());
+        let mut acc = [[_mm512_setzero_ps(); 2]; N];
+        let mut i = 0;
+        while i + 8 <= k {
+            let pc = pw.add(4 * i);
+            let (w01, w23) = (_mm512_loadu_ps(pc), _mm512_loadu_ps(pc.add(16)));
+            for (a, p) in acc.iter_mut().zip(px) {
+                let x = _mm512_broadcast_f32x8(_mm256_loadu_ps(p.add(i)));
+                a[0] = _mm512_fmadd_ps(w01, x, a[0]);
+                a[1] = _mm512_fmadd_ps(w23, x, a[1]);
+            }
+            i += 8;
+        }
+        let zero = _mm256_setzero_ps();
+        let mut out = acc.map(|a| {
+            let ([r0, r1], [r2, r3]) = (halves(a[0]), halves(a[1]));
+            reduce4(&[[r0, zero], [r1, zero], [r2, zero], [r3, zero]])
+        });
+        let (full, tail) = (i, k - i);
+        let pt = pw.add(4 * full);
+        while i < k {
+            for (o, x) in out.iter_mut().zip(xs) {
+                for (r, a) in o.iter_mut().enumerate() {
+                    *a += *pt.add(r * tail + i - full) * x[i];
+                }
             }
             i += 1;
         }

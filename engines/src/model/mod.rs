@@ -241,9 +241,12 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
                 .map(|(y, w)| (y, w, packed)),
         );
     }
+    // Four inputs a pass in 512-bit registers where the CPU has them: a batch-16 decode
+    // 1.05-1.09x faster (docs/correctness-and-performance.md, "Four decode rows a pass").
+    let wide = avx && crate::attention::paged::has_avx512_packed();
     let run = |(ys, w, packed): (&mut [f32], &[f32], bool)| {
         if packed {
-            gemv_packed_block(avx, w, &xs, k, rows, ys)
+            gemv_packed_block(avx, wide, w, &xs, k, rows, ys)
         } else {
             gemv_block(avx, w, &xs, k, rows, ys)
         }
@@ -296,9 +299,19 @@ fn gemv_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut 
 
 /// [`gemv_block`] over packed groups of four rows (`w`: whole groups, `ys`: `[4 ·
 /// groups, rows]`): each group is one stream read once, in cache for the other input
-/// rows; the same results to the bit as the row layout's.
-fn gemv_packed_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys: &mut [f32]) {
-    use crate::attention::paged::{dot4_packed_with, dot4x2_packed_with};
+/// rows; the same results to the bit as the row layout's. `wide`: the 512-bit kernel
+/// for more than [`GEMV_MAX_ROWS`] rows, four inputs a pass (the same results to the
+/// bit as two a pass).
+fn gemv_packed_block(
+    avx: bool,
+    wide: bool,
+    w: &[f32],
+    xs: &[f32],
+    k: usize,
+    rows: usize,
+    ys: &mut [f32],
+) {
+    use crate::attention::paged::{dot4_packed_with, dot4x2_packed_with, dot4xn_packed_wide};
     let g = packed::GROUP;
     for (yg, wg) in ys.chunks_exact_mut(g * rows).zip(w.chunks_exact(g * k)) {
         let mut put = |r: usize, d: [f32; 4]| {
@@ -311,6 +324,27 @@ fn gemv_packed_block(avx: bool, w: &[f32], xs: &[f32], k: usize, rows: usize, ys
             // alone (and as the row layout's).
             for (r, xr) in xs.chunks_exact(k).enumerate() {
                 put(r, dot4_packed_with(avx, wg, xr));
+            }
+        } else if wide {
+            // Fours, then a pair, then a last odd row alone as below (so that each row
+            // gets the sums it gets there).
+            let mut r = 0;
+            for quad in xs.chunks_exact(4 * k) {
+                let x: [&[f32]; 4] = std::array::from_fn(|j| &quad[j * k..(j + 1) * k]);
+                for (j, d) in dot4xn_packed_wide(wg, x).into_iter().enumerate() {
+                    put(r + j, d);
+                }
+                r += 4;
+            }
+            let rest = &xs[r * k..];
+            if rest.len() >= 2 * k {
+                let [a, b] = dot4xn_packed_wide(wg, [&rest[..k], &rest[k..2 * k]]);
+                put(r, a);
+                put(r + 1, b);
+                r += 2;
+            }
+            if r < rows {
+                put(r, dot4_packed_with(avx, wg, &xs[r * k..]));
             }
         } else {
             for (p, pair) in xs.chunks(2 * k).enumerate() {
@@ -1491,6 +1525,45 @@ mod tests {
         assert!(gemv(&w, &x).unwrap().is_none());
         let x = Tensor::randn(0f32, 1.0, (1, n), &dev).unwrap();
         assert!(gemv(&w.t().unwrap(), &x).unwrap().is_none());
+    }
+
+    /// The 512-bit packed kernel (four inputs a pass) gives each input row the bits
+    /// the two-a-pass kernel gives it, for row counts that leave a pair, an odd row or
+    /// both after the fours, and widths with and without a tail past the last chunk of
+    /// 8. On a CPU without AVX-512F and DQ the products must not choose it.
+    #[test]
+    fn wide_packed_products_match_two_at_a_time_to_the_bit() {
+        use crate::attention::paged::{has_avx2_fma, has_avx512_packed};
+        if !has_avx512_packed() {
+            eprintln!("wide_packed_products_match_two_at_a_time_to_the_bit: no AVX-512F/DQ here");
+            return;
+        }
+        let dev = Device::Cpu;
+        for (n, k) in [(36, 576), (12, 1536), (20, 44), (8, 8)] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+            let p = packed::pack(&w.flatten_all().unwrap().to_vec1::<f32>().unwrap(), n, k);
+            for rows in [5, 6, 7, 8, 9, 10, 11, 16, 17] {
+                let xs = Tensor::randn(0f32, 1.0, (rows, k), &dev)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap();
+                let mut pairs = vec![0f32; n.next_multiple_of(4) * rows];
+                let mut fours = pairs.clone();
+                gemv_packed_block(has_avx2_fma(), false, &p, &xs, k, rows, &mut pairs);
+                gemv_packed_block(true, true, &p, &xs, k, rows, &mut fours);
+                assert!(pairs.iter().all(|x| x.is_finite()));
+                let same = pairs
+                    .iter()
+                    .zip(&fours)
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(
+                    same,
+                    "{n}×{k}, rows {rows}: the wide kernel gives other bits"
+                );
+            }
+        }
     }
 
     #[test]
