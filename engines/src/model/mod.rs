@@ -263,12 +263,19 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     let mut ys = Vec::with_capacity(outs.len());
     for (mut yt, (n, _)) in outs.into_iter().zip(heights) {
         yt.truncate(n * rows);
-        let y = Tensor::from_vec(yt, (n, rows), x.device())?;
-        ys.push(if rows == 1 {
-            y.reshape((1, n))?
-        } else {
-            y.t()?.contiguous()?
-        });
+        if rows == 1 {
+            ys.push(Tensor::from_vec(yt, (1, n), x.device())?);
+            continue;
+        }
+        // To `[rows, n]`: one pass reading the output-major buffer in order (candle's
+        // strided copy of the transposed view was 4 % of a batch-16 decode step).
+        let mut y = vec![0f32; n * rows];
+        for (i, yr) in yt.chunks_exact(rows).enumerate() {
+            for (r, &v) in yr.iter().enumerate() {
+                y[r * n + i] = v;
+            }
+        }
+        ys.push(Tensor::from_vec(y, (rows, n), x.device())?);
     }
     Ok(Some(ys))
 }
