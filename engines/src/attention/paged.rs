@@ -45,7 +45,7 @@ enum Simd {
     Portable,
     /// AVX2 and FMA.
     Avx2,
-    /// AVX2 and FMA, and AVX-512F for the inner loops that take all the query heads of
+    /// AVX2 and FMA, and AVX-512 ([`has_avx512`]) for the inner loops that take all the query heads of
     /// a KV head at once (the same sums in the same order: the same results to the
     /// bit as `Avx2`). A 576-token prefill of SmolLM2-135M reached its first token in
     /// 0.92 of the time (docs/correctness-and-performance.md, "The query heads of a KV
@@ -57,23 +57,11 @@ impl Simd {
     fn detect() -> Self {
         if !has_avx2_fma() {
             Simd::Portable
-        } else if has_avx512f() {
+        } else if has_avx512() {
             Simd::Avx512
         } else {
             Simd::Avx2
         }
-    }
-}
-
-/// Whether the AVX-512F build of the attention's inner loops can run here.
-pub fn has_avx512f() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }
 
@@ -227,6 +215,21 @@ pub fn has_avx2_fma() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Whether the 512-bit kernels can run here: AVX2 and FMA, AVX-512F and AVX-512DQ (the
+/// attention's loops over a KV head's query heads, [`dot4xn_packed_wide`]).
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2_fma()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -649,23 +652,8 @@ pub fn dot4x2_packed_with(avx: bool, w: &[f32], x0: &[f32], x1: &[f32]) -> [[f32
     [d[0], d[1]]
 }
 
-/// Whether the 512-bit packed kernel ([`dot4xn_packed_wide`]) can run here: AVX2 and
-/// FMA, AVX-512F and AVX-512DQ.
-pub fn has_avx512_packed() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        has_avx2_fma()
-            && std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512dq")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Four packed rows dotted with each of `N` inputs in one pass over the rows, in
-/// 512-bit registers where [`has_avx512_packed`] (two rows of an 8-column chunk a
+/// 512-bit registers where [`has_avx512`] (two rows of an 8-column chunk a
 /// register): each input's results are [`dot4x2_packed_with`]'s AVX2 results to the
 /// bit, whatever it is grouped with. Elsewhere, [`dot4x2_packed_with`]'s portable
 /// form.
@@ -674,7 +662,7 @@ pub fn dot4xn_packed_wide<const N: usize>(w: &[f32], xs: [&[f32]; N]) -> [[f32; 
     let k = xs.first().map_or(0, |x| x.len());
     assert!(w.len() >= 4 * k && xs.iter().all(|x| x.len() == k));
     #[cfg(target_arch = "x86_64")]
-    if has_avx512_packed() {
+    if has_avx512() {
         // SAFETY: the CPU features checked just above; lengths asserted.
         return unsafe { simd::dot4xn_packed_z(w, xs) };
     }
@@ -1154,14 +1142,14 @@ mod tests {
     /// prefill chunk whose keys end inside a block and past a multiple of four, over
     /// shuffled block tables, for head shapes that take the wide loops for both passes,
     /// for the scores only (`dh` 48; 4 heads of 128) and for neither (8 heads a group).
-    /// On a CPU without AVX-512F the dispatch must not choose it.
+    /// On a CPU without AVX-512F and DQ the dispatch must not choose it.
     #[test]
     fn avx512_heads_match_avx2_to_the_bit() {
         use rand::seq::SliceRandom;
         use rand::{Rng, SeedableRng};
-        if !(has_avx2_fma() && has_avx512f()) {
-            assert_ne!(Simd::detect(), Simd::Avx512, "no AVX-512F here");
-            eprintln!("avx512_heads_match_avx2_to_the_bit: this CPU has no AVX-512F");
+        if !has_avx512() {
+            assert_ne!(Simd::detect(), Simd::Avx512, "no AVX-512F/DQ here");
+            eprintln!("avx512_heads_match_avx2_to_the_bit: this CPU has no AVX-512F/DQ");
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
