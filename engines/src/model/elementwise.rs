@@ -1,4 +1,5 @@
-//! The layer's elementwise work on the CPU (the residual add, SwiGLU's product), split
+//! The layer's elementwise work on the CPU (the residual add and RMSNorm, SwiGLU's
+//! product, RoPE), split
 //! over the thread pool that runs the forward. candle runs these operations on a pool
 //! of its own, whose worker sleeps between two of them and is woken for each: in a
 //! 576-token prefill, about half of the time the forward's thread ran alone went to
@@ -9,6 +10,7 @@
 use crate::error::Result;
 use candle_core::{CpuStorage, DType, Storage, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Elements below which the work stays on the calling thread (a decode step's rows:
 /// a few microseconds).
@@ -26,6 +28,172 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
 /// are f32 CPU tensors of one shape.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
     zip_with(gate, up, |g, u| g / (1.0 + (-g).exp()) * u)
+}
+
+/// Rows of a norm taken together: each row's sum of squares is one chain of additions
+/// in element order (candle's), and eight independent chains keep the adder busy
+/// where one waits on each addition's latency.
+const NORM_ROWS: usize = 8;
+
+/// One job of [`add_rms_norm`]: its rows of both outputs, and the index and rows of
+/// its input.
+type RowsItem<'a> = (
+    (&'a mut [MaybeUninit<f32>], &'a mut [MaybeUninit<f32>]),
+    (usize, &'a [f32]),
+);
+
+/// `x + r` (the residual, when `r` is given) and RMSNorm of it with weights `w`, in
+/// one pass over the rows: candle's arithmetic (the sum of squares in element order
+/// from −0.0, `x / √(Σx²/n + ε) · w` element by element), so the same bits as
+/// `candle_nn::ops::rms_norm` after the add. `None` unless all are f32 CPU tensors,
+/// contiguous, `x` and `r` of one shape and `w` as long as a row.
+pub fn add_rms_norm(
+    x: &Tensor,
+    r: Option<&Tensor>,
+    w: &Tensor,
+    eps: f32,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    let n = match x.dims().last() {
+        Some(&n) if n > 0 => n,
+        _ => return Ok(None),
+    };
+    if !cpu_f32(x)
+        || !cpu_f32(w)
+        || w.dims() != [n]
+        || r.is_some_and(|r| !cpu_f32(r) || r.shape() != x.shape())
+    {
+        return Ok(None);
+    }
+    let guards: Vec<_> = [Some(x), r, Some(w)]
+        .into_iter()
+        .flatten()
+        .map(|t| t.storage_and_layout())
+        .collect();
+    let mut slices = Vec::with_capacity(3);
+    for (s, l) in &guards {
+        let (Storage::Cpu(CpuStorage::F32(d)), Some((a, b))) = (&**s, l.contiguous_offsets())
+        else {
+            return Ok(None);
+        };
+        slices.push(&d[a..b]);
+    }
+    let (xs, rs, ws) = match slices[..] {
+        [xs, rs, ws] => (xs, Some(rs), ws),
+        [xs, ws] => (xs, None, ws),
+        _ => return Ok(None),
+    };
+    // Both outputs are written in full below: left unset rather than zeroed first.
+    let len = xs.len();
+    let (mut sum, mut h) = (
+        Vec::<f32>::with_capacity(len),
+        Vec::<f32>::with_capacity(len),
+    );
+    let rows = |((so, ho), (i, xi)): RowsItem<'_>| {
+        let start = i * NORM_ROWS * n;
+        let ri = rs.map(|rs| &rs[start..start + xi.len()]);
+        // The residual's element `e` of these rows (the same sum each time it is read).
+        let at = |e: usize| match ri {
+            Some(ri) => xi[e] + ri[e],
+            None => xi[e],
+        };
+        let k = xi.len() / n;
+        let mut acc = [-0.0f32; NORM_ROWS];
+        for j in 0..n {
+            for (q, a) in acc.iter_mut().take(k).enumerate() {
+                let v = at(q * n + j);
+                so[q * n + j].write(v);
+                *a += v * v;
+            }
+        }
+        for (q, (hr, s2)) in ho.chunks_exact_mut(n).zip(acc).enumerate() {
+            let m = (s2 / n as f32 + eps).sqrt();
+            for (j, (d, &a)) in hr.iter_mut().zip(ws).enumerate() {
+                d.write(at(q * n + j) / m * a);
+            }
+        }
+    };
+    let chunk = NORM_ROWS * n;
+    let (so, ho) = (
+        &mut sum.spare_capacity_mut()[..len],
+        &mut h.spare_capacity_mut()[..len],
+    );
+    if len < SERIAL || rayon::current_num_threads() == 1 {
+        so.chunks_mut(chunk)
+            .zip(ho.chunks_mut(chunk))
+            .zip(xs.chunks(chunk).enumerate())
+            .for_each(rows);
+    } else {
+        so.par_chunks_mut(chunk)
+            .zip(ho.par_chunks_mut(chunk))
+            .zip(xs.par_chunks(chunk).enumerate())
+            .with_min_len(MIN_JOB.div_ceil(chunk))
+            .for_each(rows);
+    }
+    // SAFETY: the chunks cover both buffers' first `len` elements, and every element of
+    // each chunk was written above.
+    unsafe {
+        sum.set_len(len);
+        h.set_len(len);
+    }
+    drop(guards);
+    Ok(Some((
+        Tensor::from_vec(sum, x.shape(), x.device())?,
+        Tensor::from_vec(h, x.shape(), x.device())?,
+    )))
+}
+
+/// RoPE of `x` (`[T, heads, dh]`) with row `t`'s `cos`/`sin` (`[T, dh/2]`), in the
+/// layout it has: candle's CPU kernel wants `[heads, T, dh]`, and the two transposing
+/// copies around it and the kernel took 25-30 ms of a 576-token prefill of SmolLM2
+/// (docs/correctness-and-performance.md, "RoPE in the layout it comes in"). Each element
+/// is candle's expression (`x0·cos − x1·sin`, `x0·sin + x1·cos`): the same bits. `None`
+/// unless all three are contiguous f32 on the CPU of those shapes.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Option<Tensor>> {
+    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
+    if !cpu_f32(x) || !cpu_f32(cos) || !cpu_f32(sin) || x.rank() != 3 {
+        return Ok(None);
+    }
+    let (t, _, dh) = x.dims3()?;
+    if dh % 2 != 0 || cos.dims() != [t, dh / 2] || sin.dims() != [t, dh / 2] {
+        return Ok(None);
+    }
+    let (sx, lx) = x.storage_and_layout();
+    let (sc, lc) = cos.storage_and_layout();
+    let (ss, ls) = sin.storage_and_layout();
+    let (
+        Storage::Cpu(CpuStorage::F32(dx)),
+        Storage::Cpu(CpuStorage::F32(dc)),
+        Storage::Cpu(CpuStorage::F32(ds)),
+    ) = (&*sx, &*sc, &*ss)
+    else {
+        return Ok(None);
+    };
+    let (Some((x0, x1)), Some((c0, c1)), Some((s0, s1))) = (
+        lx.contiguous_offsets(),
+        lc.contiguous_offsets(),
+        ls.contiguous_offsets(),
+    ) else {
+        return Ok(None);
+    };
+    let (xs, cs, ss) = (&dx[x0..x1], &dc[c0..c1], &ds[s0..s1]);
+    let mut out = xs.to_vec();
+    let row = xs.len() / t.max(1);
+    let half = dh / 2;
+    let rotate = |(i, r): (usize, &mut [f32])| {
+        let (c, s) = (&cs[i * half..(i + 1) * half], &ss[i * half..(i + 1) * half]);
+        crate::policy::rotate_in_place(r, c, s, interleaved);
+    };
+    if out.len() < SERIAL || rayon::current_num_threads() == 1 {
+        out.chunks_mut(row).enumerate().for_each(rotate);
+    } else {
+        out.par_chunks_mut(row)
+            .enumerate()
+            .with_min_len(MIN_JOB.div_ceil(row))
+            .for_each(rotate);
+    }
+    drop((sx, sc, ss));
+    Ok(Some(Tensor::from_vec(out, x.shape(), x.device())?))
 }
 
 fn zip_with(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32 + Sync) -> Result<Option<Tensor>> {
@@ -113,6 +281,73 @@ mod tests {
                 .iter()
                 .zip(&want)
                 .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+        // The residual add and RMSNorm against candle's, with and without the add,
+        // rows in whole groups of eight and not.
+        for rows in [1, 3, 16, 579] {
+            let x = random((rows, 576), 9);
+            let r = random((rows, 576), 10);
+            let w = random((1, 576), 11).squeeze(0).unwrap();
+            for with_r in [true, false] {
+                let sum = if with_r {
+                    (&x + &r).unwrap()
+                } else {
+                    x.clone()
+                };
+                let want = candle_nn::ops::rms_norm(&sum, &w, 1e-5).unwrap();
+                let (got_sum, got) = pool
+                    .install(|| add_rms_norm(&x, with_r.then_some(&r), &w, 1e-5))
+                    .unwrap()
+                    .expect("f32 on the CPU");
+                for (g, w) in [(got_sum, &sum), (got, &want)] {
+                    assert_eq!(g.dims(), w.dims());
+                    let (g, w) = (
+                        g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    );
+                    assert!(
+                        g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{rows} rows, add {with_r}"
+                    );
+                }
+            }
+        }
+        // RoPE against candle's kernels on the head-major layout, both pairings, a
+        // decode row and a prefill's rows.
+        for rows in [1, 577] {
+            let x = random((rows, 9 * 64), 6).reshape((rows, 9, 64)).unwrap();
+            let cos = random((rows, 32), 7);
+            let sin = random((rows, 32), 8);
+            for interleaved in [false, true] {
+                let hm = x
+                    .transpose(0, 1)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap()
+                    .contiguous()
+                    .unwrap();
+                let want = if interleaved {
+                    candle_nn::rotary_emb::rope_i(&hm, &cos, &sin).unwrap()
+                } else {
+                    candle_nn::rotary_emb::rope(&hm, &cos, &sin).unwrap()
+                };
+                let want = want.squeeze(0).unwrap().transpose(0, 1).unwrap();
+                let got = pool
+                    .install(|| rope(&x, &cos, &sin, interleaved))
+                    .unwrap()
+                    .expect("f32 on the CPU");
+                assert_eq!(got.dims(), want.dims());
+                let (got, want) = (
+                    got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
+                assert!(
+                    got.iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{rows} rows, interleaved {interleaved}"
+                );
+            }
         }
         let a = random((4, 8), 3);
         assert!(

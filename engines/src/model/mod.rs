@@ -901,6 +901,10 @@ impl Llama {
                 return Ok(pair);
             }
         }
+        // The add and the norm in one pass over the rows, where they are f32.
+        if let Some(pair) = elementwise::add_rms_norm(&x, r, w, eps)? {
+            return Ok(pair);
+        }
         let x = match r {
             Some(r) => match elementwise::add(&x, r)? {
                 Some(sum) => sum,
@@ -1013,6 +1017,10 @@ impl Llama {
             // transposing copies per layer fewer than the head-major path below.
             let x = x.contiguous()?.unsqueeze(0)?;
             return Ok(candle_nn::rotary_emb::rope_thd(&x, cos, sin)?.squeeze(0)?);
+        }
+        // In the layout it comes in (no transposing copies), where it is f32.
+        if let Some(y) = elementwise::rope(&x.contiguous()?, cos, sin, self.cfg.rope_interleaved)? {
+            return Ok(y);
         }
         let x = x.transpose(0, 1)?.unsqueeze(0)?.contiguous()?;
         let y = if self.cfg.rope_interleaved {

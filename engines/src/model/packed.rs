@@ -20,6 +20,9 @@ const UNPACK_ROWS: usize = 512;
 /// Rows of input up to which a product of the rows-first form (`W·xᵀ`) runs, as
 /// [`super::Linear::forward`] does for the row layout (measured faster for few rows).
 const SMALL_M: usize = 64;
+/// Multiply-adds of a product below which it runs on the calling thread (gemm's own
+/// threshold for splitting one is 48·48·256).
+const SERIAL_WORK: usize = 48 * 48 * 256;
 
 thread_local! {
     /// The unpacked block [`PackedRows::matmul`] hands to gemm, kept between products.
@@ -181,7 +184,8 @@ impl PackedRows {
     }
 
     /// `x·Wᵀ` for an f32 `x` (`[t, k]`) of any number of rows, through gemm on blocks
-    /// of [`UNPACK_ROWS`] rows unpacked one after another into one buffer. The
+    /// of about [`UNPACK_ROWS`] rows, each thread unpacking its own share of the rows
+    /// block by block into a buffer of its own. The
     /// matrix-vector path (few rows) reads the packed rows directly instead
     /// (`super::gemv_many`).
     pub fn matmul(&self, x: &Tensor) -> Result<Tensor> {
@@ -218,67 +222,94 @@ impl PackedRows {
         // destination), and zeroing it first (up to 3.5 MB a product at 576 rows) took
         // about 7 % of the samples of the thread running a 576-token prefill.
         let mut out: Vec<f32> = Vec::with_capacity(t * n);
-        let threads = candle_core::utils::get_num_threads();
-        let parallelism = if threads > 1 {
-            gemm::Parallelism::Rayon(threads)
+        let groups = n.div_ceil(GROUP);
+        // Each thread takes one contiguous run of the matrix's rows (the output's
+        // columns) and runs gemm on its own: the rows it unpacks stay in its core's
+        // cache for gemm, and no thread waits for another inside a product (gemm's own
+        // split over two threads waits at each of its passes, and a 576-token prefill
+        // took about 1.06x as long: docs/correctness-and-performance.md, "Each thread its own
+        // rows of a product"). Which thread computes an element does not change how
+        // it is summed, so the results are the same to the bit.
+        let threads = rayon::current_num_threads();
+        // At least two groups a part and a block, so that none is a single row (gemm
+        // takes a matrix-vector path for one, which sums in another order).
+        let parts = if t * n * k < SERIAL_WORK {
+            1
         } else {
-            gemm::Parallelism::None
+            threads.min(groups / 2).max(1)
         };
-        let block = UNPACK_ROWS.min(n.next_multiple_of(GROUP));
-        // This thread's buffer from the last product (taken, so that a product started
-        // on this thread while gemm waits makes its own): a new one each time would be
-        // page faults and zeroing per block, as costly as the unpacking.
-        let mut buf = SCRATCH.with(|c| c.take());
-        if buf.len() < block * k {
-            buf.resize(block * k, 0.0);
-        }
-        self.with_slice(|d| {
-            for (bi, groups) in d.chunks(block * k).enumerate() {
-                let r0 = bi * block;
-                let nb = block.min(n - r0);
-                buf.par_chunks_mut(GROUP * k)
-                    .zip(groups.par_chunks(GROUP * k))
-                    .for_each(|(o, g)| unpack_group(g, k, o));
+        let dst = SendPtr(out.as_mut_ptr());
+        // Part `p` of `parts` even shares of `len` groups from `start`.
+        let share = |start: usize, len: usize, parts: usize, p: usize| {
+            (start + p * len / parts, start + (p + 1) * len / parts)
+        };
+        let part = |d: &[f32], p: usize| {
+            let (g0, g1) = share(0, groups, parts, p);
+            // Blocks of at most about UNPACK_ROWS rows, as even as whole groups make them.
+            let blocks = ((g1 - g0) * GROUP).div_ceil(UNPACK_ROWS).max(1);
+            let most = (g1 - g0).div_ceil(blocks);
+            // This thread's buffer from its last product: a new one each time would be
+            // page faults and zeroing per block, as costly as the unpacking.
+            let mut buf = SCRATCH.with(|c| c.take());
+            if buf.len() < most * GROUP * k {
+                buf.resize(most * GROUP * k, 0.0);
+            }
+            for b in 0..blocks {
+                let (g, ge) = share(g0, g1 - g0, blocks, b);
+                let ng = ge - g;
+                let src = &d[g * GROUP * k..(g + ng) * GROUP * k];
+                for (o, gr) in buf.chunks_mut(GROUP * k).zip(src.chunks(GROUP * k)) {
+                    unpack_group(gr, k, o);
+                }
+                let r0 = g * GROUP;
+                let nb = (ng * GROUP).min(n - r0);
                 // SAFETY: `buf` holds `nb` rows of `k` ([nb, k] row-major), `xs` holds
                 // `t` rows of `k`, and the destination is columns `r0..r0 + nb` of the
-                // `[t, n]` output: every index gemm forms from these sizes and strides
-                // lies inside its buffer.
+                // `[t, n]` output, which no other part writes: every index gemm forms
+                // from these sizes and strides lies inside its buffer.
                 unsafe {
-                    let dst = out.as_mut_ptr().add(r0);
+                    let dst = dst.get().add(r0);
                     if t <= SMALL_M {
                         // The block's rows first: [nb, t] = W_b · xᵀ, written transposed.
-                        gemm_abt(
-                            nb,
-                            t,
-                            k,
-                            dst,
-                            (1, n as isize),
-                            buf.as_ptr(),
-                            xs.as_ptr(),
-                            parallelism,
-                        );
+                        gemm_abt(nb, t, k, dst, (1, n as isize), buf.as_ptr(), xs.as_ptr());
                     } else {
                         // [t, nb] = x · W_bᵀ.
-                        gemm_abt(
-                            t,
-                            nb,
-                            k,
-                            dst,
-                            (n as isize, 1),
-                            xs.as_ptr(),
-                            buf.as_ptr(),
-                            parallelism,
-                        );
+                        gemm_abt(t, nb, k, dst, (n as isize, 1), xs.as_ptr(), buf.as_ptr());
                     }
                 }
             }
+            SCRATCH.with(|c| c.replace(buf));
+        };
+        self.with_slice(|d| {
+            if parts == 1 {
+                part(d, 0);
+            } else {
+                (0..parts)
+                    .into_par_iter()
+                    .with_max_len(1)
+                    .for_each(|p| part(d, p));
+            }
         })?;
-        SCRATCH.with(|c| c.replace(buf));
         drop(x_storage);
-        // SAFETY: the blocks cover columns `0..n` of all `t` rows, and gemm (with
+        // SAFETY: the parts cover columns `0..n` of all `t` rows, and gemm (with
         // `read_dst` false) wrote each of those elements.
         unsafe { out.set_len(t * n) };
         Ok(Tensor::from_vec(out, (t, n), &Device::Cpu)?)
+    }
+}
+
+/// The output buffer shared by the parts of a product, each writing its own columns.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the parts write disjoint elements, and the buffer outlives them (the parallel
+// loop returns before it is used again).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so that closures take the whole `SendPtr`).
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }
 
@@ -297,7 +328,6 @@ unsafe fn gemm_abt(
     (rs, cs): (isize, isize),
     a: *const f32,
     b: *const f32,
-    parallelism: gemm::Parallelism,
 ) {
     gemm::gemm(
         m,
@@ -318,7 +348,7 @@ unsafe fn gemm_abt(
         false,
         false,
         false,
-        parallelism,
+        gemm::Parallelism::None,
     );
 }
 
@@ -457,6 +487,42 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("8×16") && err.contains("[2, 15]"), "{err}");
+    }
+
+    /// A product split over the threads (each its own rows of the matrix) gives the
+    /// bits of the same product on one thread, in both orientations, with blocks and
+    /// groups that do not divide evenly.
+    #[test]
+    fn products_split_over_threads_keep_the_bits() {
+        for (n, k, t) in [
+            (1030, 40, 70),
+            (301, 64, 130),
+            (130, 200, 40),
+            (9, 37, 3000),
+            (13, 37, 3000),
+        ] {
+            let w = Tensor::from_vec(random(n * k, 5), (n, k), &Device::Cpu).unwrap();
+            let x = Tensor::from_vec(random(t * k, 6), (t, k), &Device::Cpu).unwrap();
+            let p = PackedRows::from_tensor(&w).unwrap().unwrap();
+            let on = |threads: usize| {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let y = pool.install(|| p.matmul(&x)).unwrap();
+                y.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            let one = on(1);
+            for threads in [2, 3] {
+                let split = on(threads);
+                let differ = one
+                    .iter()
+                    .zip(&split)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(differ, 0, "{n}×{k}, {t} rows, {threads} threads");
+            }
+        }
     }
 
     #[test]
