@@ -117,13 +117,35 @@ fn run(
     // The query heads of one row.
     let query = |row: usize| &q[row * h * dh..][..chunk];
     if splits == 1 {
-        let work = |(row, o): (usize, &mut [f32])| {
+        // Items of up to `TILE` consecutive rows of one sequence (a prefill's rows read
+        // each block of K/V once together); a decode row is an item of its own.
+        let mut items: Vec<(usize, usize, &mut [f32])> = Vec::new();
+        let mut rest: &mut [f32] = &mut out;
+        let mut at = 0;
+        let mut row = 0;
+        while row < rows {
+            let mut n = 1;
+            if let Some((si, pos)) = row_info[row] {
+                while n < TILE && row + n < rows && row_info[row + n] == Some((si, pos + n)) {
+                    n += 1;
+                }
+            }
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(n * chunk);
+            items.push((row, n, head));
+            rest = tail;
+            at += n;
+            row += n;
+        }
+        debug_assert_eq!(at, rows);
+        let work = |(row, n, o): (usize, usize, &mut [f32])| {
             let Some((si, pos)) = row_info[row] else {
                 return;
             };
-            let mut ml = vec![0f32; 2 * group_rows];
+            let mut ml = vec![0f32; 2 * group_rows * n];
             let item = Row {
-                qr: query(row),
+                qr: &q[row * chunk..(row + n) * chunk],
+                q_stride: chunk,
+                rows: n,
                 keys: 0..pos + 1,
                 table: seqs[si].table,
                 k,
@@ -133,12 +155,17 @@ fn run(
                 hints: seqs[si].q_len == 1,
             };
             attend_row(simd, item, o, &mut ml);
-            normalize(o, &ml, dh);
+            for (or, mlr) in o
+                .chunks_exact_mut(chunk)
+                .zip(ml.chunks_exact(2 * group_rows))
+            {
+                normalize(or, mlr, dh);
+            }
         };
         if serial {
-            out.chunks_mut(chunk).enumerate().for_each(work);
+            items.into_iter().for_each(work);
         } else {
-            out.par_chunks_mut(chunk).enumerate().for_each(work);
+            items.into_par_iter().with_max_len(1).for_each(work);
         }
         return out;
     }
@@ -160,6 +187,8 @@ fn run(
             if !keys.is_empty() {
                 let item = Row {
                     qr: query(row),
+                    q_stride: chunk,
+                    rows: 1,
                     keys,
                     table: seqs[si].table,
                     k,
@@ -237,13 +266,20 @@ pub fn has_avx512() -> bool {
     }
 }
 
-/// One query row's work for [`attend_row`]: its query heads of KV heads `groups` (`qr`:
-/// `[groups × G, dh]`) over `keys` (starting on a block boundary) of the sequence with
-/// block table `table`. Prefetch hints when `hints`: a decode row's K/V come from
-/// memory, while a prefill chunk's rows read what the rows before them brought into
-/// cache, and hints there cost 2–3 % of a 576-token prefill's TTFT.
+/// The work of [`attend_row`]: `rows` consecutive query rows of one sequence, their
+/// query heads of KV heads `groups` (`qr`: row `r`'s `[groups × G, dh]` from
+/// `r · q_stride`), over `keys` (starting on a block boundary) for the first row and
+/// one more key for each next row (consecutive positions), of the sequence with block
+/// table `table`. The rows read each block of K/V once together, from the core's first
+/// cache for all but the first of them (docs/correctness-and-performance.md, "Prefill
+/// rows in fours"); each row's sums are its own, in the order one row alone takes them.
+/// Prefetch hints when `hints`: a decode row's K/V come from memory, while a prefill
+/// chunk's rows read what the rows before them brought into cache, and hints there
+/// cost 2–3 % of a 576-token prefill's TTFT.
 struct Row<'a> {
     qr: &'a [f32],
+    q_stride: usize,
+    rows: usize,
     keys: std::ops::Range<usize>,
     table: &'a [BlockId],
     k: KvView<'a>,
@@ -253,9 +289,10 @@ struct Row<'a> {
     hints: bool,
 }
 
-/// Attention of `row`, unnormalized: `out` holds Σ e^{s−m}·v and `ml` each head's
-/// running max `m` then its sum `l`, on the instruction sets `simd` (decided once per
-/// call by the caller).
+/// Attention of `row`'s rows, unnormalized: `out` holds each row's Σ e^{s−m}·v
+/// (`[rows, heads × dh]`) and `ml` each row's running max `m` of each head then its
+/// sum `l` (`[rows, 2 · heads]`), on the instruction sets `simd` (decided once per call
+/// by the caller).
 fn attend_row(simd: Simd, row: Row<'_>, out: &mut [f32], ml: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     match simd {
@@ -291,6 +328,10 @@ const SPAN: usize = 256;
 /// Blocks read ahead by prefetch hints.
 const AHEAD: usize = 2;
 
+/// Consecutive prefill rows of one sequence taken together (docs/
+/// correctness-and-performance.md, "Prefill rows in fours").
+const TILE: usize = 4;
+
 /// `AVX`: called from the AVX2+FMA build only after the CPU was checked; `WIDE`: from
 /// the AVX-512F build, likewise.
 #[inline(always)]
@@ -301,6 +342,8 @@ fn attend_row_impl<const AVX: bool, const WIDE: bool>(
 ) {
     let Row {
         qr,
+        q_stride,
+        rows,
         keys,
         table,
         k,
@@ -313,15 +356,17 @@ fn attend_row_impl<const AVX: bool, const WIDE: bool>(
     let g_size = s.num_heads / hkv;
     let nh = groups.len() * g_size; // query heads of this item
     let scale = 1.0 / (dh as f32).sqrt();
-    let (m, l) = ml.split_at_mut(nh);
-    m.fill(f32::NEG_INFINITY);
-    l.fill(0.0);
-    out.fill(0.0);
+    for mlr in ml.chunks_exact_mut(2 * nh).take(rows) {
+        let (m, l) = mlr.split_at_mut(nh);
+        m.fill(f32::NEG_INFINITY);
+        l.fill(0.0);
+    }
+    out[..rows * nh * dh].fill(0.0);
     // Storage other than f32: one head's block, decoded once for its G query heads.
     let (mut kf, mut vf) = (Vec::new(), Vec::new());
     let span = (SPAN / bs).max(1) * bs;
-    // Each query head's scores over the span, then its softmax weights.
-    let mut p = vec![0f32; nh * span];
+    // Each row's query heads' scores over the span, then their softmax weights.
+    let mut p = vec![0f32; rows * nh * span];
     // The pieces of `a..b` that lie in one block each: (first key, length).
     let pieces = |a: usize, b: usize| {
         let mut t = a;
@@ -345,10 +390,13 @@ fn attend_row_impl<const AVX: bool, const WIDE: bool>(
             }
         }
     };
+    // The last row's keys; row `r` ends `rows - 1 - r` keys before.
+    let last = keys.end + rows - 1;
     let mut start = keys.start;
-    while start < keys.end {
-        let end = (start + span).min(keys.end);
-        let n = end - start;
+    while start < last {
+        let end = (start + span).min(last);
+        // Row `r`'s part of this span: `start..end_of(r)` (empty once its keys end).
+        let end_of = |r: usize| (start + span).min(keys.end + r).max(start);
         if start == keys.start {
             for i in 0..AHEAD {
                 hint(&k, start + i * bs, end);
@@ -358,27 +406,51 @@ fn attend_row_impl<const AVX: bool, const WIDE: bool>(
             hint(&k, t + AHEAD * bs, end);
             for (gi, g) in groups.clone().enumerate() {
                 let kb = k.rows(first(t, g), len, dh, &mut kf);
-                #[cfg(target_arch = "x86_64")]
-                if WIDE && simd::wide_scores_fit(g_size, dh) {
-                    // Every query head of this KV head over four keys at a time, each
-                    // key's row loaded once for all of them (the keys of the block
-                    // past its last four: one by one below).
-                    let qg = &qr[gi * g_size * dh..(gi + 1) * g_size * dh];
-                    let quads = len / 4;
-                    for (qi, kq) in kb.chunks_exact(4 * dh).take(quads).enumerate() {
+                for (r, pr) in p.chunks_exact_mut(nh * span).enumerate().take(rows) {
+                    let len = len.min(end_of(r).saturating_sub(t));
+                    if len == 0 {
+                        continue;
+                    }
+                    let qr = &qr[r * q_stride..][..nh * dh];
+                    #[cfg(target_arch = "x86_64")]
+                    if WIDE && simd::wide_scores_fit(g_size, dh) {
+                        // Every query head of this KV head over four keys at a time,
+                        // each key's row loaded once for all of them (the keys of the
+                        // block past its last four: one by one below).
+                        let qg = &qr[gi * g_size * dh..(gi + 1) * g_size * dh];
+                        let quads = len / 4;
+                        let at = gi * g_size * span + (t - start);
                         // SAFETY: `WIDE` comes from the AVX-512F build.
-                        let d = unsafe { simd::dot4_heads(kq, qg, dh) };
-                        for (j, dj) in d.iter().take(g_size).enumerate() {
-                            let at = (gi * g_size + j) * span + (t - start) + 4 * qi;
-                            for (pt, x) in p[at..at + 4].iter_mut().zip(dj) {
-                                *pt = scale * x;
+                        unsafe { simd::scores_heads(kb, len, qg, dh, scale, &mut pr[at..], span) };
+                        for j in 0..g_size {
+                            let hq = gi * g_size + j;
+                            let qh = &qr[hq * dh..(hq + 1) * dh];
+                            let ps = &mut pr[hq * span + (t - start)..][..len];
+                            for (pt, kt) in ps[4 * quads..]
+                                .iter_mut()
+                                .zip(kb[4 * quads * dh..].chunks_exact(dh))
+                            {
+                                *pt = scale * dot_dispatch::<AVX>(qh, kt);
                             }
                         }
+                        continue;
                     }
                     for j in 0..g_size {
                         let hq = gi * g_size + j;
                         let qh = &qr[hq * dh..(hq + 1) * dh];
-                        let ps = &mut p[hq * span + (t - start)..][..len];
+                        let ps = &mut pr[hq * span + (t - start)..][..len];
+                        // Four keys per pass: the query's chunks are loaded once for
+                        // them and their sums reduced together.
+                        let quads = len / 4;
+                        for (pq, kq) in ps[..4 * quads]
+                            .chunks_exact_mut(4)
+                            .zip(kb.chunks_exact(4 * dh))
+                        {
+                            let d = dot4_dispatch::<AVX>(kq, qh);
+                            for (pt, x) in pq.iter_mut().zip(d) {
+                                *pt = scale * x;
+                            }
+                        }
                         for (pt, kt) in ps[4 * quads..]
                             .iter_mut()
                             .zip(kb[4 * quads * dh..].chunks_exact(dh))
@@ -386,50 +458,39 @@ fn attend_row_impl<const AVX: bool, const WIDE: bool>(
                             *pt = scale * dot_dispatch::<AVX>(qh, kt);
                         }
                     }
-                    continue;
-                }
-                for j in 0..g_size {
-                    let hq = gi * g_size + j;
-                    let qh = &qr[hq * dh..(hq + 1) * dh];
-                    let ps = &mut p[hq * span + (t - start)..][..len];
-                    // Four keys per pass: the query's chunks are loaded once for them
-                    // and their sums reduced together.
-                    let quads = len / 4;
-                    for (pq, kq) in ps[..4 * quads]
-                        .chunks_exact_mut(4)
-                        .zip(kb.chunks_exact(4 * dh))
-                    {
-                        let d = dot4_dispatch::<AVX>(kq, qh);
-                        for (pt, x) in pq.iter_mut().zip(d) {
-                            *pt = scale * x;
-                        }
-                    }
-                    for (pt, kt) in ps[4 * quads..]
-                        .iter_mut()
-                        .zip(kb[4 * quads * dh..].chunks_exact(dh))
-                    {
-                        *pt = scale * dot_dispatch::<AVX>(qh, kt);
-                    }
                 }
             }
         }
         for i in 0..AHEAD {
             hint(&v, start + i * bs, end);
         }
-        for hq in 0..nh {
-            let ps = &mut p[hq * span..][..n];
-            let m_new = m[hq].max(max_of(ps));
-            let alpha = exp(m[hq] - m_new);
-            if alpha != 1.0 {
-                out[hq * dh..(hq + 1) * dh]
-                    .iter_mut()
-                    .for_each(|x| *x *= alpha);
+        for (r, ((pr, mlr), or)) in p
+            .chunks_exact_mut(nh * span)
+            .zip(ml.chunks_exact_mut(2 * nh))
+            .zip(out.chunks_exact_mut(nh * dh))
+            .enumerate()
+            .take(rows)
+        {
+            let n = end_of(r) - start;
+            if n == 0 {
+                continue;
             }
-            for pt in ps.iter_mut() {
-                *pt = exp(*pt - m_new);
+            let (m, l) = mlr.split_at_mut(nh);
+            for hq in 0..nh {
+                let ps = &mut pr[hq * span..][..n];
+                let m_new = m[hq].max(max_of(ps));
+                let alpha = exp(m[hq] - m_new);
+                if alpha != 1.0 {
+                    or[hq * dh..(hq + 1) * dh]
+                        .iter_mut()
+                        .for_each(|x| *x *= alpha);
+                }
+                for pt in ps.iter_mut() {
+                    *pt = exp(*pt - m_new);
+                }
+                l[hq] = l[hq] * alpha + sum_of(ps);
+                m[hq] = m_new;
             }
-            l[hq] = l[hq] * alpha + sum_of(ps);
-            m[hq] = m_new;
         }
         for (t, len) in pieces(start, end) {
             // The last values' blocks ask for the next span's first keys.
@@ -437,28 +498,39 @@ fn attend_row_impl<const AVX: bool, const WIDE: bool>(
             if ahead < end {
                 hint(&v, ahead, end);
             } else {
-                hint(&k, ahead, (end + span).min(keys.end));
+                hint(&k, ahead, (end + span).min(last));
             }
             for (gi, g) in groups.clone().enumerate() {
                 let vb = v.rows(first(t, g), len, dh, &mut vf);
-                #[cfg(target_arch = "x86_64")]
-                if WIDE && simd::wide_values_fit(g_size, dh) {
-                    // Every query head of this KV head at once, each value row
-                    // loaded once for all of them.
-                    let at = gi * g_size * span + (t - start);
-                    let og = &mut out[gi * g_size * dh..(gi + 1) * g_size * dh];
-                    // SAFETY: `WIDE` comes from the AVX-512F build.
-                    unsafe { simd::accumulate_heads(&p[at..], span, len, vb, og, g_size, dh) };
-                    continue;
-                }
-                for j in 0..g_size {
-                    let hq = gi * g_size + j;
-                    let ps = &p[hq * span + (t - start)..][..len];
-                    accumulate_dispatch::<AVX>(ps, vb, &mut out[hq * dh..(hq + 1) * dh]);
+                for (r, (pr, or)) in p
+                    .chunks_exact(nh * span)
+                    .zip(out.chunks_exact_mut(nh * dh))
+                    .enumerate()
+                    .take(rows)
+                {
+                    let len = len.min(end_of(r).saturating_sub(t));
+                    if len == 0 {
+                        continue;
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    if WIDE && simd::wide_values_fit(g_size, dh) {
+                        // Every query head of this KV head at once, each value row
+                        // loaded once for all of them.
+                        let at = gi * g_size * span + (t - start);
+                        let og = &mut or[gi * g_size * dh..(gi + 1) * g_size * dh];
+                        // SAFETY: `WIDE` comes from the AVX-512F build.
+                        unsafe { simd::accumulate_heads(&pr[at..], span, len, vb, og, g_size, dh) };
+                        continue;
+                    }
+                    for j in 0..g_size {
+                        let hq = gi * g_size + j;
+                        let ps = &pr[hq * span + (t - start)..][..len];
+                        accumulate_dispatch::<AVX>(ps, vb, &mut or[hq * dh..(hq + 1) * dh]);
+                    }
                 }
             }
         }
-        start = end;
+        start += span;
     }
 }
 
@@ -828,57 +900,114 @@ mod simd {
         ]
     }
 
-    /// Whether [`dot4_heads`] takes `g` query heads of `dh` (registers: `4g` sums).
+    /// Whether [`scores_heads`] takes `g` query heads of `dh` (registers: `4g` sums).
     pub fn wide_scores_fit(g: usize, dh: usize) -> bool {
         (1..=4).contains(&g) && dh.is_multiple_of(16) && dh > 0
     }
 
-    /// [`dot4`] of four keys' rows (`kq`: `[4, dh]`) with each of the `G ≤ 4` query
-    /// heads of `qg` (`[G, dh]`; row `j` of the result for head `j`, rows past `G`
-    /// zero), each key's 16-float chunk loaded once for every head. Lanes 0-7 of each
-    /// 512-bit sum take exactly [`dot4`]'s first accumulator's sums and lanes 8-15 its
-    /// second's, in the same order, so the results are [`dot4`]'s to the bit. `dh` a
-    /// multiple of 16 ([`wide_scores_fit`]).
+    /// The scaled scores of a block's whole quads of keys (`kb`: `[len, dh]`, the first
+    /// `4·(len/4)` keys) against each of the `G ≤ 4` query heads of `qg` (`[G, dh]`):
+    /// `scale ·` [`dot4`] of each four keys and head, written to `p[j·stride + key]`
+    /// for head `j`. Each key's 16-float chunk is loaded once for every head; lanes
+    /// 0-7 of each 512-bit sum take exactly [`dot4`]'s first accumulator's sums and
+    /// lanes 8-15 its second's, in the same order, and [`reduce16`] adds the same
+    /// pairs as [`reduce4`], so the results are [`dot4`]'s to the bit. `dh` a multiple
+    /// of 16 ([`wide_scores_fit`]).
     #[target_feature(enable = "avx2,fma,avx512f")]
-    pub unsafe fn dot4_heads(kq: &[f32], qg: &[f32], dh: usize) -> [[f32; 4]; 4] {
+    pub unsafe fn scores_heads(
+        kb: &[f32],
+        len: usize,
+        qg: &[f32],
+        dh: usize,
+        scale: f32,
+        p: &mut [f32],
+        stride: usize,
+    ) {
         match qg.len() / dh {
-            1 => widen(dot4_heads_g::<1>(kq, qg, dh)),
-            2 => widen(dot4_heads_g::<2>(kq, qg, dh)),
-            3 => widen(dot4_heads_g::<3>(kq, qg, dh)),
-            _ => widen(dot4_heads_g::<4>(kq, qg, dh)),
+            1 => scores_heads_g::<1>(kb, len, qg, dh, scale, p, stride),
+            2 => scores_heads_g::<2>(kb, len, qg, dh, scale, p, stride),
+            3 => scores_heads_g::<3>(kb, len, qg, dh, scale, p, stride),
+            _ => scores_heads_g::<4>(kb, len, qg, dh, scale, p, stride),
         }
-    }
-
-    fn widen<const G: usize>(d: [[f32; 4]; G]) -> [[f32; 4]; 4] {
-        std::array::from_fn(|j| if j < G { d[j] } else { [0.0; 4] })
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,avx512f")]
-    unsafe fn dot4_heads_g<const G: usize>(kq: &[f32], qg: &[f32], dh: usize) -> [[f32; 4]; G] {
-        assert!(kq.len() >= 4 * dh && qg.len() >= G * dh && dh.is_multiple_of(16));
-        let (pk, pq) = (kq.as_ptr(), qg.as_ptr());
-        let mut acc = [[_mm512_setzero_ps(); 4]; G];
-        let mut i = 0;
-        while i + 16 <= dh {
-            let kr: [__m512; 4] = std::array::from_fn(|r| _mm512_loadu_ps(pk.add(r * dh + i)));
-            for (j, aj) in acc.iter_mut().enumerate() {
-                let x = _mm512_loadu_ps(pq.add(j * dh + i));
-                for (a, kv) in aj.iter_mut().zip(kr) {
-                    *a = _mm512_fmadd_ps(kv, x, *a);
+    unsafe fn scores_heads_g<const G: usize>(
+        kb: &[f32],
+        len: usize,
+        qg: &[f32],
+        dh: usize,
+        scale: f32,
+        p: &mut [f32],
+        stride: usize,
+    ) {
+        let quads = len / 4;
+        assert!(kb.len() >= 4 * quads * dh && qg.len() >= G * dh && dh.is_multiple_of(16));
+        assert!(quads == 0 || p.len() >= (G - 1) * stride + 4 * quads);
+        let (pk, pq) = (kb.as_ptr(), qg.as_ptr());
+        let sv = _mm512_set1_ps(scale);
+        for qi in 0..quads {
+            let pk = pk.add(4 * qi * dh);
+            let mut acc = [_mm512_setzero_ps(); 16];
+            let mut i = 0;
+            while i + 16 <= dh {
+                let kr: [__m512; 4] = std::array::from_fn(|r| _mm512_loadu_ps(pk.add(r * dh + i)));
+                for j in 0..G {
+                    let x = _mm512_loadu_ps(pq.add(j * dh + i));
+                    for (r, kv) in kr.iter().enumerate() {
+                        acc[4 * j + r] = _mm512_fmadd_ps(*kv, x, acc[4 * j + r]);
+                    }
                 }
+                i += 16;
             }
-            i += 16;
-        }
-        let mut out = [[0f32; 4]; G];
-        for (o, aj) in out.iter_mut().zip(&acc) {
-            let mut two = [[_mm256_setzero_ps(); 2]; 4];
-            for (t, a) in two.iter_mut().zip(aj) {
-                *t = halves(*a);
+            // `scale · x` per sum, as the scalar loop multiplied them.
+            let d = _mm512_mul_ps(sv, reduce16(acc));
+            let mut out = [0f32; 16];
+            _mm512_storeu_ps(out.as_mut_ptr(), d);
+            for j in 0..G {
+                p[j * stride + 4 * qi..][..4].copy_from_slice(&out[4 * j..4 * j + 4]);
             }
-            *o = reduce4(&two);
         }
-        out
+    }
+
+    /// The sums of 16 registers at once, each reduced as [`reduce4`] reduces one row's
+    /// two 256-bit accumulators (lanes 0-7 and 8-15 of the register): the lanes added
+    /// pairwise across the halves, then `((s0+s1)+(s2+s3)) + ((s4+s5)+(s6+s7))`. The
+    /// same pairs are added (in one order or the other: addition commutes), so the
+    /// same bits, but each step adds two registers' lanes in one instruction where
+    /// [`reduce4`] reduces four rows with a dozen shuffles: 45 instructions for 16 sums
+    /// against about 75 for four (docs/correctness-and-performance.md, "Scores reduced
+    /// sixteen at a time").
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    unsafe fn reduce16(x: [__m512; 16]) -> __m512 {
+        // Register a's lanes l + a's lanes l + 8 (a quarter q0 + q2, q1 + q3), then b's.
+        let s: [__m512; 8] = std::array::from_fn(|m| {
+            let (a, b) = (x[2 * m], x[2 * m + 1]);
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
+            )
+        });
+        // Within each 128-bit quarter: [a0 + a1, a2 + a3, b0 + b1, b2 + b3].
+        let pairs = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_ps::<0b11_01_11_01>(a, b),
+            )
+        };
+        let p: [__m512; 4] = std::array::from_fn(|n| pairs(s[2 * n], s[2 * n + 1]));
+        let q: [__m512; 2] = std::array::from_fn(|n| pairs(p[2 * n], p[2 * n + 1]));
+        // Each sum's first half (quarters 0 and 2) plus its second (1 and 3): registers
+        // 0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15 in that order, put back
+        // in order by the permutation.
+        let r = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(q[0], q[1]),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(q[0], q[1]),
+        );
+        let order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+        _mm512_permutexvar_ps(order, r)
     }
 
     /// Whether [`accumulate_heads`] takes `g` query heads of `dh` (registers: `g + 1`
