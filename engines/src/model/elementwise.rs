@@ -295,60 +295,42 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
-    /// The same bits as candle's operations, on the calling thread (one row) and split
-    /// over the pool (576 rows), for contiguous views at an offset (the halves of a
-    /// batched gate/up product); other inputs are left to candle.
-    #[test]
-    fn elementwise_ops_match_candle_to_the_bit() {
-        let pool = rayon::ThreadPoolBuilder::new()
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    /// Whether `a` and `b` have one shape and the same bits.
+    fn same_bits(a: &Tensor, b: &Tensor) -> bool {
+        a.dims() == b.dims()
+            && values(a)
+                .iter()
+                .zip(&values(b))
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    fn pool() -> rayon::ThreadPool {
+        rayon::ThreadPoolBuilder::new()
             .num_threads(3)
             .build()
-            .unwrap();
+            .unwrap()
+    }
+
+    /// The residual add, the add with RMSNorm and RoPE give candle's bits, on the
+    /// calling thread (few rows) and split over the pool, for contiguous views at an
+    /// offset (the halves of a batched gate/up product).
+    #[test]
+    fn add_norm_and_rope_match_candle_to_the_bit() {
+        let pool = pool();
         for rows in [1, 576] {
             let y = Tensor::stack(&[random((rows, 1536), 1), random((rows, 1536), 2)], 0).unwrap();
             let (g, u) = (y.get(0).unwrap(), y.get(1).unwrap());
-            let want = (candle_nn::ops::silu(&g).unwrap() * &u).unwrap();
-            let got = pool
-                .install(|| silu_mul(&g, &u))
-                .unwrap()
-                .expect("f32 on the CPU");
-            assert_eq!(got.dims(), want.dims());
-            let (got, want) = (
-                got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-            );
-            // Within 1e-6 of candle's (libm's `e^x`), relative, or absolute near 0.
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
-                .fold(0f32, f32::max);
-            assert!(worst < 1e-6, "silu · up off by {worst}");
-            // The same bits on one thread as over the pool.
-            let one = silu_mul(&g, &u).unwrap().expect("f32 on the CPU");
-            let one = one.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert!(one
-                .iter()
-                .zip(&got)
-                .all(|(a, b)| a.to_bits() == b.to_bits()));
-            let want = (&g + &u)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
             let got = pool
                 .install(|| add(&g, &u))
                 .unwrap()
                 .expect("f32 on the CPU");
-            let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert!(got
-                .iter()
-                .zip(&want)
-                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(same_bits(&got, &(&g + &u).unwrap()), "add, {rows} rows");
         }
-        // The residual add and RMSNorm against candle's, with and without the add,
-        // rows in whole groups of eight and not.
+        // With and without the add, rows in whole groups of eight and not.
         for rows in [1, 3, 16, 579] {
             let x = random((rows, 576), 9);
             let r = random((rows, 576), 10);
@@ -364,33 +346,23 @@ mod tests {
                     .install(|| add_rms_norm(&x, with_r.then_some(&r), &w, 1e-5))
                     .unwrap()
                     .expect("f32 on the CPU");
-                for (g, w) in [(got_sum, &sum), (got, &want)] {
-                    assert_eq!(g.dims(), w.dims());
-                    let (g, w) = (
-                        g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                        w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                    );
-                    assert!(
-                        g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{rows} rows, add {with_r}"
-                    );
-                }
+                assert!(same_bits(&got_sum, &sum), "sum, {rows} rows, add {with_r}");
+                assert!(same_bits(&got, &want), "norm, {rows} rows, add {with_r}");
             }
         }
-        // RoPE against candle's kernels on the head-major layout, both pairings, a
-        // decode row and a prefill's rows.
+        // RoPE against candle's kernels on the head-major layout, both pairings.
         for rows in [1, 577] {
             let x = random((rows, 9 * 64), 6).reshape((rows, 9, 64)).unwrap();
             let cos = random((rows, 32), 7);
             let sin = random((rows, 32), 8);
+            let hm = x
+                .transpose(0, 1)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap()
+                .contiguous()
+                .unwrap();
             for interleaved in [false, true] {
-                let hm = x
-                    .transpose(0, 1)
-                    .unwrap()
-                    .unsqueeze(0)
-                    .unwrap()
-                    .contiguous()
-                    .unwrap();
                 let want = if interleaved {
                     candle_nn::rotary_emb::rope_i(&hm, &cos, &sin).unwrap()
                 } else {
@@ -401,19 +373,50 @@ mod tests {
                     .install(|| rope(&x, &cos, &sin, interleaved))
                     .unwrap()
                     .expect("f32 on the CPU");
-                assert_eq!(got.dims(), want.dims());
-                let (got, want) = (
-                    got.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                    want.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
-                );
                 assert!(
-                    got.iter()
-                        .zip(&want)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&got, &want),
                     "{rows} rows, interleaved {interleaved}"
                 );
             }
         }
+    }
+
+    /// `silu(gate) · up` within 1e-6 of candle's (libm's `e^x`), relative, or absolute
+    /// near 0, over the model's range and past the end of `e^x`'s; the same bits on
+    /// one thread as over the pool.
+    #[test]
+    fn silu_mul_is_within_1e_6_of_candle() {
+        let pool = pool();
+        for rows in [1, 576] {
+            let mut y =
+                Tensor::stack(&[random((rows, 1536), 1), random((rows, 1536), 2)], 0).unwrap();
+            if rows == 1 {
+                let edges = [
+                    -100.0f32, -88.5, -87.0, -20.0, -1e-6, 0.0, 1e-6, 20.0, 88.5, 100.0,
+                ];
+                let mut v = values(&y);
+                v[..edges.len()].copy_from_slice(&edges);
+                y = Tensor::from_vec(v, y.shape(), &Device::Cpu).unwrap();
+            }
+            let (g, u) = (y.get(0).unwrap(), y.get(1).unwrap());
+            let want = values(&(candle_nn::ops::silu(&g).unwrap() * &u).unwrap());
+            let got = pool
+                .install(|| silu_mul(&g, &u))
+                .unwrap()
+                .expect("f32 on the CPU");
+            let worst = values(&got)
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1e-3))
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-6, "silu · up off by {worst}, {rows} rows");
+            let one = silu_mul(&g, &u).unwrap().expect("f32 on the CPU");
+            assert!(same_bits(&one, &got), "{rows} rows");
+        }
+    }
+
+    #[test]
+    fn other_inputs_are_left_to_candle() {
         let a = random((4, 8), 3);
         assert!(
             add(&a, &random((8, 4), 4)).unwrap().is_none(),
@@ -425,5 +428,13 @@ mod tests {
         );
         let bf = a.to_dtype(DType::BF16).unwrap();
         assert!(silu_mul(&bf, &bf).unwrap().is_none(), "bf16");
+        let w = random((1, 8), 6).squeeze(0).unwrap();
+        assert!(add_rms_norm(&bf, None, &w, 1e-5).unwrap().is_none(), "bf16");
+        assert!(
+            add_rms_norm(&a, None, &random((1, 4), 7).squeeze(0).unwrap(), 1e-5)
+                .unwrap()
+                .is_none(),
+            "weights of another length"
+        );
     }
 }
