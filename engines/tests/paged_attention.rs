@@ -55,6 +55,9 @@ fn check(dtype: KvCodec, tol: f64) {
     check_shape(dtype, tol, 4, 4, 20, 3, &small);
     // Enough work that the kernel spreads it over the thread pool.
     check_shape(dtype, tol, 9, 3, 64, 16, &[(0, 200), (100, 1), (40, 60)]);
+    // Prefill rows taken four together across the end of a 256-key span: rows whose
+    // keys end before, at and after it in one tile, and a chunk after a long context.
+    check_shape(dtype, tol, 9, 3, 64, 16, &[(0, 300), (250, 10), (511, 3)]);
 }
 
 #[allow(clippy::too_many_arguments)]
