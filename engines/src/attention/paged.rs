@@ -121,7 +121,6 @@ fn run(
         // each block of K/V once together); a decode row is an item of its own.
         let mut items: Vec<(usize, usize, &mut [f32])> = Vec::new();
         let mut rest: &mut [f32] = &mut out;
-        let mut at = 0;
         let mut row = 0;
         while row < rows {
             let mut n = 1;
@@ -133,10 +132,8 @@ fn run(
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(n * chunk);
             items.push((row, n, head));
             rest = tail;
-            at += n;
             row += n;
         }
-        debug_assert_eq!(at, rows);
         let work = |(row, n, o): (usize, usize, &mut [f32])| {
             let Some((si, pos)) = row_info[row] else {
                 return;

@@ -201,8 +201,9 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result
     if !cpu_f32(x) || !cpu_f32(cos) || !cpu_f32(sin) || x.rank() != 3 {
         return Ok(None);
     }
-    let (t, _, dh) = x.dims3()?;
-    if dh % 2 != 0 || cos.dims() != [t, dh / 2] || sin.dims() != [t, dh / 2] {
+    let (t, heads, dh) = x.dims3()?;
+    let row = heads * dh;
+    if row == 0 || dh % 2 != 0 || cos.dims() != [t, dh / 2] || sin.dims() != [t, dh / 2] {
         return Ok(None);
     }
     let (sx, lx) = x.storage_and_layout();
@@ -225,7 +226,6 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result
     };
     let (xs, cs, ss) = (&dx[x0..x1], &dc[c0..c1], &ds[s0..s1]);
     let mut out = xs.to_vec();
-    let row = xs.len() / t.max(1);
     let half = dh / 2;
     let rotate = |(i, r): (usize, &mut [f32])| {
         let (c, s) = (&cs[i * half..(i + 1) * half], &ss[i * half..(i + 1) * half]);
@@ -428,6 +428,16 @@ mod tests {
         );
         let bf = a.to_dtype(DType::BF16).unwrap();
         assert!(silu_mul(&bf, &bf).unwrap().is_none(), "bf16");
+        // No rows, or rows of no heads: nothing to rotate, and no panic.
+        let none = Tensor::zeros((0, 9, 64), DType::F32, &Device::Cpu).unwrap();
+        let cs = Tensor::zeros((0, 32), DType::F32, &Device::Cpu).unwrap();
+        let y = rope(&none, &cs, &cs, false)
+            .unwrap()
+            .expect("f32 on the CPU");
+        assert_eq!(y.dims(), &[0, 9, 64]);
+        let empty = Tensor::zeros((2, 0, 64), DType::F32, &Device::Cpu).unwrap();
+        let cs = Tensor::zeros((2, 32), DType::F32, &Device::Cpu).unwrap();
+        assert!(rope(&empty, &cs, &cs, false).unwrap().is_none(), "no heads");
         let w = random((1, 8), 6).squeeze(0).unwrap();
         assert!(add_rms_norm(&bf, None, &w, 1e-5).unwrap().is_none(), "bf16");
         assert!(
