@@ -95,47 +95,6 @@ impl EngineConfig {
     }
 }
 
-/// Runs `forward` on a worker of the current thread pool while the pool's other
-/// workers look for its jobs instead of sleeping between them. Run on a worker, the
-/// forward's parallel kernels share their work with the thread that calls them rather
-/// than putting it to sleep once per kernel; kept awake, the other workers take that
-/// work without a wake-up on the step's path (a system call, and in a virtual machine
-/// an interrupt through the host), which a decode step would otherwise pay once for
-/// each of its products (about 120 in SmolLM2's): batch-1 decode steps on 2 threads at
-/// 72–81 % of the memory bound against 65–72 % (docs/correctness-and-performance.md).
-/// A worker with nothing to take yields its CPU to the system, so a pool larger than
-/// the machine does not starve the forward.
-fn forward_with_pool_awake<T: Send>(forward: impl FnOnce() -> T + Send) -> T {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    /// Lets the workers go when the forward returns or unwinds.
-    struct Release<'a>(&'a AtomicBool);
-    impl Drop for Release<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::Release);
-        }
-    }
-    let done = AtomicBool::new(false);
-    rayon::scope(|sc| {
-        let runner = rayon::current_thread_index();
-        if rayon::current_num_threads() > 1 {
-            let done = &done;
-            sc.spawn_broadcast(move |_, _| {
-                // The runner's own copy ends at once: it has the forward to run.
-                if rayon::current_thread_index() == runner {
-                    return;
-                }
-                while !done.load(Ordering::Acquire) {
-                    if rayon::yield_now() != Some(rayon::Yield::Executed) {
-                        std::thread::yield_now();
-                    }
-                }
-            });
-        }
-        let _release = Release(&done);
-        forward()
-    })
-}
-
 /// Charge the ledger with the device KV the policy holds now (its pool as allocated:
 /// all of it under `fraction`, what it grew to under `budget`). Growth is checked
 /// against the device capacity (the typed OOM); what the policy gave back is released.
@@ -634,11 +593,11 @@ impl Engine {
         );
         let t1 = Instant::now();
         // On the CPU the forward runs on a worker of the thread pool, the others kept
-        // awake for its kernels (`forward_with_pool_awake`). (A GPU forward stays on the
+        // awake for its kernels (`model::team::run_awake`). (A GPU forward stays on the
         // thread its device is bound to.)
         let (model, policy) = (&self.model, self.policy.as_mut());
         let logits = if model.device().is_cpu() {
-            forward_with_pool_awake(|| {
+            crate::model::team::run_awake(|| {
                 model.forward(&tokens, &positions, &batch, &sample_rows, policy)
             })
         } else {
@@ -996,54 +955,7 @@ pub fn argmax(rows: &[Vec<f32>]) -> Vec<u32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{argmax, forward_with_pool_awake};
-    use rayon::prelude::*;
-
-    /// Forwards from several threads at once on one pool (as the tests' engines, or a
-    /// sweep's, share the global pool) each get their own result, their parallel work
-    /// is done, none waits for ever on workers kept awake by another, and a forward
-    /// that panics lets its workers go and passes the panic on.
-    #[test]
-    fn forwards_with_the_pool_awake_share_one_pool() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .expect("a pool of three");
-        let sums: Vec<u64> = std::thread::scope(|s| {
-            let runs: Vec<_> = (0..4u64)
-                .map(|t| {
-                    let pool = &pool;
-                    s.spawn(move || {
-                        (0..50u64)
-                            .map(|i| {
-                                pool.install(|| {
-                                    forward_with_pool_awake(|| {
-                                        (0..10_000u64)
-                                            .into_par_iter()
-                                            .map(|x| x * (t + i))
-                                            .sum::<u64>()
-                                    })
-                                })
-                            })
-                            .sum::<u64>()
-                    })
-                })
-                .collect();
-            runs.into_iter()
-                .map(|r| r.join().expect("no panic"))
-                .collect()
-        });
-        let per = (0..10_000u64).sum::<u64>();
-        for (t, got) in sums.into_iter().enumerate() {
-            let want: u64 = (0..50u64).map(|i| per * (t as u64 + i)).sum();
-            assert_eq!(got, want, "thread {t}");
-        }
-        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            pool.install(|| forward_with_pool_awake(|| -> u32 { panic!("a failed forward") }))
-        }));
-        assert!(panicked.is_err());
-        assert_eq!(pool.install(|| forward_with_pool_awake(|| 7)), 7);
-    }
+    use super::argmax;
 
     #[test]
     fn greedy_choice_takes_the_first_largest_and_skips_nan() {

@@ -6,6 +6,7 @@ mod elementwise;
 pub mod load;
 pub mod packed;
 pub mod pages;
+pub mod team;
 
 use crate::attention::dense::causal_attention;
 use crate::config::{rope_inv_freq, ModelConfig};
@@ -13,7 +14,7 @@ use crate::error::Result;
 use crate::policy::{KvPolicy, LayerInput, Rope, StepBatch};
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Device, Module, Tensor};
-use packed::PackedRows;
+use packed::{PackedRows, SendPtr};
 
 /// Attention of one layer → output `[T, H, dh]`.
 type AttendFn<'a> = dyn FnMut(&LayerInput<'_>) -> Result<Tensor> + 'a;
@@ -173,7 +174,6 @@ fn gemv(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
 /// and up). `None` unless every matrix takes the matrix-vector path.
 fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     use candle_core::{CpuStorage, Storage};
-    use rayon::prelude::*;
     let all_packed = ms.iter().all(|m| matches!(m, Mat::Packed(_)));
     let max_rows = if all_packed {
         PACKED_GEMV_MAX_ROWS
@@ -212,13 +212,7 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     }
     let avx = crate::attention::paged::has_avx2_fma();
     // Output-major ([n, rows], a packed matrix's padding rows included until the end)
-    // so each work item writes one contiguous run. Each matrix goes in blocks of about
-    // 16 rows, as many as a multiple of the pool's threads so that they end together (a
-    // block left over keeps one thread busy while the others wait, once per product),
-    // each block a job of its own (`with_max_len(1)`): a thread that runs out steals
-    // one block, not the half of a range rayon would otherwise hand it, so the threads
-    // end within one block of ~37 KB of SmolLM2's rows (blocks of 64 rows, split by
-    // rayon: decode steps 1.5–3.6 % slower, docs/correctness-and-performance.md).
+    // so each chunk of rows writes one contiguous run.
     let threads = rayon::current_num_threads().max(1);
     let g = packed::GROUP;
     let heights: Vec<(usize, usize)> = ms
@@ -229,35 +223,59 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         })
         .collect::<candle_core::Result<_>>()?;
     let mut outs: Vec<Vec<f32>> = heights.iter().map(|&(_, h)| vec![0f32; h * rows]).collect();
-    let mut items: Vec<(&mut [f32], &[f32], bool)> = Vec::new();
-    for (((y, wd), &(_, h)), m) in outs.iter_mut().zip(&datas).zip(&heights).zip(ms) {
-        let packed = matches!(m, Mat::Packed(_));
-        // Blocks of whole groups for a packed matrix.
-        let unit = if packed { g } else { 1 };
-        let block = unit * per_block(h / unit, h.div_ceil(16), threads);
-        items.extend(
-            y.chunks_mut(block * rows)
-                .zip(wd[..h * k].chunks(block * k))
-                .map(|(y, w)| (y, w, packed)),
-        );
+    // The pass's units (a packed matrix's groups, a row-layout matrix's rows), the
+    // matrices one after another (Q, K and V as one run), each matrix's first unit.
+    let unit_of = |m: &Mat<'_>| if matches!(m, Mat::Packed(_)) { g } else { 1 };
+    let mut firsts = Vec::with_capacity(ms.len());
+    let mut total = 0;
+    for (&(_, h), m) in heights.iter().zip(ms) {
+        firsts.push(total);
+        total += h / unit_of(m);
     }
+    let dsts: Vec<SendPtr> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
     // Four inputs a pass in 512-bit registers where the CPU has them: a batch-16 decode
     // 1.05-1.09x faster (docs/correctness-and-performance.md, "Four decode rows a pass").
     let wide = avx && crate::attention::paged::has_avx512();
-    let run = |(ys, w, packed): (&mut [f32], &[f32], bool)| {
-        if packed {
-            gemv_packed_block(avx, wide, w, &xs, k, rows, ys)
-        } else {
-            gemv_block(avx, w, &xs, k, rows, ys)
+    // Units `r` of the pass: each matrix's part of them.
+    let run = |r: std::ops::Range<usize>| {
+        for (((m, &first), (wd, dst)), &(_, h)) in ms
+            .iter()
+            .zip(&firsts)
+            .zip(datas.iter().zip(&dsts))
+            .zip(&heights)
+        {
+            let unit = unit_of(m);
+            let (lo, hi) = (r.start.max(first), r.end.min(first + h / unit));
+            if lo >= hi {
+                continue;
+            }
+            let (u0, n) = ((lo - first) * unit, (hi - lo) * unit);
+            let w = &wd[u0 * k..(u0 + n) * k];
+            // SAFETY: rows `u0..u0 + n` of this matrix's `[h, rows]` output lie inside
+            // it, and no other call of `run` is given them (the parts do not overlap); the
+            // buffer outlives the calls.
+            let ys = unsafe { std::slice::from_raw_parts_mut(dst.get().add(u0 * rows), n * rows) };
+            if matches!(m, Mat::Packed(_)) {
+                gemv_packed_block(avx, wide, w, &xs, k, rows, ys)
+            } else {
+                gemv_block(avx, w, &xs, k, rows, ys)
+            }
         }
     };
     // A few microseconds of work (a small model's products) cost less on this thread
     // than a hand-off to the pool.
     let work: usize = rows * k * heights.iter().map(|&(_, h)| h).sum::<usize>();
     if work < GEMV_SERIAL_WORK || threads == 1 {
-        items.into_iter().for_each(run);
+        run(0..total);
     } else {
-        items.into_par_iter().with_max_len(1).for_each(run);
+        // One contiguous part of the pass a thread: each reads one stream, as the read
+        // probe does, where jobs of 16 rows left each thread jumping between the
+        // blocks rayon handed it. Batch-1 decode steps at 79-82 % of the bound against
+        // 76-77 %; parts claimed in chunks, a thread done early taking the others' last
+        // chunks, ran slower (docs/correctness-and-performance.md, "One part a thread").
+        let parts = threads.min(total);
+        let start = |p: usize| p * total / parts;
+        team::for_each_share(parts, &|p| run(start(p)..start(p + 1)));
     }
     drop(guards);
     let mut ys = Vec::with_capacity(outs.len());
@@ -278,18 +296,6 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         ys.push(Tensor::from_vec(y, (rows, n), x.device())?);
     }
     Ok(Some(ys))
-}
-
-/// How many of `units` (rows, or groups of packed rows) a block of a product takes: a
-/// multiple of `threads` of blocks, at least `nominal`, that splits the units evenly
-/// where one up to twice `nominal` does (so that the threads end together).
-fn per_block(units: usize, nominal: usize, threads: usize) -> usize {
-    let first = nominal.max(1).next_multiple_of(threads);
-    (first..=2 * first)
-        .step_by(threads)
-        .find(|&b| units.is_multiple_of(b))
-        .map_or_else(|| units.div_ceil(first), |b| units / b)
-        .max(1)
 }
 
 /// Rows of `w` (`[m, k]`) dotted with each of the `rows` input rows `xs`, into `ys`
@@ -1566,6 +1572,63 @@ mod tests {
                     same,
                     "{n}×{k}, rows {rows}: the wide kernel gives other bits"
                 );
+            }
+        }
+    }
+
+    /// A pass of several matrices split over 2 and 3 threads (one part a thread, on a
+    /// forward's team and on the pool alone) gives every output the bits one thread
+    /// gives it, in both layouts, the parts' bounds falling inside matrices of unequal
+    /// heights.
+    #[test]
+    fn products_split_over_a_team_keep_the_bits() {
+        let dev = Device::Cpu;
+        let k = 256;
+        let dense: Vec<Tensor> = [1002, 300, 70]
+            .iter()
+            .map(|&n| Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap())
+            .collect();
+        let packed: Vec<Linear> = dense
+            .iter()
+            .map(|w| Linear::Packed(PackedRows::from_tensor(w).unwrap().unwrap()))
+            .collect();
+        let dense: Vec<Linear> = dense.into_iter().map(Linear::Dense).collect();
+        let pool = |n| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+        };
+        for rows in [1, 3, 16] {
+            let x = Tensor::randn(0f32, 1.0, (rows, k), &dev).unwrap();
+            for ws in [&dense, &packed] {
+                // Work enough to leave the calling thread (`GEMV_SERIAL_WORK`).
+                assert!(rows * k * 1372 >= GEMV_SERIAL_WORK);
+                if matches!(ws[0], Linear::Dense(_)) && rows > GEMV_MAX_ROWS {
+                    continue;
+                }
+                let product = || Linear::forward_many([&ws[0], &ws[1], &ws[2]], &x).unwrap();
+                let want = pool(1).install(product);
+                for (threads, awake) in [(2, false), (2, true), (3, false), (3, true)] {
+                    let got = pool(threads).install(|| {
+                        if awake {
+                            team::run_awake(product)
+                        } else {
+                            product()
+                        }
+                    });
+                    for (g, w) in got.iter().zip(&want) {
+                        let (g, w) = (
+                            g.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                            w.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                        );
+                        assert!(w.iter().all(|v| v.is_finite()));
+                        assert!(
+                            g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "rows {rows}, {threads} threads, awake {awake}: other bits"
+                        );
+                    }
+                }
             }
         }
     }

@@ -298,9 +298,9 @@ impl PackedRows {
     }
 }
 
-/// The output buffer shared by the parts of a product, each writing its own columns.
+/// An output buffer shared by the parts of a product, each writing its own elements.
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
+pub(crate) struct SendPtr(pub(crate) *mut f32);
 // SAFETY: the parts write disjoint elements, and the buffer outlives them (the parallel
 // loop returns before it is used again).
 unsafe impl Send for SendPtr {}
@@ -308,7 +308,7 @@ unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
     /// The pointer (a method, so that closures take the whole `SendPtr`).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
