@@ -150,6 +150,24 @@ fn paged_attention_matches_reference_f32() {
     check(KvCodec::F32, 1e-5);
 }
 
+/// The same cases with the items handed out by a forward's team of three threads
+/// (`model::team`, as `Engine::step` runs the kernel): prefill tiles, decode rows and
+/// their key splits each taken once, whichever thread claims them.
+#[test]
+fn paged_attention_on_a_forward_team_matches_reference() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    pool.install(|| {
+        kvbench_engines::model::team::run_awake(|| {
+            check(KvCodec::F32, 1e-5);
+            check_shape(KvCodec::F32, 1e-4, 9, 3, 64, 16, &[(300, 1), (999, 1)]);
+            check_shape(KvCodec::F32, 1e-4, 4, 4, 20, 3, &[(3517, 1)]);
+        })
+    });
+}
+
 #[test]
 fn paged_attention_matches_reference_bf16_and_f16_storage() {
     check(KvCodec::Bf16, 1e-4);

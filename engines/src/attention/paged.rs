@@ -4,7 +4,6 @@
 
 use crate::kv::paged::KvView;
 use crate::kv::BlockId;
-use rayon::prelude::*;
 
 /// One sequence's part of a packed (varlen) step.
 #[derive(Debug, Clone, Copy)]
@@ -162,42 +161,60 @@ fn run(
         if serial {
             items.into_iter().for_each(work);
         } else {
-            items.into_par_iter().with_max_len(1).for_each(work);
+            // Each item taken by whichever thread claims it (on the forward's team, where
+            // the calling thread runs one: `model::team`).
+            let items: Vec<std::sync::Mutex<Option<_>>> = items
+                .into_iter()
+                .map(|i| std::sync::Mutex::new(Some(i)))
+                .collect();
+            crate::model::team::for_each_share(items.len(), &|i| {
+                let mut slot = items[i].lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(item) = slot.take() {
+                    work(item);
+                }
+            });
         }
         return out;
     }
     // Partial outputs (unnormalized) with their running max and sum, per (row, split),
     // then combined in split order.
-    let parts: Vec<(Vec<f32>, Vec<f32>)> = (0..rows * splits)
-        .into_par_iter()
-        .map(|item| {
-            let (row, sp) = (item / splits, item % splits);
-            let mut o = vec![0f32; chunk];
-            let mut ml = vec![f32::NEG_INFINITY; 2 * group_rows];
-            ml[group_rows..].fill(0.0);
-            let Some((si, pos)) = row_info[row] else {
-                return (o, ml);
+    let part = |item: usize| {
+        let (row, sp) = (item / splits, item % splits);
+        let mut o = vec![0f32; chunk];
+        let mut ml = vec![f32::NEG_INFINITY; 2 * group_rows];
+        ml[group_rows..].fill(0.0);
+        let Some((si, pos)) = row_info[row] else {
+            return (o, ml);
+        };
+        let n = pos + 1;
+        let span = n.div_ceil(splits).div_ceil(s.block_size) * s.block_size;
+        let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
+        if !keys.is_empty() {
+            let item = Row {
+                qr: query(row),
+                q_stride: chunk,
+                rows: 1,
+                keys,
+                table: seqs[si].table,
+                k,
+                v,
+                groups: 0..hkv,
+                s,
+                hints: seqs[si].q_len == 1,
             };
-            let n = pos + 1;
-            let span = n.div_ceil(splits).div_ceil(s.block_size) * s.block_size;
-            let keys = (sp * span).min(n)..((sp + 1) * span).min(n);
-            if !keys.is_empty() {
-                let item = Row {
-                    qr: query(row),
-                    q_stride: chunk,
-                    rows: 1,
-                    keys,
-                    table: seqs[si].table,
-                    k,
-                    v,
-                    groups: 0..hkv,
-                    s,
-                    hints: seqs[si].q_len == 1,
-                };
-                attend_row(simd, item, &mut o, &mut ml);
-            }
-            (o, ml)
-        })
+            attend_row(simd, item, &mut o, &mut ml);
+        }
+        (o, ml)
+    };
+    let slots: Vec<std::sync::OnceLock<(Vec<f32>, Vec<f32>)>> = (0..rows * splits)
+        .map(|_| std::sync::OnceLock::new())
+        .collect();
+    crate::model::team::for_each_share(slots.len(), &|i| {
+        let _ = slots[i].set(part(i));
+    });
+    let parts: Vec<(Vec<f32>, Vec<f32>)> = slots
+        .into_iter()
+        .map(|c| c.into_inner().expect("for_each_share runs every share"))
         .collect();
     for (ri, o) in out.chunks_mut(chunk).enumerate() {
         let ps = &parts[ri * splits..(ri + 1) * splits];

@@ -1,7 +1,8 @@
 //! The CPU forward's threads as one team: the forward runs on a worker of the thread
-//! pool while the pool's other workers stay awake, and a kernel split into a few
-//! shares (one contiguous part of a product a thread) hands them to those workers
-//! through one shared slot that they watch, not through rayon's job queues.
+//! pool while the pool's other workers stay awake, and a kernel split into shares (one
+//! contiguous part of a product a thread, attention's rows and key splits) hands them
+//! to those workers through one shared slot that they watch, not through rayon's job
+//! queues.
 //!
 //! A batch-1 decode step is about 120 matrix-vector products of 40–200 µs each. A
 //! worker watching the slot takes its share about 1 µs after it is posted; rayon's
