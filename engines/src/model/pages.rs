@@ -9,6 +9,9 @@
 use crate::error::Result;
 use candle_core::Tensor;
 
+/// Floats in a 64-byte cache line.
+const LINE_FLOATS: usize = 16;
+
 /// `ts` as views of one buffer in huge pages where the platform gives them; tensors
 /// that are not contiguous f32 on the CPU, and every tensor off Linux, come back as
 /// they were. Each tensor is dropped once copied, so a model held only here costs its
@@ -27,8 +30,14 @@ pub fn in_one_huge_buffer(ts: Vec<Tensor>) -> Result<Vec<Tensor>> {
         if total == 0 {
             return Ok(ts);
         }
-        let mut buf: Vec<f32> = Vec::with_capacity(total);
-        advise_huge(buf.as_mut_ptr() as usize, total * 4);
+        // Each tensor starts on a cache line: the allocator hands a buffer this large
+        // 16 bytes into a page, and the packed kernel's 32-byte loads from a matrix at
+        // such an offset split a line every other load (from the L2, a product took
+        // 1.6x as long).
+        let lines = ts.len() + 1;
+        let cap = total + lines * LINE_FLOATS;
+        let mut buf: Vec<f32> = Vec::with_capacity(cap);
+        advise_huge(buf.as_mut_ptr() as usize, cap * 4);
         // Where each tensor went: its offset and shape in the buffer, or itself.
         let mut placed: Vec<std::result::Result<(usize, candle_core::Shape), Tensor>> =
             Vec::with_capacity(ts.len());
@@ -42,6 +51,11 @@ pub fn in_one_huge_buffer(ts: Vec<Tensor>) -> Result<Vec<Tensor>> {
                 match &*storage {
                     Storage::Cpu(CpuStorage::F32(data)) => {
                         let start = layout.start_offset();
+                        // Up to the next cache line (within the capacity reserved).
+                        let misaligned = (buf.as_ptr() as usize + buf.len() * 4) % 64 / 4;
+                        if misaligned != 0 {
+                            buf.resize(buf.len() + LINE_FLOATS - misaligned, 0.0);
+                        }
                         let off = buf.len();
                         buf.extend_from_slice(&data[start..start + t.elem_count()]);
                         Some(off)
@@ -154,27 +168,57 @@ mod tests {
 
     #[test]
     fn weights_keep_their_values_and_shapes_as_views_of_one_buffer() {
+        use candle_core::{CpuStorage, Storage};
         let dev = Device::Cpu;
         let a = Tensor::arange(0f32, 6000.0, &dev)
             .unwrap()
             .reshape((60, 100))
             .unwrap();
-        let b = Tensor::arange(0f32, 64.0, &dev).unwrap();
+        // 37 floats: the next tensor would start mid-line without the padding.
+        let b = Tensor::arange(0f32, 37.0, &dev).unwrap();
+        let c = Tensor::arange(0f32, 64.0, &dev).unwrap();
         let half = a.to_dtype(DType::BF16).unwrap();
         let strided = a.t().unwrap();
-        let out =
-            in_one_huge_buffer(vec![a.clone(), b.clone(), half.clone(), strided.clone()]).unwrap();
-        for (x, y) in [(&out[0], &a), (&out[1], &b)] {
+        let out = in_one_huge_buffer(vec![
+            a.clone(),
+            b.clone(),
+            c.clone(),
+            half.clone(),
+            strided.clone(),
+        ])
+        .unwrap();
+        // Where each view starts: its buffer's address and its offset in floats.
+        let at = |t: &Tensor| {
+            let (storage, layout) = t.storage_and_layout();
+            let Storage::Cpu(CpuStorage::F32(d)) = &*storage else {
+                panic!("not f32 on the CPU")
+            };
+            (d.as_ptr() as usize, layout.start_offset())
+        };
+        for (x, y) in [(&out[0], &a), (&out[1], &b), (&out[2], &c)] {
             assert_eq!(x.dims(), y.dims());
             assert!(x.is_contiguous());
             let d = (x - y).unwrap().abs().unwrap().max_all().unwrap();
             assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0);
+            // Each on a cache line of its own start.
+            let (base, off) = at(x);
+            assert_eq!((base + 4 * off) % 64, 0, "{:?} starts off a line", x.dims());
         }
-        // One buffer: the second weight starts where the first ends.
-        assert_eq!(out[1].layout().start_offset(), 6000);
+        // One buffer: each weight starts within a line of where the one before ends.
+        let (base, first) = at(&out[0]);
+        assert!(first < LINE_FLOATS);
+        for (i, len) in [(1, 6000), (2, 37)] {
+            let (b_i, off) = at(&out[i]);
+            let (_, prev) = at(&out[i - 1]);
+            assert_eq!(b_i, base);
+            assert!(
+                (prev + len..prev + len + LINE_FLOATS).contains(&off),
+                "tensor {i} at {off}"
+            );
+        }
         // Other dtypes and strided tensors come back as they were.
-        assert_eq!(out[2].id(), half.id());
-        assert_eq!(out[3].id(), strided.id());
+        assert_eq!(out[3].id(), half.id());
+        assert_eq!(out[4].id(), strided.id());
     }
 
     #[test]
