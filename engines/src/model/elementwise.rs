@@ -20,6 +20,11 @@ const SERIAL: usize = 1 << 15;
 /// Elements a job takes at least.
 const MIN_JOB: usize = 1 << 13;
 
+/// Whether `t` is f32 on the CPU (what these kernels take).
+fn cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32
+}
+
 /// `a + b` for two f32 CPU tensors of one shape; `None` where that does not hold
 /// (candle's operation then runs).
 pub fn add(a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
@@ -100,7 +105,6 @@ pub fn add_rms_norm(
     w: &Tensor,
     eps: f32,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     let n = match x.dims().last() {
         Some(&n) if n > 0 => n,
         _ => return Ok(None),
@@ -197,7 +201,6 @@ pub fn add_rms_norm(
 /// is candle's expression (`x0·cos − x1·sin`, `x0·sin + x1·cos`): the same bits. `None`
 /// unless all three are contiguous f32 on the CPU of those shapes.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Option<Tensor>> {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     if !cpu_f32(x) || !cpu_f32(cos) || !cpu_f32(sin) || x.rank() != 3 {
         return Ok(None);
     }
@@ -250,7 +253,6 @@ fn zip_with(
     b: &Tensor,
     f: impl Fn(&[f32], &[f32], &mut [MaybeUninit<f32>]) + Sync,
 ) -> Result<Option<Tensor>> {
-    let cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32;
     if !cpu_f32(a) || !cpu_f32(b) || a.shape() != b.shape() {
         return Ok(None);
     }

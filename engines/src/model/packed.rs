@@ -280,16 +280,9 @@ impl PackedRows {
             }
             SCRATCH.with(|c| c.replace(buf));
         };
-        self.with_slice(|d| {
-            if parts == 1 {
-                part(d, 0);
-            } else {
-                (0..parts)
-                    .into_par_iter()
-                    .with_max_len(1)
-                    .for_each(|p| part(d, p));
-            }
-        })?;
+        // Handed out as a decode step's products are (`super::team`): one part a
+        // thread, on the calling thread alone for one.
+        self.with_slice(|d| super::team::for_each_share(parts, &|p| part(d, p)))?;
         drop(x_storage);
         // SAFETY: the parts cover columns `0..n` of all `t` rows, and gemm (with
         // `read_dst` false) wrote each of those elements.
