@@ -134,6 +134,23 @@ pub fn add_rms_norm(
         [xs, ws] => (xs, None, ws),
         _ => return Ok(None),
     };
+    let (sum, h) = add_rms_norm_rows(xs, rs, ws, eps);
+    drop(guards);
+    Ok(Some((
+        Tensor::from_vec(sum, x.shape(), x.device())?,
+        Tensor::from_vec(h, x.shape(), x.device())?,
+    )))
+}
+
+/// [`add_rms_norm`] on rows of `ws.len()` elements: `xs` (and `rs`, as long) in, the
+/// sum and the normed rows out.
+pub fn add_rms_norm_rows(
+    xs: &[f32],
+    rs: Option<&[f32]>,
+    ws: &[f32],
+    eps: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let n = ws.len();
     // Both outputs are written in full below: left unset rather than zeroed first.
     let len = xs.len();
     let (mut sum, mut h) = (
@@ -187,11 +204,7 @@ pub fn add_rms_norm(
         sum.set_len(len);
         h.set_len(len);
     }
-    drop(guards);
-    Ok(Some((
-        Tensor::from_vec(sum, x.shape(), x.device())?,
-        Tensor::from_vec(h, x.shape(), x.device())?,
-    )))
+    (sum, h)
 }
 
 /// RoPE of `x` (`[T, heads, dh]`) with row `t`'s `cos`/`sin` (`[T, dh/2]`), in the
@@ -229,21 +242,31 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result
     };
     let (xs, cs, ss) = (&dx[x0..x1], &dc[c0..c1], &ds[s0..s1]);
     let mut out = xs.to_vec();
-    let half = dh / 2;
+    rope_rows(&mut out, row, cs, ss, interleaved);
+    drop((sx, sc, ss));
+    Ok(Some(Tensor::from_vec(out, x.shape(), x.device())?))
+}
+
+/// [`rope`] in place on rows of `row` elements (`x`: `[T, heads, dh]` as one slice),
+/// row `t` by `cos`/`sin`'s row `t` (`[T, dh/2]`).
+pub fn rope_rows(x: &mut [f32], row: usize, cos: &[f32], sin: &[f32], interleaved: bool) {
+    let t = x.len() / row.max(1);
+    let half = cos.len() / t.max(1);
     let rotate = |(i, r): (usize, &mut [f32])| {
-        let (c, s) = (&cs[i * half..(i + 1) * half], &ss[i * half..(i + 1) * half]);
+        let (c, s) = (
+            &cos[i * half..(i + 1) * half],
+            &sin[i * half..(i + 1) * half],
+        );
         crate::policy::rotate_in_place(r, c, s, interleaved);
     };
-    if out.len() < SERIAL || rayon::current_num_threads() == 1 {
-        out.chunks_mut(row).enumerate().for_each(rotate);
+    if x.len() < SERIAL || rayon::current_num_threads() == 1 {
+        x.chunks_mut(row).enumerate().for_each(rotate);
     } else {
-        out.par_chunks_mut(row)
+        x.par_chunks_mut(row)
             .enumerate()
             .with_min_len(MIN_JOB.div_ceil(row))
             .for_each(rotate);
     }
-    drop((sx, sc, ss));
-    Ok(Some(Tensor::from_vec(out, x.shape(), x.device())?))
 }
 
 /// `f` over matching runs of `a` and `b` into a new tensor of their shape (each run
@@ -256,7 +279,6 @@ fn zip_with(
     if !cpu_f32(a) || !cpu_f32(b) || a.shape() != b.shape() {
         return Ok(None);
     }
-    let n = a.elem_count();
     let (sa, la) = a.storage_and_layout();
     let (sb, lb) = b.storage_and_layout();
     let (Storage::Cpu(CpuStorage::F32(da)), Storage::Cpu(CpuStorage::F32(db))) = (&*sa, &*sb)
@@ -267,11 +289,22 @@ fn zip_with(
     else {
         return Ok(None);
     };
-    let (xa, xb) = (&da[a0..a1], &db[b0..b1]);
+    let out = zip_slices(&da[a0..a1], &db[b0..b1], f);
+    drop((sa, sb));
+    Ok(Some(Tensor::from_vec(out, a.shape(), a.device())?))
+}
+
+/// [`zip_with`] on two slices of one length.
+fn zip_slices(
+    xa: &[f32],
+    xb: &[f32],
+    f: impl Fn(&[f32], &[f32], &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let n = xa.len().min(xb.len());
     let mut out: Vec<f32> = Vec::with_capacity(n);
     let o = &mut out.spare_capacity_mut()[..n];
     if n < SERIAL || rayon::current_num_threads() == 1 {
-        f(xa, xb, o);
+        f(&xa[..n], &xb[..n], o);
     } else {
         o.par_chunks_mut(MIN_JOB)
             .zip(xa.par_chunks(MIN_JOB).zip(xb.par_chunks(MIN_JOB)))
@@ -279,8 +312,12 @@ fn zip_with(
     }
     // SAFETY: `f` wrote every element of each run, and the runs cover the first `n`.
     unsafe { out.set_len(n) };
-    drop((sa, sb));
-    Ok(Some(Tensor::from_vec(out, a.shape(), a.device())?))
+    out
+}
+
+/// [`silu_mul`] of two slices of one length.
+pub fn silu_mul_rows(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    zip_slices(gate, up, silu_mul_run)
 }
 
 #[cfg(test)]

@@ -173,17 +173,43 @@ fn gemv(w: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
 /// the thread pool (one hand-off per group instead of one per matrix: Q, K and V; gate
 /// and up). `None` unless every matrix takes the matrix-vector path.
 fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
-    use candle_core::{CpuStorage, Storage};
-    let all_packed = ms.iter().all(|m| matches!(m, Mat::Packed(_)));
-    let max_rows = if all_packed {
+    if !x.device().is_cpu() || x.rank() != 2 || x.dtype() != DType::F32 {
+        return Ok(None);
+    }
+    let rows = x.dim(0)?;
+    if rows > gemv_max_rows(ms) {
+        return Ok(None);
+    }
+    let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    let Some(ys) = gemv_rows(ms, &xs, rows)? else {
+        return Ok(None);
+    };
+    ys.into_iter()
+        .map(|y| {
+            let n = y.len() / rows;
+            Ok(Tensor::from_vec(y, (rows, n), x.device())?)
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
+/// Input rows up to which a pass over `ms` takes the matrix-vector path.
+fn gemv_max_rows(ms: &[Mat<'_>]) -> usize {
+    if ms.iter().all(|m| matches!(m, Mat::Packed(_))) {
         PACKED_GEMV_MAX_ROWS
     } else {
         GEMV_MAX_ROWS
-    };
-    if !x.device().is_cpu() || x.rank() != 2 || x.dim(0)? > max_rows || x.dtype() != DType::F32 {
+    }
+}
+
+/// [`gemv_many`] on `rows` f32 input rows `xs` (`[rows, k]`): each matrix's product
+/// `[rows, n]`. `None` where a matrix is not an f32 CPU matrix of `k` columns.
+fn gemv_rows(ms: &[Mat<'_>], xs: &[f32], rows: usize) -> Result<Option<Vec<Vec<f32>>>> {
+    use candle_core::{CpuStorage, Storage};
+    if rows == 0 || !xs.len().is_multiple_of(rows) {
         return Ok(None);
     }
-    let (rows, k) = (x.dim(0)?, x.dim(1)?);
+    let k = xs.len() / rows;
     for m in ms {
         let fits = match m {
             Mat::Rows(w) => {
@@ -195,7 +221,6 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
             return Ok(None);
         }
     }
-    let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     let guards: Vec<_> = ms
         .iter()
         .map(|m| match m {
@@ -256,9 +281,9 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
             // buffer outlives the calls.
             let ys = unsafe { std::slice::from_raw_parts_mut(dst.get().add(u0 * rows), n * rows) };
             if matches!(m, Mat::Packed(_)) {
-                gemv_packed_block(avx, wide, w, &xs, k, rows, ys)
+                gemv_packed_block(avx, wide, w, xs, k, rows, ys)
             } else {
-                gemv_block(avx, w, &xs, k, rows, ys)
+                gemv_block(avx, w, xs, k, rows, ys)
             }
         }
     };
@@ -282,7 +307,7 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
     for (mut yt, (n, _)) in outs.into_iter().zip(heights) {
         yt.truncate(n * rows);
         if rows == 1 {
-            ys.push(Tensor::from_vec(yt, (1, n), x.device())?);
+            ys.push(yt);
             continue;
         }
         // To `[rows, n]`: one pass reading the output-major buffer in order (candle's
@@ -293,7 +318,7 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
                 y[r * n + i] = v;
             }
         }
-        ys.push(Tensor::from_vec(y, (rows, n), x.device())?);
+        ys.push(y);
     }
     Ok(Some(ys))
 }
@@ -477,6 +502,9 @@ pub struct Llama {
     fused_kernels: FusedKernels,
     inv_freq: Vec<f32>,
     device: Device,
+    /// Whether a step of a few rows on the CPU may run with its rows in buffers of the
+    /// forward's own ([`Llama::forward_rows`]; off: the tensor path, which it matches).
+    rows_path: bool,
 }
 
 impl Llama {
@@ -521,7 +549,15 @@ impl Llama {
             fused_kernels: FusedKernels::Off,
             inv_freq,
             device,
+            rows_path: true,
         }
+    }
+
+    /// The same model with the rows path of small CPU steps on or off (off: every step
+    /// through tensors; tests check one against the other).
+    pub fn with_rows_path(mut self, on: bool) -> Self {
+        self.rows_path = on;
+        self
     }
 
     pub fn device(&self) -> &Device {
@@ -588,6 +624,7 @@ impl Llama {
             fused_kernels,
             inv_freq,
             device,
+            rows_path,
         } = self;
         let tied = lm_head.same_as(&embed);
         // Dense matrices are handed over; quantized ones wait here, in order.
@@ -670,6 +707,7 @@ impl Llama {
             fused_kernels,
             inv_freq,
             device,
+            rows_path,
         };
         // The fused matrices were not moved: fuse the moved ones again.
         if fused.is_some() {
@@ -1065,9 +1103,112 @@ impl Llama {
         sample_rows: &[u32],
         policy: &mut dyn KvPolicy,
     ) -> Result<Tensor> {
+        if self.rows_path_fits(tokens.len(), policy) {
+            return self.forward_rows(tokens, positions, batch, sample_rows, policy);
+        }
         self.forward_with(tokens, positions, sample_rows, &mut |input| {
             policy.attend(batch, input)
         })
+    }
+
+    /// Whether [`Llama::forward_rows`] can run a step of `t` rows with `policy`: on the
+    /// CPU, f32 matrices (dense or packed, not fused) that all take the matrix-vector
+    /// path at `t` rows, a policy that takes rows.
+    fn rows_path_fits(&self, t: usize, policy: &dyn KvPolicy) -> bool {
+        let f32_cpu = |w: &Tensor| w.device().is_cpu() && w.dtype() == DType::F32;
+        let fits = |l: &Linear| match l {
+            Linear::Packed(_) => t <= PACKED_GEMV_MAX_ROWS,
+            Linear::Dense(w) => {
+                t <= GEMV_MAX_ROWS && f32_cpu(w) && w.rank() == 2 && w.is_contiguous()
+            }
+            Linear::Quantized { .. } => false,
+        };
+        self.rows_path
+            && self.device.is_cpu()
+            && self.fused.is_none()
+            && t >= 1
+            && policy.takes_rows()
+            && f32_cpu(&self.norm)
+            && fits(&self.lm_head)
+            && self.layers.iter().all(|l| {
+                l.matrices().into_iter().all(fits)
+                    && [&l.attn_norm, &l.ffn_norm].into_iter().all(|w| {
+                        f32_cpu(w) && w.is_contiguous() && w.dims() == [self.cfg.hidden_size]
+                    })
+            })
+    }
+
+    /// [`Llama::forward`] of a step of a few rows on the CPU (a decode batch, a short
+    /// prompt chunk) with its rows in buffers of the forward's own: the same kernels on the same values in the same order as the
+    /// tensor path, so the same logits to the bit (a test checks), without the tensors,
+    /// storage locks and allocations that each of a layer's dozen operations makes
+    /// there, about 1 ms of a 19 ms batch-1 step of SmolLM2 (docs/
+    /// correctness-and-performance.md, "Where the rest of a step goes").
+    fn forward_rows(
+        &self,
+        tokens: &[u32],
+        positions: &[u32],
+        batch: &StepBatch,
+        sample_rows: &[u32],
+        policy: &mut dyn KvPolicy,
+    ) -> Result<Tensor> {
+        use candle_core::{CpuStorage, Storage};
+        let c = &self.cfg;
+        let t = tokens.len();
+        let eps = c.rms_norm_eps as f32;
+        let (cos, sin) = self.rope_rows(positions);
+        let (q_row, k_row) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        // Not met: `rows_path_fits` checked every matrix before the step.
+        let missing = || {
+            crate::error::Error::Config(
+                "the rows path met a matrix outside the CPU's f32 matrix-vector path".into(),
+            )
+        };
+        let products = |ls: &[&Linear], xs: &[f32]| -> Result<Vec<Vec<f32>>> {
+            let ms: Option<Vec<Mat<'_>>> = ls.iter().map(|l| l.mat()).collect();
+            gemv_rows(&ms.ok_or_else(missing)?, xs, t)?.ok_or_else(missing)
+        };
+        let mut x = self
+            .embed_rows(&Tensor::new(tokens, &self.device)?)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        // The previous layer's MLP output, added to the residual with the next norm.
+        let mut pending: Option<Vec<f32>> = None;
+        for (li, l) in self.layers.iter().enumerate() {
+            let (sa, la) = l.attn_norm.storage_and_layout();
+            let (sf, lf) = l.ffn_norm.storage_and_layout();
+            let (Storage::Cpu(CpuStorage::F32(da)), Storage::Cpu(CpuStorage::F32(df))) =
+                (&*sa, &*sf)
+            else {
+                return Err(missing());
+            };
+            let attn_norm = &da[la.start_offset()..][..c.hidden_size];
+            let ffn_norm = &df[lf.start_offset()..][..c.hidden_size];
+            let (xn, h) = elementwise::add_rms_norm_rows(&x, pending.as_deref(), attn_norm, eps);
+            x = xn;
+            let Ok([mut q, mut k, v]) =
+                <[Vec<f32>; 3]>::try_from(products(&[&l.wq, &l.wk, &l.wv], &h)?)
+            else {
+                return Err(missing());
+            };
+            elementwise::rope_rows(&mut q, q_row, &cos, &sin, c.rope_interleaved);
+            elementwise::rope_rows(&mut k, k_row, &cos, &sin, c.rope_interleaved);
+            let a = policy.attend_rows(batch, li, (&q, &k, &v))?;
+            let o = products(&[&l.wo], &a)?.pop().ok_or_else(missing)?;
+            let (xn, h) = elementwise::add_rms_norm_rows(&x, Some(&o), ffn_norm, eps);
+            x = xn;
+            let Ok([gate, up]) = <[Vec<f32>; 2]>::try_from(products(&[&l.gate, &l.up], &h)?) else {
+                return Err(missing());
+            };
+            let act = elementwise::silu_mul_rows(&gate, &up);
+            pending = Some(products(&[&l.down], &act)?.pop().ok_or_else(missing)?);
+        }
+        let dev = &self.device;
+        let x = Tensor::from_vec(x, (t, c.hidden_size), dev)?;
+        let pending = pending
+            .map(|p| Tensor::from_vec(p, (t, c.hidden_size), dev))
+            .transpose()?;
+        self.logits(x, pending, sample_rows)
     }
 
     /// Reference: the whole sequence without a cache, plain causal attention.
@@ -1204,6 +1345,20 @@ impl Llama {
             };
             pending = Some(l.down.forward(&act)?);
         }
+        self.logits(x, pending, sample_rows)
+    }
+
+    /// The step's logits from the last layer's residual `x` and its MLP output
+    /// `pending`: the sampled rows' final norm and head.
+    fn logits(
+        &self,
+        mut x: Tensor,
+        pending: Option<Tensor>,
+        sample_rows: &[u32],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let t = x.dim(0)?;
+        let eps = c.rms_norm_eps as f32;
         if sample_rows.is_empty() {
             // No logits this step (a prompt chunk that does not end its prompt). A CUDA
             // device cannot allocate an empty buffer, so the empty result lives on the CPU.
@@ -1477,6 +1632,106 @@ mod tests {
                 } else {
                     let d = crate::compare::max_abs_diff(a.into_iter().zip(b));
                     assert!(d <= 1e-4, "tie {tie}, {} tokens: {d}", tokens.len());
+                }
+            }
+        }
+    }
+
+    /// Small steps with their rows in the forward's own buffers (the rows path) give
+    /// the tensor path's logits to the bit: prompts of 3 rows, 40 (the rows path where
+    /// the matrices are packed) and 1,100 (tensors, both), then decode steps of one to
+    /// three sequences, one of them past a thousand tokens (attention's keys split over
+    /// the threads), with the matrices in rows and packed, on one thread and on a team
+    /// of three.
+    #[test]
+    fn rows_path_gives_the_tensor_paths_logits_to_the_bit() {
+        use crate::model::load::load_preset;
+        use crate::policy::full::{FullOptions, FullPolicy};
+        use crate::policy::KvPolicy;
+        let mut cfg = crate::config::preset("tiny").unwrap();
+        // Products large enough to be split over the team.
+        cfg.hidden_size = 256;
+        cfg.intermediate_size = 1024;
+        cfg.head_dim = 64;
+        let base = load_preset(cfg.clone(), WeightDtype::F32, 7, &Device::Cpu).unwrap();
+        for packed in [false, true] {
+            let rows = if packed {
+                base.clone().pack_rows().unwrap()
+            } else {
+                base.clone()
+            };
+            let tensors = rows.clone().with_rows_path(false);
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let new_policy = || FullPolicy::new(&cfg, FullOptions::default(), 200);
+                let (mut pa, mut pb) = (new_policy(), new_policy());
+                let prompts: [(u64, Vec<u32>); 3] = [
+                    (1, vec![3, 1, 4]),
+                    (2, (0..40).map(|i| (i * 7 + 1) % 100).collect()),
+                    (3, (0..1100).map(|i| (i * 13 + 5) % 100).collect()),
+                ];
+                let mut ctx = [0usize; 3];
+                let mut next = [0u32; 3];
+                let step = |seqs: &[(usize, Vec<u32>)],
+                            pa: &mut FullPolicy,
+                            pb: &mut FullPolicy,
+                            ctx: &mut [usize; 3],
+                            next: &mut [u32; 3]| {
+                    let mut batch = StepBatch::default();
+                    let (mut tokens, mut positions) = (Vec::new(), Vec::new());
+                    let mut sample = Vec::new();
+                    for (i, toks) in seqs {
+                        batch.push(prompts[*i].0, ctx[*i], toks.len());
+                        positions.extend((ctx[*i]..ctx[*i] + toks.len()).map(|p| p as u32));
+                        tokens.extend(toks);
+                        sample.push((tokens.len() - 1) as u32);
+                    }
+                    let t = tokens.len();
+                    let most = if packed {
+                        PACKED_GEMV_MAX_ROWS
+                    } else {
+                        GEMV_MAX_ROWS
+                    };
+                    assert_eq!(rows.rows_path_fits(t, pa), t <= most);
+                    assert!(!tensors.rows_path_fits(t, pb));
+                    let run = |m: &Llama, p: &mut FullPolicy| {
+                        pool.install(|| {
+                            team::run_awake(|| m.forward(&tokens, &positions, &batch, &sample, p))
+                        })
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                    };
+                    let (a, b) = (run(&rows, pa), run(&tensors, pb));
+                    assert!(a.iter().all(|x| x.is_finite()));
+                    let same = a.len() == b.len()
+                        && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(
+                        same,
+                        "packed {packed}, {threads} threads, {t} rows: other bits"
+                    );
+                    let vocab = a.len() / seqs.len();
+                    for ((i, toks), l) in seqs.iter().zip(a.chunks_exact(vocab)) {
+                        ctx[*i] += toks.len();
+                        next[*i] =
+                            (0..vocab).max_by(|&x, &y| l[x].total_cmp(&l[y])).unwrap() as u32;
+                    }
+                };
+                for (i, (id, p)) in prompts.iter().enumerate() {
+                    for pol in [&mut pa, &mut pb] {
+                        assert!(pol.reserve(*id, p.len() + 8).unwrap());
+                    }
+                    step(&[(i, p.clone())], &mut pa, &mut pb, &mut ctx, &mut next);
+                }
+                for n in [1, 2, 3, 3, 1] {
+                    let seqs: Vec<(usize, Vec<u32>)> =
+                        (3 - n..3).map(|i| (i, vec![next[i]])).collect();
+                    step(&seqs, &mut pa, &mut pb, &mut ctx, &mut next);
                 }
             }
         }

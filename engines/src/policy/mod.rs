@@ -261,6 +261,28 @@ pub trait KvPolicy: Send {
     /// input, which InfiniGen uses to speculate on the next layer.
     fn attend(&mut self, batch: &StepBatch, input: &LayerInput<'_>) -> Result<Tensor>;
 
+    /// Whether [`KvPolicy::attend_rows`] serves this policy's every step on the CPU: the
+    /// forward then keeps a decode step's rows in buffers of its own and calls it in
+    /// place of `attend` (no tensors made per layer for the policy).
+    fn takes_rows(&self) -> bool {
+        false
+    }
+
+    /// [`KvPolicy::attend`] on f32 rows: the layer's rotated queries `q` (`[T, H, dh]`)
+    /// and its keys `k` and values `v` (`[T, Hkv, dh]`, keys rotated), the output
+    /// `[T, H, dh]`; only where [`KvPolicy::takes_rows`].
+    fn attend_rows(
+        &mut self,
+        _batch: &StepBatch,
+        _layer: usize,
+        _rows: (&[f32], &[f32], &[f32]),
+    ) -> Result<Vec<f32>> {
+        Err(crate::error::Error::Config(format!(
+            "policy {} takes its layers' inputs as tensors only",
+            self.name()
+        )))
+    }
+
     /// Whether this step's queries and keys may reach [`KvPolicy::attend`] without RoPE,
     /// with their rotation rows in [`LayerInput::rope_rows`], for the policy to rotate
     /// them as it writes the keys (CUDA `full` in a graph step: RoPE and the cache write

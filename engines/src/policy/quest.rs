@@ -361,7 +361,7 @@ impl KvPolicy for QuestPolicy {
             .collect();
         let mut out = self
             .full
-            .attend_rows(batch, layer, &qf, |s| selected.contains_key(&s.id))?;
+            .attend_seqs(batch, layer, &qf, |s| selected.contains_key(&s.id))?;
         if selected.is_empty() {
             return Ok(
                 Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?

@@ -230,7 +230,7 @@ impl FullPolicy {
 
     /// Attention of the step's rows (`qf`: `[T, H, dh]` f32) over the cache, but for the
     /// sequences `skip` picks (left zero for the caller: Quest's selected pages).
-    pub(crate) fn attend_rows(
+    pub(crate) fn attend_seqs(
         &mut self,
         batch: &StepBatch,
         layer: usize,
@@ -348,12 +348,29 @@ impl KvPolicy for FullPolicy {
         self.write(batch, input.layer, &kf, &to_f32(input.v)?);
         self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
         let qf = to_f32(input.q)?;
-        let out = self.attend_rows(batch, input.layer, &qf, |_| false)?;
+        let out = self.attend_seqs(batch, input.layer, &qf, |_| false)?;
         let (h, dh) = (self.shape.num_heads, self.shape.head_dim);
         Ok(
             Tensor::from_vec(out, (batch.num_tokens, h, dh), input.q.device())?
                 .to_dtype(input.q.dtype())?,
         )
+    }
+
+    fn takes_rows(&self) -> bool {
+        true
+    }
+
+    fn attend_rows(
+        &mut self,
+        batch: &StepBatch,
+        layer: usize,
+        (q, k, v): (&[f32], &[f32], &[f32]),
+    ) -> Result<Vec<f32>> {
+        // As `attend`, the same operations on the same rows.
+        let t0 = Instant::now();
+        self.write(batch, layer, k, v);
+        self.stats.cache_ops_s += t0.elapsed().as_secs_f64();
+        self.attend_seqs(batch, layer, q, |_| false)
     }
 
     fn memory(&self) -> PolicyMemory {
