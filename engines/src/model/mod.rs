@@ -1139,11 +1139,12 @@ impl Llama {
     }
 
     /// [`Llama::forward`] of a step of a few rows on the CPU (a decode batch, a short
-    /// prompt chunk) with its rows in buffers of the forward's own: the same kernels on the same values in the same order as the
-    /// tensor path, so the same logits to the bit (a test checks), without the tensors,
-    /// storage locks and allocations that each of a layer's dozen operations makes
-    /// there, about 1 ms of a 19 ms batch-1 step of SmolLM2 (docs/
-    /// correctness-and-performance.md, "Where the rest of a step goes").
+    /// prompt chunk) with its rows in buffers of the forward's own: the same kernels on
+    /// the same values in the same order as the tensor path, so the same logits to the
+    /// bit (a test checks), without the tensors, storage locks and allocations that each
+    /// of a layer's dozen operations makes there, which took about 0.6 ms of a 22 ms
+    /// batch-1 step of SmolLM2 at 576 tokens (docs/correctness-and-performance.md, "A
+    /// small step's rows in buffers of the forward's own").
     fn forward_rows(
         &self,
         tokens: &[u32],
