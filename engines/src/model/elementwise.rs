@@ -142,8 +142,8 @@ pub fn add_rms_norm(
     )))
 }
 
-/// [`add_rms_norm`] on rows of `ws.len()` elements: `xs` (and `rs`, as long) in, the
-/// sum and the normed rows out.
+/// [`add_rms_norm`] on rows of `ws.len()` elements (not none; the tensor form checks
+/// it): `xs` (and `rs`, as long) in, the sum and the normed rows out.
 pub fn add_rms_norm_rows(
     xs: &[f32],
     rs: Option<&[f32]>,

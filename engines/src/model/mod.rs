@@ -161,6 +161,24 @@ enum Mat<'a> {
     Packed(&'a PackedRows),
 }
 
+impl Mat<'_> {
+    /// Whether the matrix-vector path takes this matrix on `rows` input rows: packed, up
+    /// to [`PACKED_GEMV_MAX_ROWS`]; in the row layout, a contiguous f32 CPU matrix, up
+    /// to [`GEMV_MAX_ROWS`].
+    fn takes(&self, rows: usize) -> bool {
+        match self {
+            Mat::Packed(_) => rows <= PACKED_GEMV_MAX_ROWS,
+            Mat::Rows(w) => {
+                rows <= GEMV_MAX_ROWS
+                    && w.device().is_cpu()
+                    && w.dtype() == DType::F32
+                    && w.rank() == 2
+                    && w.is_contiguous()
+            }
+        }
+    }
+}
+
 /// `x·Wᵀ` for an f32 `x` of at most [`GEMV_MAX_ROWS`] rows and a contiguous f32 `W`
 /// (`[out, in]`) on the CPU: each weight row is read once and dotted with every input
 /// row while it is in cache. `None` where it does not apply (gemm then runs).
@@ -177,7 +195,7 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         return Ok(None);
     }
     let rows = x.dim(0)?;
-    if rows > gemv_max_rows(ms) {
+    if !ms.iter().all(|m| m.takes(rows)) {
         return Ok(None);
     }
     let xs = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
@@ -193,15 +211,6 @@ fn gemv_many(ms: &[Mat<'_>], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
         .map(Some)
 }
 
-/// Input rows up to which a pass over `ms` takes the matrix-vector path.
-fn gemv_max_rows(ms: &[Mat<'_>]) -> usize {
-    if ms.iter().all(|m| matches!(m, Mat::Packed(_))) {
-        PACKED_GEMV_MAX_ROWS
-    } else {
-        GEMV_MAX_ROWS
-    }
-}
-
 /// [`gemv_many`] on `rows` f32 input rows `xs` (`[rows, k]`): each matrix's product
 /// `[rows, n]`. `None` where a matrix is not an f32 CPU matrix of `k` columns.
 fn gemv_rows(ms: &[Mat<'_>], xs: &[f32], rows: usize) -> Result<Option<Vec<Vec<f32>>>> {
@@ -211,13 +220,11 @@ fn gemv_rows(ms: &[Mat<'_>], xs: &[f32], rows: usize) -> Result<Option<Vec<Vec<f
     }
     let k = xs.len() / rows;
     for m in ms {
-        let fits = match m {
-            Mat::Rows(w) => {
-                w.dtype() == DType::F32 && w.rank() == 2 && w.is_contiguous() && w.dim(1)? == k
-            }
-            Mat::Packed(p) => p.dims().1 == k,
+        let width = match m {
+            Mat::Rows(w) => w.dims().last().copied(),
+            Mat::Packed(p) => Some(p.dims().1),
         };
-        if !fits {
+        if !m.takes(rows) || width != Some(k) {
             return Ok(None);
         }
     }
@@ -1112,17 +1119,11 @@ impl Llama {
     }
 
     /// Whether [`Llama::forward_rows`] can run a step of `t` rows with `policy`: on the
-    /// CPU, f32 matrices (dense or packed, not fused) that all take the matrix-vector
-    /// path at `t` rows, a policy that takes rows.
+    /// CPU, matrices (not fused) that all take the matrix-vector path at `t` rows, f32
+    /// norms, a policy that takes rows.
     fn rows_path_fits(&self, t: usize, policy: &dyn KvPolicy) -> bool {
         let f32_cpu = |w: &Tensor| w.device().is_cpu() && w.dtype() == DType::F32;
-        let fits = |l: &Linear| match l {
-            Linear::Packed(_) => t <= PACKED_GEMV_MAX_ROWS,
-            Linear::Dense(w) => {
-                t <= GEMV_MAX_ROWS && f32_cpu(w) && w.rank() == 2 && w.is_contiguous()
-            }
-            Linear::Quantized { .. } => false,
-        };
+        let fits = |l: &Linear| l.mat().is_some_and(|m| m.takes(t));
         self.rows_path
             && self.device.is_cpu()
             && self.fused.is_none()
