@@ -823,11 +823,15 @@ impl CudaInfinigenPolicy {
             // the rows when the layer comes ([`Self::fetch`]).
             let pin = self.bufs.pinned.as_mut().expect("planned for memcpy");
             let n_sel = nrows * dims.num_kv_heads * dp.kcap;
+            // The host sides cut to the rows copied: cudarc copies as many bytes as the
+            // destination holds, which would be the buffers' whole planned capacity.
+            let sel_dst = &mut pin.sel[p].as_mut_slice().w()?[..n_sel];
             stream
-                .memcpy_dtoh(&self.bufs.sel[p].slice(0..n_sel), &mut pin.sel[p])
+                .memcpy_dtoh(&self.bufs.sel[p].slice(0..n_sel), sel_dst)
                 .w()?;
+            let ks_dst = &mut pin.ks[p].as_mut_slice().w()?[..nrows];
             stream
-                .memcpy_dtoh(&self.bufs.ks[p].slice(0..nrows), &mut pin.ks[p])
+                .memcpy_dtoh(&self.bufs.ks[p].slice(0..nrows), ks_dst)
                 .w()?;
             let copied_back = stream.record_event(Some(CU_EVENT_DEFAULT)).w()?;
             self.cache_events.push((start, copied_back));

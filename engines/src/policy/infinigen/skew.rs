@@ -475,9 +475,13 @@ pub(crate) fn hash_staged(tag: &str, t: &Tensor, stage: &mut Stage) -> Result<u6
     let mut off = 0;
     while off < n {
         let len = Stage::BYTES.min(n - off);
+        // The host side is cut to the view's length: cudarc copies as many bytes as
+        // the destination holds, so the whole pinned buffer would read past the view
+        // (CUDA_ERROR_INVALID_VALUE at a weight's end).
+        let dst = &mut stage.buf.as_mut_slice().map_err(fail)?[..len];
         stage
             .stream
-            .memcpy_dtoh(&bytes.slice(off..off + len), &mut stage.buf)
+            .memcpy_dtoh(&bytes.slice(off..off + len), dst)
             .map_err(fail)?;
         // The copy into pinned memory is asynchronous, and the buffer's own event is
         // never recorded with cudarc's event tracking off (engines/src/device.rs), so
