@@ -45,21 +45,24 @@ steps=(
   "verify-smollm2|verify --device cuda --model preset:smollm2-135m"
   "verify-llama|verify --device cuda --model preset:llama-3.1-8b"
   "verify-kernels|verify --device cuda --model preset:smollm2-135m --kernels-only"
+  "verify-vec|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_PAGED_DECODE=vec"
   "verify-pipe|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_PAGED_DECODE=pipe"
   "bench-decode|bench-decode --device cuda --out \$RES/bench-decode.json"
-  "decode-pipe-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/vec"
+  "decode-pipe-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/vec|KVBENCH_PAGED_DECODE=vec"
   "decode-pipe|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-pipe/pipe|KVBENCH_PAGED_DECODE=pipe"
   "verify-mma|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_PAGED_DECODE=mma"
-  "decode-mma-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-mma/vec"
+  "decode-mma-vec|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-mma/vec|KVBENCH_PAGED_DECODE=vec"
   "decode-mma|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-mma/mma|KVBENCH_PAGED_DECODE=mma"
-  "decode-reduce-launch|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce/launch|KVBENCH_DECODE_REDUCE=launch"
-  "decode-reduce|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce/fold"
+  "decode-reduce-launch|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce/launch|KVBENCH_DECODE_REDUCE=launch KVBENCH_PAGED_DECODE=vec"
+  "decode-reduce|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce/fold|KVBENCH_PAGED_DECODE=vec"
+  "decode-reduce-mma-launch|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce-mma/launch|KVBENCH_DECODE_REDUCE=launch"
+  "decode-reduce-mma|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce-mma/fold"
   "verify-ig-tokens|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_IG_GATHER=tokens"
   "ig-gather-heads|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/heads"
   "ig-gather-tokens|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/tokens|KVBENCH_IG_GATHER=tokens"
-  "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector"
+  "decode-vector|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/vector|KVBENCH_PAGED_DECODE=vec"
   "decode-scalar|run experiments/gpu/decode-kernel.yaml --results \$RES/decode-kernel/scalar|KVBENCH_PAGED_DECODE=scalar"
-  "decode-unroll|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec"
+  "decode-unroll|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec|KVBENCH_PAGED_DECODE=vec"
   "decode-unroll-vec1|run experiments/gpu/decode-unroll.yaml --results \$RES/decode-unroll/vec1|KVBENCH_PAGED_DECODE=vec1"
   "prefill-mma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/mma|KVBENCH_FLASH_PREFILL=mma"
   "prefill-wmma|run experiments/gpu/prefill-kernel.yaml --results \$RES/prefill-kernel/wmma|KVBENCH_FLASH_PREFILL=wmma"
@@ -98,14 +101,14 @@ steps=(
 # 30 s are left).
 declare -A need=(
   [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
-  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-kernels]=45 [verify-pipe]=45 [verify-mma]=45 [verify-ig-tokens]=45 [bench-decode]=90
+  [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-kernels]=45 [verify-vec]=45 [verify-pipe]=45 [verify-mma]=45 [verify-ig-tokens]=45 [bench-decode]=90
 )
 
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
   [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe [decode-mma]=verify-mma
-  [decode-reduce]=verify-kernels
+  [decode-reduce]=verify-kernels [decode-reduce-mma]=verify-kernels
   [ig-gather-tokens]=verify-ig-tokens)
 # The study's steps (the cells that decide C1-C9): where the card's results name the
 # archive the study is pinned to (campaign/study.archive, its first 16 hex digits of
@@ -113,7 +116,7 @@ declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
 # build recorded and the study's cells must all come from one build.
 declare -A study=([paradigms]=1 [output-scaling]=1 [ttft-flash]=1 [ttft]=1
   [batch-infinigen]=1 [batch-scaling]=1)
-declare -A optional=([verify-kernels]=1 [verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-mma]=1 [verify-ig-tokens]=1 [bench-decode]=1)
+declare -A optional=([verify-kernels]=1 [verify-vec]=1 [verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-mma]=1 [verify-ig-tokens]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"

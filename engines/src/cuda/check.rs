@@ -192,9 +192,10 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
             part_size: part,
         };
         let last = lens.len() - 1;
-        // The vector kernel in the form the runs use (four rows in flight per lane, one
-        // under KVBENCH_PAGED_DECODE=vec1, tiles staged in shared memory under `pipe`,
-        // tensor-core products under `mma`), each with its reduction folded into it and
+        // The kernel the runs use for keys at their own positions (tensor-core products
+        // by default, the vector kernel with four rows in flight per lane under
+        // KVBENCH_PAGED_DECODE=vec, one under `vec1`, tiles staged in shared memory under
+        // `pipe`), each with its reduction folded into it and
         // launched after it: both against the reference, and against each other to the
         // bit (the same device function reduces in both, so any difference is a
         // partition read before its block wrote it).
