@@ -1110,7 +1110,7 @@ impl Llama {
         sample_rows: &[u32],
         policy: &mut dyn KvPolicy,
     ) -> Result<Tensor> {
-        if self.rows_path_fits(tokens.len(), policy) {
+        if self.rows_path_fits(tokens.len()) {
             return self.forward_rows(tokens, positions, batch, sample_rows, policy);
         }
         self.forward_with(tokens, positions, sample_rows, &mut |input| {
@@ -1118,17 +1118,16 @@ impl Llama {
         })
     }
 
-    /// Whether [`Llama::forward_rows`] can run a step of `t` rows with `policy`: on the
-    /// CPU, matrices (not fused) that all take the matrix-vector path at `t` rows, f32
-    /// norms, a policy that takes rows.
-    fn rows_path_fits(&self, t: usize, policy: &dyn KvPolicy) -> bool {
+    /// Whether [`Llama::forward_rows`] can run a step of `t` rows: on the CPU, matrices
+    /// (not fused) that all take the matrix-vector path at `t` rows, f32 norms. Any
+    /// policy: one that does not take rows gets its layer inputs as tensors.
+    fn rows_path_fits(&self, t: usize) -> bool {
         let f32_cpu = |w: &Tensor| w.device().is_cpu() && w.dtype() == DType::F32;
         let fits = |l: &Linear| l.mat().is_some_and(|m| m.takes(t));
         self.rows_path
             && self.device.is_cpu()
             && self.fused.is_none()
             && t >= 1
-            && policy.takes_rows()
             && f32_cpu(&self.norm)
             && fits(&self.lm_head)
             && self.layers.iter().all(|l| {
@@ -1145,7 +1144,10 @@ impl Llama {
     /// bit (a test checks), without the tensors, storage locks and allocations that each
     /// of a layer's dozen operations makes there, which took about 0.6 ms of a 22 ms
     /// batch-1 step of SmolLM2 at 576 tokens (docs/correctness-and-performance.md, "A
-    /// small step's rows in buffers of the forward's own").
+    /// small step's rows in buffers of the forward's own"). A policy that takes rows
+    /// ([`KvPolicy::takes_rows`]) attends on them; any other gets its [`LayerInput`] as
+    /// tensors made from them (a few small copies a layer), so every strategy's step
+    /// runs the same products, norms and RoPE.
     fn forward_rows(
         &self,
         tokens: &[u32],
@@ -1160,6 +1162,7 @@ impl Llama {
         let eps = c.rms_norm_eps as f32;
         let (cos, sin) = self.rope_rows(positions);
         let (q_row, k_row) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let takes_rows = policy.takes_rows();
         // Not met: `rows_path_fits` checked every matrix before the step.
         let missing = || {
             crate::error::Error::Config(
@@ -1193,9 +1196,41 @@ impl Llama {
             else {
                 return Err(missing());
             };
+            let raw = (!takes_rows).then(|| (q.clone(), k.clone()));
             elementwise::rope_rows(&mut q, q_row, &cos, &sin, c.rope_interleaved);
             elementwise::rope_rows(&mut k, k_row, &cos, &sin, c.rope_interleaved);
-            let a = policy.attend_rows(batch, li, (&q, &k, &v))?;
+            let a = match raw {
+                None => policy.attend_rows(batch, li, (&q, &k, &v))?,
+                Some((q_raw, k_raw)) => {
+                    let dev = &self.device;
+                    let heads =
+                        |r: Vec<f32>, n: usize| Tensor::from_vec(r, (t, n, c.head_dim), dev);
+                    let x = Tensor::from_slice(&h, (t, c.hidden_size), dev)?;
+                    let (q, k, v) = (
+                        heads(q, c.num_heads)?,
+                        heads(k, c.num_kv_heads)?,
+                        heads(v, c.num_kv_heads)?,
+                    );
+                    let (q_raw, k_raw) =
+                        (heads(q_raw, c.num_heads)?, heads(k_raw, c.num_kv_heads)?);
+                    let a = policy.attend(
+                        batch,
+                        &LayerInput {
+                            layer: li,
+                            x: &x,
+                            q: &q,
+                            k: &k,
+                            v: &v,
+                            q_raw: &q_raw,
+                            k_raw: &k_raw,
+                            positions,
+                            rope: self,
+                            rope_rows: None,
+                        },
+                    )?;
+                    a.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?
+                }
+            };
             let o = products(&[&l.wo], &a)?.pop().ok_or_else(missing)?;
             let (xn, h) = elementwise::add_rms_norm_rows(&x, Some(&o), ffn_norm, eps);
             x = xn;
@@ -1643,33 +1678,79 @@ mod tests {
     /// the tensor path's logits to the bit: prompts of 3 rows, 40 (the rows path where
     /// the matrices are packed) and 1,100 (tensors, both), then decode steps of one to
     /// three sequences, one of them past a thousand tokens (attention's keys split over
-    /// the threads), with the matrices in rows and packed, on one thread and on a team
-    /// of three.
+    /// the threads). `full` (which attends on the rows) with the matrices in rows and
+    /// packed, on one thread and on a team of three; every other CPU strategy (its
+    /// layer inputs made into tensors from the rows) packed, on three threads.
     #[test]
     fn rows_path_gives_the_tensor_paths_logits_to_the_bit() {
         use crate::model::load::load_preset;
-        use crate::policy::full::{FullOptions, FullPolicy};
-        use crate::policy::KvPolicy;
+        use crate::policy::spec::{PolicyEnv, PolicySpec, Reservation};
         let mut cfg = crate::config::preset("tiny").unwrap();
         // Products large enough to be split over the team.
         cfg.hidden_size = 256;
         cfg.intermediate_size = 1024;
         cfg.head_dim = 64;
         let base = load_preset(cfg.clone(), WeightDtype::F32, 7, &Device::Cpu).unwrap();
-        for packed in [false, true] {
-            let rows = if packed {
-                base.clone().pack_rows().unwrap()
+        let skewing = std::sync::Arc::new(
+            crate::policy::infinigen::skew::calibrate(
+                &base,
+                &(0..64).map(|i| (i * 11 + 3) % 100).collect::<Vec<u32>>(),
+            )
+            .unwrap(),
+        );
+        let env = || PolicyEnv {
+            device_name: "cpu".into(),
+            device_capacity: None,
+            kv_device_bytes: u64::MAX,
+            reservation: Reservation::Budget,
+            kv_host_bytes: 1 << 30,
+            block_size: 16,
+            attention: crate::attention::prefill::AttentionImpl::Flash,
+            chunk_size: 512,
+            compute_codec: crate::kv::KvCodec::F32,
+            kv_codec: None,
+            shuffle_seed: None,
+        };
+        // Name, budget and at most one parameter (`key=value`).
+        let strategies = [
+            ("full", 1.0, ""),
+            ("h2o", 0.3, ""),
+            ("streaming", 0.3, "rolling_positions=true"),
+            ("snapkv", 0.3, ""),
+            ("quest", 0.3, ""),
+            ("kivi", 1.0, ""),
+            ("infinigen", 0.3, ""),
+            ("hybrid", 0.3, ""),
+        ];
+        for (name, budget, param) in strategies {
+            let params: Vec<(String, String)> = param
+                .split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .into_iter()
+                .collect();
+            let mut spec = PolicySpec::parse(name, budget, &params).unwrap();
+            if spec.needs_skewing() {
+                spec.set_skewing(skewing.clone());
+            }
+            let combos: &[(bool, usize)] = if name == "full" {
+                &[(false, 1), (false, 3), (true, 1), (true, 3)]
             } else {
-                base.clone()
+                &[(true, 3)]
             };
-            let tensors = rows.clone().with_rows_path(false);
-            for threads in [1, 3] {
+            for &(packed, threads) in combos {
+                let rows = if packed {
+                    base.clone().pack_rows().unwrap()
+                } else {
+                    base.clone()
+                };
+                let tensors = rows.clone().with_rows_path(false);
                 let pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                let new_policy = || FullPolicy::new(&cfg, FullOptions::default(), 200);
-                let (mut pa, mut pb) = (new_policy(), new_policy());
+                let mut pa = spec.build(&rows, env()).unwrap();
+                let mut pb = spec.build(&tensors, env()).unwrap();
+                assert_eq!(pa.takes_rows(), name == "full");
                 let prompts: [(u64, Vec<u32>); 3] = [
                     (1, vec![3, 1, 4]),
                     (2, (0..40).map(|i| (i * 7 + 1) % 100).collect()),
@@ -1678,15 +1759,18 @@ mod tests {
                 let mut ctx = [0usize; 3];
                 let mut next = [0u32; 3];
                 let step = |seqs: &[(usize, Vec<u32>)],
-                            pa: &mut FullPolicy,
-                            pb: &mut FullPolicy,
+                            pa: &mut dyn KvPolicy,
+                            pb: &mut dyn KvPolicy,
                             ctx: &mut [usize; 3],
                             next: &mut [u32; 3]| {
                     let mut batch = StepBatch::default();
                     let (mut tokens, mut positions) = (Vec::new(), Vec::new());
                     let mut sample = Vec::new();
                     for (i, toks) in seqs {
-                        batch.push(prompts[*i].0, ctx[*i], toks.len());
+                        // As the scheduler does: room for the step's tokens first.
+                        let (id, n) = (prompts[*i].0, ctx[*i] + toks.len());
+                        assert!(pa.reserve(id, n).unwrap() && pb.reserve(id, n).unwrap());
+                        batch.push(id, ctx[*i], toks.len());
                         positions.extend((ctx[*i]..ctx[*i] + toks.len()).map(|p| p as u32));
                         tokens.extend(toks);
                         sample.push((tokens.len() - 1) as u32);
@@ -1697,9 +1781,9 @@ mod tests {
                     } else {
                         GEMV_MAX_ROWS
                     };
-                    assert_eq!(rows.rows_path_fits(t, pa), t <= most);
-                    assert!(!tensors.rows_path_fits(t, pb));
-                    let run = |m: &Llama, p: &mut FullPolicy| {
+                    assert_eq!(rows.rows_path_fits(t), t <= most);
+                    assert!(!tensors.rows_path_fits(t));
+                    let run = |m: &Llama, p: &mut dyn KvPolicy| {
                         pool.install(|| {
                             team::run_awake(|| m.forward(&tokens, &positions, &batch, &sample, p))
                         })
@@ -1715,7 +1799,7 @@ mod tests {
                         && a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
                     assert!(
                         same,
-                        "packed {packed}, {threads} threads, {t} rows: other bits"
+                        "{name}: packed {packed}, {threads} threads, {t} rows: other bits"
                     );
                     let vocab = a.len() / seqs.len();
                     for ((i, toks), l) in seqs.iter().zip(a.chunks_exact(vocab)) {
@@ -1724,16 +1808,19 @@ mod tests {
                             (0..vocab).max_by(|&x, &y| l[x].total_cmp(&l[y])).unwrap() as u32;
                     }
                 };
-                for (i, (id, p)) in prompts.iter().enumerate() {
-                    for pol in [&mut pa, &mut pb] {
-                        assert!(pol.reserve(*id, p.len() + 8).unwrap());
-                    }
-                    step(&[(i, p.clone())], &mut pa, &mut pb, &mut ctx, &mut next);
+                for (i, (_, p)) in prompts.iter().enumerate() {
+                    step(
+                        &[(i, p.clone())],
+                        pa.as_mut(),
+                        pb.as_mut(),
+                        &mut ctx,
+                        &mut next,
+                    );
                 }
                 for n in [1, 2, 3, 3, 1] {
                     let seqs: Vec<(usize, Vec<u32>)> =
                         (3 - n..3).map(|i| (i, vec![next[i]])).collect();
-                    step(&seqs, &mut pa, &mut pb, &mut ctx, &mut next);
+                    step(&seqs, pa.as_mut(), pb.as_mut(), &mut ctx, &mut next);
                 }
             }
         }
