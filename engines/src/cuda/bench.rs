@@ -40,9 +40,11 @@ pub struct DecodeForm {
 }
 
 /// The forms timed, in order: the vector kernel with its reduction launched (the
-/// reference) and folded, then the other kernels with it folded (the scalar one is left
-/// out: it is the fallback, several times slower, and would take most of the run).
-pub const FORMS: [DecodeForm; 5] = [
+/// reference) and folded, the one-row and pipelined kernels with it folded, then the
+/// tensor-core kernel (the default) folded and launched, which decides the default
+/// reduction (the scalar kernel is left out: it is the fallback, several times slower,
+/// and would take most of the run).
+pub const FORMS: [DecodeForm; 6] = [
     DecodeForm {
         kernel: DecodeKernel::Vector,
         reduce: DecodeReduce::Launched,
@@ -62,6 +64,10 @@ pub const FORMS: [DecodeForm; 5] = [
     DecodeForm {
         kernel: DecodeKernel::TensorCore,
         reduce: DecodeReduce::Folded,
+    },
+    DecodeForm {
+        kernel: DecodeKernel::TensorCore,
+        reduce: DecodeReduce::Launched,
     },
 ];
 

@@ -118,8 +118,8 @@ fn bench(
     };
     // The reference (the vector kernel with its reduction launched, verified on GPUs)
     // first and alone: every other form is compared with it. Then the forms with the
-    // folded reduction on the kernels that have run on a GPU, then the tensor-core
-    // kernel, each in a phase of its own: a fault in one ends the device's context,
+    // folded reduction on the vector kernels, then the tensor-core kernel (folded and
+    // launched), each in a phase of its own: a fault in one ends the device's context,
     // and an error that does not (a launch refused) leaves the phases after it to run.
     let (reference, rest): (Vec<_>, Vec<_>) =
         FORMS.iter().copied().partition(|&f| f == bench::REFERENCE);
@@ -140,7 +140,7 @@ fn bench(
     let mut aborted = Vec::new();
     for (what, forms) in [
         ("the folded forms", proven),
-        ("the tensor-core form", newer),
+        ("the tensor-core forms", newer),
     ] {
         match bench::run(
             &dev,
