@@ -1684,7 +1684,7 @@ mod tests {
     #[test]
     fn rows_path_gives_the_tensor_paths_logits_to_the_bit() {
         use crate::model::load::load_preset;
-        use crate::policy::spec::{PolicyEnv, PolicySpec, Reservation};
+        use crate::policy::spec::{PolicyEnv, PolicySpec};
         let mut cfg = crate::config::preset("tiny").unwrap();
         // Products large enough to be split over the team.
         cfg.hidden_size = 256;
@@ -1698,19 +1698,6 @@ mod tests {
             )
             .unwrap(),
         );
-        let env = || PolicyEnv {
-            device_name: "cpu".into(),
-            device_capacity: None,
-            kv_device_bytes: u64::MAX,
-            reservation: Reservation::Budget,
-            kv_host_bytes: 1 << 30,
-            block_size: 16,
-            attention: crate::attention::prefill::AttentionImpl::Flash,
-            chunk_size: 512,
-            compute_codec: crate::kv::KvCodec::F32,
-            kv_codec: None,
-            shuffle_seed: None,
-        };
         // Name, budget and at most one parameter (`key=value`).
         let strategies = [
             ("full", 1.0, ""),
@@ -1748,8 +1735,8 @@ mod tests {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                let mut pa = spec.build(&rows, env()).unwrap();
-                let mut pb = spec.build(&tensors, env()).unwrap();
+                let mut pa = spec.build(&rows, PolicyEnv::cpu_for_tests()).unwrap();
+                let mut pb = spec.build(&tensors, PolicyEnv::cpu_for_tests()).unwrap();
                 assert_eq!(pa.takes_rows(), name == "full");
                 let prompts: [(u64, Vec<u32>); 3] = [
                     (1, vec![3, 1, 4]),

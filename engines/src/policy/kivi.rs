@@ -664,19 +664,7 @@ mod tests {
             group: 4,
             residual: 8,
         };
-        let env = PolicyEnv {
-            device_name: "cpu".into(),
-            device_capacity: None,
-            kv_device_bytes: u64::MAX,
-            reservation: crate::policy::spec::Reservation::Budget,
-            kv_host_bytes: 0,
-            block_size: 16,
-            attention: crate::attention::prefill::AttentionImpl::Flash,
-            chunk_size: 512,
-            compute_codec: crate::kv::KvCodec::F32,
-            kv_codec: None,
-            shuffle_seed: None,
-        };
+        let env = PolicyEnv::cpu_for_tests();
         let mut cfg = crate::config::preset("tiny").expect("preset");
         (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) = (h, hkv, dh);
         let policy = KiviPolicy::new(params, &cfg, env);

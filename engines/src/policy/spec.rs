@@ -180,6 +180,27 @@ pub fn strategy_names() -> String {
         .join(", ")
 }
 
+#[cfg(test)]
+impl PolicyEnv {
+    /// A CPU environment with room for any test's cache (f32 rows, blocks of 16, flash
+    /// prefill, 1 GiB of host memory for an offloading policy).
+    pub(crate) fn cpu_for_tests() -> Self {
+        Self {
+            device_name: "cpu".into(),
+            device_capacity: None,
+            kv_device_bytes: u64::MAX,
+            reservation: Reservation::Budget,
+            kv_host_bytes: 1 << 30,
+            block_size: 16,
+            attention: crate::attention::prefill::AttentionImpl::Flash,
+            chunk_size: 512,
+            compute_codec: KvCodec::F32,
+            kv_codec: None,
+            shuffle_seed: None,
+        }
+    }
+}
+
 impl PolicyEnv {
     /// `full`'s options in this environment.
     pub(crate) fn full_options(&self) -> FullOptions {
