@@ -21,7 +21,7 @@ const SERIAL: usize = 1 << 15;
 const MIN_JOB: usize = 1 << 13;
 
 /// Whether `t` is f32 on the CPU (what these kernels take).
-fn cpu_f32(t: &Tensor) -> bool {
+pub(crate) fn cpu_f32(t: &Tensor) -> bool {
     t.device().is_cpu() && t.dtype() == DType::F32
 }
 

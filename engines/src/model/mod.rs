@@ -170,8 +170,7 @@ impl Mat<'_> {
             Mat::Packed(_) => rows <= PACKED_GEMV_MAX_ROWS,
             Mat::Rows(w) => {
                 rows <= GEMV_MAX_ROWS
-                    && w.device().is_cpu()
-                    && w.dtype() == DType::F32
+                    && elementwise::cpu_f32(w)
                     && w.rank() == 2
                     && w.is_contiguous()
             }
@@ -1122,18 +1121,19 @@ impl Llama {
     /// (not fused) that all take the matrix-vector path at `t` rows, f32 norms. Any
     /// policy: one that does not take rows gets its layer inputs as tensors.
     fn rows_path_fits(&self, t: usize) -> bool {
-        let f32_cpu = |w: &Tensor| w.device().is_cpu() && w.dtype() == DType::F32;
         let fits = |l: &Linear| l.mat().is_some_and(|m| m.takes(t));
         self.rows_path
             && self.device.is_cpu()
             && self.fused.is_none()
             && t >= 1
-            && f32_cpu(&self.norm)
+            && elementwise::cpu_f32(&self.norm)
             && fits(&self.lm_head)
             && self.layers.iter().all(|l| {
                 l.matrices().into_iter().all(fits)
                     && [&l.attn_norm, &l.ffn_norm].into_iter().all(|w| {
-                        f32_cpu(w) && w.is_contiguous() && w.dims() == [self.cfg.hidden_size]
+                        elementwise::cpu_f32(w)
+                            && w.is_contiguous()
+                            && w.dims() == [self.cfg.hidden_size]
                     })
             })
     }
