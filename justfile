@@ -62,7 +62,7 @@ check-gpu-scripts:
 build-cuda:
     scripts/build-cuda.sh
 
-# The new CUDA kernels' lane and fragment arithmetic (and the pipelined decode's cp.async schedule) transcribed in NumPy and checked against attention computed directly, the decode's reduction folded into its partition kernel against the launched one, InfiniGen's token-order gather against its head order, and the device's greedy choice against the host's rule (no GPU; the CUDA code itself is checked by `kvbench verify --device cuda` on a GPU).
+# The new CUDA kernels' lane and fragment arithmetic (and the pipelined decode's cp.async schedule) transcribed in NumPy and checked against attention computed directly, the decode's reduction folded into its partition kernel against the launched one, InfiniGen's token-order gather against its head order, the device's greedy choice against the host's rule, and the few-row products' rows, chunks and output places against a plain product (no GPU; the CUDA code itself is checked by `kvbench verify --device cuda` on a GPU).
 emulate-kernels:
     python3 scripts/emulate/flash_mma.py
     python3 scripts/emulate/paged_decode_vec.py
@@ -71,6 +71,7 @@ emulate-kernels:
     python3 scripts/emulate/decode_fold.py
     python3 scripts/emulate/ig_gather_tokens.py
     python3 scripts/emulate/argmax.py
+    python3 scripts/emulate/gemv.py
 
 # The GPU plan as resumable steps of under 9 minutes (verify, then the sweeps): on the GPU machine `just gpu-campaign OUTDIR`; anywhere `just gpu-campaign --dry-run` lists the steps and checks their YAML.
 gpu-campaign *args:

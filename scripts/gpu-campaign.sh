@@ -57,6 +57,9 @@ steps=(
   "decode-reduce|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce/fold|KVBENCH_PAGED_DECODE=vec"
   "decode-reduce-mma-launch|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce-mma/launch|KVBENCH_DECODE_REDUCE=launch"
   "decode-reduce-mma|run experiments/gpu/decode-graph.yaml --results \$RES/decode-reduce-mma/fold"
+  "verify-gemv|verify --device cuda --model preset:smollm2-135m|KVBENCH_GEMV=kvbench"
+  "decode-gemv-cublas|run experiments/gpu/decode-gemv.yaml --results \$RES/decode-gemv/cublas"
+  "decode-gemv|run experiments/gpu/decode-gemv.yaml --results \$RES/decode-gemv/kvbench|KVBENCH_GEMV=kvbench"
   "verify-ig-tokens|verify --device cuda --model preset:smollm2-135m --kernels-only|KVBENCH_IG_GATHER=tokens"
   "ig-gather-heads|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/heads"
   "ig-gather-tokens|run experiments/gpu/ig-gather.yaml --results \$RES/ig-gather/tokens|KVBENCH_IG_GATHER=tokens"
@@ -100,14 +103,14 @@ steps=(
 # its time on a step the limit then kills (sweeps resume by cell and start whenever
 # 30 s are left).
 declare -A need=(
-  [verify-smollm2]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
+  [verify-smollm2]=60 [verify-gemv]=60 [verify-llama]=75 [verify-graph]=90 [verify-fa3]=75 [profile-decode]=240
   [torch-anchors]=240 [torch-eager]=150 [h2d-gather]=60 [verify-kernels]=45 [verify-vec]=45 [verify-pipe]=45 [verify-mma]=45 [verify-ig-tokens]=45 [bench-decode]=90
 )
 
 # Steps measured only once another has passed for this archive (an opt-in path checked
 # first), and steps whose failure stops only those (the plan's other steps go on).
 declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
-  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe [decode-mma]=verify-mma
+  [prefill-fa3]=verify-fa3 [prefill-long-fa3]=verify-fa3 [decode-pipe]=verify-pipe [decode-mma]=verify-mma [decode-gemv]=verify-gemv
   [decode-reduce]=verify-kernels [decode-reduce-mma]=verify-kernels
   [ig-gather-tokens]=verify-ig-tokens)
 # The study's steps (the cells that decide C1-C9): where the card's results name the
@@ -116,7 +119,7 @@ declare -A after=([decode-graph-off]=verify-graph [decode-graph]=verify-graph
 # build recorded and the study's cells must all come from one build.
 declare -A study=([paradigms]=1 [output-scaling]=1 [ttft-flash]=1 [ttft]=1
   [batch-infinigen]=1 [batch-scaling]=1)
-declare -A optional=([verify-kernels]=1 [verify-vec]=1 [verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-mma]=1 [verify-ig-tokens]=1 [bench-decode]=1)
+declare -A optional=([verify-gemv]=1 [verify-kernels]=1 [verify-vec]=1 [verify-graph]=1 [verify-fa3]=1 [verify-pipe]=1 [verify-mma]=1 [verify-ig-tokens]=1 [bench-decode]=1)
 
 if [ "$dry" = 1 ]; then
   kvbench="${KVBENCH_BIN:-${CARGO_TARGET_DIR:-target}/release/kvbench}"

@@ -26,11 +26,11 @@ pub use error::{Error, Result};
 /// Environment variables that choose among an engine's interchangeable kernels and
 /// code paths (the same results within the checks' tolerances, not the same speed):
 /// the flash prefill kernel, the paged decode kernel and its reduction, H2O's exact-statistics kernel,
-/// the fused projections, the fused elementwise kernels and CUDA graphs of decode
-/// steps (docs/cuda.md), and the CPU's packed f32 weights
+/// the fused projections, the fused elementwise kernels, the few-row products' kernel
+/// and CUDA graphs of decode steps (docs/cuda.md), and the CPU's packed f32 weights
 /// (docs/correctness-and-performance.md). A result depends on them, so a cell's
 /// identity includes the ones that are set.
-pub const KERNEL_SWITCHES: [&str; 10] = [
+pub const KERNEL_SWITCHES: [&str; 11] = [
     "KVBENCH_FLASH_PREFILL",
     "KVBENCH_PAGED_DECODE",
     "KVBENCH_DECODE_REDUCE",
@@ -38,6 +38,7 @@ pub const KERNEL_SWITCHES: [&str; 10] = [
     "KVBENCH_H2O_STATS",
     "KVBENCH_FUSED_PROJECTIONS",
     "KVBENCH_FUSED_KERNELS",
+    "KVBENCH_GEMV",
     "KVBENCH_CUDA_GRAPH",
     "KVBENCH_ARGMAX",
     "KVBENCH_PACKED_WEIGHTS",

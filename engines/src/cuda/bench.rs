@@ -127,6 +127,9 @@ pub struct DecodeBench {
     pub small: Vec<SmallRow>,
     /// InfiniGen's warm-up costs beside the forms they replaced ([`warmup_costs`]).
     pub warmup: Vec<WarmupRow>,
+    /// A decode step's few-row products, kvbench's kernel beside cuBLAS's
+    /// ([`products`]).
+    pub products: Vec<ProductRow>,
 }
 
 /// Launches per timed round (cycling over the layers' caches) and rounds per kernel.
@@ -248,6 +251,7 @@ pub fn run(
         rows: out,
         small: Vec::new(),
         warmup: Vec::new(),
+        products: Vec::new(),
     })
 }
 
@@ -572,6 +576,131 @@ pub fn warmup_costs(
     let all = |n: u64| n == chunks as u64;
     push(&mut out, "pin", "parallel", parallel_s, all(n_par));
     push(&mut out, "pin", "serial", serial_s, all(n_ser));
+    Ok(out)
+}
+
+/// One of a decode step's products at a few rows, in kvbench's kernel or cuBLAS's.
+#[derive(Debug, Clone, Serialize)]
+pub struct ProductRow {
+    /// `qkv` (Q, K and V as one matrix, as one row takes them), `o`, `gate_up` (the
+    /// stacked pair, the input broadcast over it), `down` or `head`.
+    pub matrix: &'static str,
+    /// `kvbench` (`gemv_bf16`) or `cublas` (candle's product, the call the model makes
+    /// without it).
+    pub form: &'static str,
+    pub rows: usize,
+    /// Weight bytes one product reads.
+    pub bytes: u64,
+    /// Median over the rounds of the mean device time of a product, queued back to back
+    /// (as a CUDA graph replays them), each over another copy of the matrix.
+    pub seconds: f64,
+    /// `bytes / seconds`, GB/s.
+    pub gb_per_s: f64,
+    /// `gb_per_s` over the copy rate measured in the same run.
+    pub of_copy: f64,
+    /// max |kvbench's − cuBLAS's| / max |cuBLAS's| (the same on both forms' rows).
+    pub rel_diff: f64,
+    pub pass: bool,
+}
+
+/// Each of a decode step's matrices (`[g, n, k]`: Q/K/V, O, gate/up, down, the head of
+/// `cfg`) at each of `rows` input rows, in kvbench's matrix-vector kernel and in
+/// cuBLAS's: the rate each reads the weights at, against the copy rate of the same run
+/// (`copy_gb_per_s`). The weights the step reads bound a batch-1 step, so this says
+/// whether a product kernel of its own could bring it closer to that bound.
+pub fn products(
+    dev: &Device,
+    cfg: &crate::config::ModelConfig,
+    rows: &[usize],
+    copy_gb_per_s: f64,
+    progress: &mut dyn FnMut(&str),
+) -> Result<Vec<ProductRow>> {
+    let cuda = device_of(dev)?;
+    let (d, q, kv, ff) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    );
+    let matrices: [(&'static str, usize, usize, usize); 5] = [
+        ("qkv", 1, q + 2 * kv, d),
+        ("o", 1, d, q),
+        ("gate_up", 2, ff, d),
+        ("down", 1, d, ff),
+        ("head", 1, cfg.vocab_size, d),
+    ];
+    let mut out = Vec::new();
+    for (matrix, g, n, k) in matrices {
+        let bytes = (g * n * k * 2) as u64;
+        // Copies enough that a product reads its matrix from memory, not from the L2
+        // the one before left.
+        let copies = SPAN_BYTES.div_ceil(bytes).clamp(1, 32) as usize;
+        let ws: Vec<Tensor> = (0..copies)
+            .map(|_| {
+                let w =
+                    (Tensor::randn(0f32, 1f32, (g * n, k), dev)? * 0.02)?.to_dtype(DType::BF16)?;
+                Ok(if g == 1 { w } else { w.reshape((g, n, k))? })
+            })
+            .collect::<Result<_>>()?;
+        for &t in rows {
+            let x = Tensor::randn(0f32, 1f32, (t, k), dev)?.to_dtype(DType::BF16)?;
+            let ours = |w: &Tensor| -> Result<Tensor> {
+                super::gemv(&x, w)?.ok_or_else(|| {
+                    crate::error::Error::Config(format!(
+                        "gemv refused {t} rows with [{g}, {n}, {k}]"
+                    ))
+                })
+            };
+            let cublas = |w: &Tensor| -> Result<Tensor> {
+                Ok(if g == 1 {
+                    x.matmul(&w.t()?)?
+                } else {
+                    crate::model::pair_product(&x, w)?
+                })
+            };
+            let diff = rel_diff(&ours(&ws[0])?, &cublas(&ws[0])?)?;
+            for c in &ws {
+                ours(c)?;
+                cublas(c)?;
+            }
+            for (form, seconds) in [
+                (
+                    "kvbench",
+                    time_launches(&cuda, LAUNCHES, |i| ours(&ws[i % copies]).map(drop))?,
+                ),
+                (
+                    "cublas",
+                    time_launches(&cuda, LAUNCHES, |i| cublas(&ws[i % copies]).map(drop))?,
+                ),
+            ] {
+                let gb_per_s = bytes as f64 / seconds / 1e9;
+                let pass = diff <= AGREE_TOL && seconds.is_finite();
+                progress(&format!(
+                    "product {matrix:<8} {form:<8} {t} row(s), {:>7.1} MB: {:>8.1} µs, \
+                     {gb_per_s:>6.0} GB/s, {:>5.1} % of the copy rate{}",
+                    bytes as f64 / 1e6,
+                    seconds * 1e6,
+                    100.0 * gb_per_s / copy_gb_per_s,
+                    if pass {
+                        String::new()
+                    } else {
+                        format!(" FAILED (kvbench's differs from cuBLAS's by {diff:.1e})")
+                    }
+                ));
+                out.push(ProductRow {
+                    matrix,
+                    form,
+                    rows: t,
+                    bytes,
+                    seconds,
+                    gb_per_s,
+                    of_copy: gb_per_s / copy_gb_per_s,
+                    rel_diff: diff,
+                    pass,
+                });
+            }
+        }
+    }
     Ok(out)
 }
 

@@ -333,6 +333,99 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
     out.extend(fused_elementwise_checks(dev, &mut rng)?);
     out.extend(argmax_checks(dev, &mut rng)?);
     out.extend(fingerprint_checks(dev, &mut rng)?);
+    out.extend(gemv_checks(dev, &mut rng)?);
+    Ok(out)
+}
+
+/// kvbench's few-row products (`gemv`) against an f64 reference and against cuBLAS's
+/// (candle's product, the same call the model makes without it) on random bf16 inputs:
+/// SmolLM2's and Llama-3.1-8B's matrices, single and stacked in pairs (whose output
+/// interleaves the inputs' rows per matrix: a row written to the wrong place fails), a
+/// tall one whose warps take several rows in turn, widths with and without a partial
+/// last round of loads, 1 to 4 rows; and the shapes it must refuse.
+fn gemv_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
+    use super::{gemv, GEMV_MAX_ROWS};
+    let mut out = Vec::new();
+    // (matrices, rows each, width).
+    for &(g, nb, k) in &[
+        (1usize, 960usize, 576usize),
+        (2, 1536, 576),
+        (1, 576, 1536),
+        (1, 16384, 576),
+        (1, 6144, 4096),
+        (2, 1024, 4096),
+        (1, 4096, 14336),
+    ] {
+        let w = rand_bf16(rng, g * nb * k, 0.05);
+        let x = rand_bf16(rng, GEMV_MAX_ROWS * k, 1.0);
+        // reference[(m * rows + r) * nb + j]: input row r with row j of matrix m.
+        let dot = |r: usize, i: usize| -> f64 {
+            x[r * k..(r + 1) * k]
+                .iter()
+                .zip(&w[i * k..(i + 1) * k])
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum()
+        };
+        let all: Vec<Vec<f64>> = (0..GEMV_MAX_ROWS)
+            .map(|r| (0..g * nb).map(|i| dot(r, i)).collect())
+            .collect();
+        let wt = if g == 1 {
+            upload(&w, &[nb, k], dev)?
+        } else {
+            upload(&w, &[g, nb, k], dev)?
+        };
+        for t in 1..=GEMV_MAX_ROWS {
+            let xt = upload(&x[..t * k], &[t, k], dev)?;
+            let y = gemv(&xt, &wt)?.ok_or_else(|| {
+                crate::error::Error::Config(format!(
+                    "gemv refused {t} rows of width {k} with [{g}, {nb}, {k}]"
+                ))
+            })?;
+            let mut reference = Vec::with_capacity(g * t * nb);
+            for m in 0..g {
+                for row in all.iter().take(t) {
+                    reference.extend_from_slice(&row[m * nb..(m + 1) * nb]);
+                }
+            }
+            let cublas = if g == 1 {
+                xt.matmul(&wt.t()?)?
+            } else {
+                xt.unsqueeze(0)?.broadcast_as((g, t, k))?.matmul(&wt.t()?)?
+            };
+            let want_dims: Vec<usize> = if g == 1 { vec![t, nb] } else { vec![g, t, nb] };
+            let case = format!("{t} rows x [{g}, {nb}, {k}]");
+            let (ours, theirs) = (download(&y)?, download(&cublas)?);
+            let e = if y.dims() == want_dims.as_slice() {
+                rel_err(&ours, &reference)
+            } else {
+                f64::INFINITY
+            };
+            out.push(bf16_check("gemv", case.clone(), e));
+            let theirs64: Vec<f64> = theirs.iter().map(|&v| v as f64).collect();
+            out.push(bf16_check(
+                "gemv (= cuBLAS)",
+                case,
+                rel_err(&ours, &theirs64),
+            ));
+        }
+    }
+    // Shapes the kernel must leave to cuBLAS: too many rows, a width not a multiple of
+    // 8, a start off 16 bytes, f32.
+    let w = upload(&rand_bf16(rng, 64 * 72, 0.05), &[64, 72], dev)?;
+    let x = upload(&rand_bf16(rng, 8 * 72, 1.0), &[8, 72], dev)?;
+    let odd = upload(&rand_bf16(rng, 64 * 68, 0.05), &[64, 68], dev)?;
+    let refused = gemv(&x.narrow(0, 0, GEMV_MAX_ROWS + 1)?, &w)?.is_none()
+        && gemv(&x.narrow(0, 0, 1)?.narrow(1, 0, 68)?.contiguous()?, &odd)?.is_none()
+        && gemv(&x.flatten_all()?.narrow(0, 1, 72)?.reshape((1, 72))?, &w)?.is_none()
+        && gemv(&x.narrow(0, 0, 1)?.to_dtype(DType::F32)?, &w)?.is_none();
+    out.push(exact_check(
+        "gemv (refuses what it does not take)",
+        format!(
+            "{} rows, width 68, an unaligned row, f32",
+            GEMV_MAX_ROWS + 1
+        ),
+        refused,
+    ));
     Ok(out)
 }
 

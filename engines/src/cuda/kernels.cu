@@ -2710,3 +2710,70 @@ extern "C" __global__ void argmax_merge(const float* __restrict__ part_v,
     argmax_warp(v, i);
     if (threadIdx.x == 0) ids[blockIdx.x] = i == ARGMAX_NONE ? 0u : (uint32_t)i;
 }
+
+// Matrix-vector products of a decode step's few rows (kvbench's, beside cuBLAS's):
+// y = x · Wᵀ for x [t, k] and W [n, k] bf16, f32 sums rounded once. A batch-1 step is
+// about 90 % such products, so the rate they read the weights at bounds the step
+// (docs/cuda.md). One warp per matrix row at a time (grid-stride over the rows), each
+// lane reading 16-byte chunks of it, GEMV_UNROLL chunks in flight before any is used,
+// streamed past L2 (a weight is read once a step); x read through L1, where every warp
+// of an SM finds the same t rows. The sum of input row r and matrix row i goes to
+// y[(i / nb) * t * nb + r * nb + i % nb]: [t, n] for nb = n, and for a stack of
+// matrices [g, nb, k] with x broadcast over them, [g, t, nb], as candle's batched
+// product lays it out. Needs k % 8 == 0, W and x 16-byte aligned, 1 <= t <=
+// GEMV_MAX_ROWS (the caller checks); blockDim GEMV_WARPS * WARP, any grid.
+#define GEMV_MAX_ROWS 4
+#define GEMV_WARPS 8
+#define GEMV_UNROLL 8
+
+// Chunk c of each of the t rows of x dotted with one chunk of W, into acc.
+__device__ __forceinline__ void gemv_chunk(const uint4& wv, const uint4* __restrict__ x,
+                                           int64_t k8, int c, int t,
+                                           float (&acc)[GEMV_MAX_ROWS]) {
+    float2 wf[4];
+    unpack8(wv, wf);
+#pragma unroll
+    for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+        if (r < t) {
+            float2 xf[4];
+            unpack8(__ldg(x + r * k8 + c), xf);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                acc[r] = fmaf(wf[j].x, xf[j].x, acc[r]);
+                acc[r] = fmaf(wf[j].y, xf[j].y, acc[r]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP, 4)
+    gemv_bf16(const __nv_bfloat16* __restrict__ w, const __nv_bfloat16* __restrict__ x,
+              __nv_bfloat16* __restrict__ y, int n, int k, int t, int nb) {
+    const int lane = threadIdx.x & (WARP - 1);
+    const int64_t k8 = k / 8;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (int64_t i = (int64_t)blockIdx.x * GEMV_WARPS + threadIdx.x / WARP; i < n;
+         i += (int64_t)gridDim.x * GEMV_WARPS) {
+        const uint4* wr = reinterpret_cast<const uint4*>(w) + i * k8;
+        float acc[GEMV_MAX_ROWS];
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) acc[r] = 0.f;
+        int c = lane;
+        for (; c + (GEMV_UNROLL - 1) * WARP < k8; c += GEMV_UNROLL * WARP) {
+            uint4 wv[GEMV_UNROLL];
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++) wv[u] = __ldcs(wr + c + u * WARP);
+#pragma unroll
+            for (int u = 0; u < GEMV_UNROLL; u++) gemv_chunk(wv[u], xv, k8, c + u * WARP, t, acc);
+        }
+        for (; c < k8; c += WARP) gemv_chunk(__ldcs(wr + c), xv, k8, c, t, acc);
+#pragma unroll
+        for (int r = 0; r < GEMV_MAX_ROWS; r++) {
+            if (r < t) {
+                const float s = warp_sum(acc[r]);
+                if (lane == 0)
+                    y[(i / nb) * t * nb + (int64_t)r * nb + i % nb] = __float2bfloat16(s);
+            }
+        }
+    }
+}

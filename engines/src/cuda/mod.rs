@@ -448,6 +448,82 @@ pub fn add_rms_norm(
     )))
 }
 
+/// Rows at most that [`gemv`] takes (`GEMV_MAX_ROWS` in kernels.cu: its accumulators).
+pub const GEMV_MAX_ROWS: usize = 4;
+/// Warps of a `gemv_bf16` block (`GEMV_WARPS` in kernels.cu).
+const GEMV_WARPS: usize = 8;
+/// Blocks of a `gemv_bf16` launch at most: eight per SM of a 132-SM card, each warp
+/// then taking several matrix rows in turn (the head's 128K).
+const GEMV_MAX_BLOCKS: usize = 132 * 8;
+
+/// `x · Wᵀ` of a decode step's few rows in kvbench's matrix-vector kernel
+/// (`gemv_bf16`) where cuBLAS's would run: `x` `[t, k]` with `w` `[n, k]` gives `[t, n]`;
+/// with a stack `[g, nb, k]` (the K/V or gate/up pair), `x` broadcast over it, `[g, t,
+/// nb]`, as candle's batched product. f32 sums rounded once, in another order than
+/// cuBLAS's. `None` where the kernel does not apply: not CUDA, not bf16, more than
+/// [`GEMV_MAX_ROWS`] rows, `k` not a multiple of 8, a tensor not contiguous or not
+/// starting on 16 bytes.
+pub fn gemv(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    if !x.device().is_cuda() || x.dtype() != DType::BF16 || w.dtype() != DType::BF16 {
+        return Ok(None);
+    }
+    let Ok((t, k)) = x.dims2() else {
+        return Ok(None);
+    };
+    let (g, nb, kw) = match *w.dims() {
+        [n, k] => (1, n, k),
+        [g, n, k] => (g, n, k),
+        _ => return Ok(None),
+    };
+    let n = g * nb;
+    if kw != k
+        || t == 0
+        || t > GEMV_MAX_ROWS
+        || n == 0
+        || !k.is_multiple_of(8)
+        || !x.is_contiguous()
+        || !w.is_contiguous()
+    {
+        return Ok(None);
+    }
+    let dev = device_of(x.device())?;
+    let (xs, xl) = x.storage_and_layout();
+    let (ws, wl) = w.storage_and_layout();
+    if !(aligned16(xl) && aligned16(wl)) {
+        return Ok(None);
+    }
+    let (xv, wv) = (view(&xs, xl, "gemv input")?, view(&ws, wl, "gemv matrix")?);
+    // SAFETY: the kernel writes every element (each of the n rows for each of the t inputs).
+    let mut y = unsafe { dev.alloc::<bf16>(t * n)? };
+    let f = dev.get_or_load_custom_func("gemv_bf16", MODULE, PTX)?;
+    let mut b = f.builder();
+    let (n32, k32, t32, nb32) = (
+        as_i32(n, "gemv rows")?,
+        as_i32(k, "gemv width")?,
+        as_i32(t, "gemv inputs")?,
+        as_i32(nb, "gemv rows per matrix")?,
+    );
+    b.arg(&wv)
+        .arg(&xv)
+        .arg(&mut y)
+        .arg(&n32)
+        .arg(&k32)
+        .arg(&t32)
+        .arg(&nb32);
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(GEMV_WARPS).min(GEMV_MAX_BLOCKS) as u32, 1, 1),
+        block_dim: ((GEMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    unsafe { b.launch(cfg) }.w()?;
+    drop((xs, ws));
+    Ok(Some(if w.rank() == 2 {
+        tensor_from(&dev, y, (t, nb))
+    } else {
+        tensor_from(&dev, y, (g, t, nb))
+    }))
+}
+
 /// Which kernel makes the greedy choice on a CUDA device (`KVBENCH_ARGMAX`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ArgmaxChoice {

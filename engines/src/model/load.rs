@@ -64,7 +64,8 @@ fn build(cfg: ModelConfig, wd: WeightDtype, src: &mut dyn WeightSource) -> Resul
         .with_packed_rows()?
         .with_weights_in_huge_pages()?
         .with_fused_projections()?
-        .with_fused_kernels()
+        .with_fused_kernels()?
+        .with_gemv()
 }
 
 fn check_shape(model: &str, name: &str, got: &[usize], want: &[usize]) -> Result<()> {

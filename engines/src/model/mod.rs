@@ -472,7 +472,7 @@ struct Fused {
 /// candle's strided kernels; on the H100 that made a 1,024-token prefill 25 % slower
 /// (results/baselines/h100/NOTES.md).
 /// Returns `[2, t, n]`: its two halves (`get(0)`, `get(1)`) are the products.
-fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (t, k) = x.dims2()?;
     Ok(x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?)
 }
@@ -511,6 +511,10 @@ pub struct Llama {
     /// Whether a step of a few rows on the CPU may run with its rows in buffers of the
     /// forward's own ([`Llama::forward_rows`]; off: the tensor path, which it matches).
     rows_path: bool,
+    /// On CUDA with bf16 weights, whether the products of a step of up to
+    /// `cuda::GEMV_MAX_ROWS` rows run in kvbench's matrix-vector kernel instead of
+    /// cuBLAS's ([`Llama::with_gemv`]).
+    gemv: bool,
 }
 
 impl Llama {
@@ -553,6 +557,7 @@ impl Llama {
             lm_head,
             fused: None,
             fused_kernels: FusedKernels::Off,
+            gemv: false,
             inv_freq,
             device,
             rows_path: true,
@@ -628,6 +633,7 @@ impl Llama {
             lm_head,
             fused,
             fused_kernels,
+            gemv,
             inv_freq,
             device,
             rows_path,
@@ -711,6 +717,7 @@ impl Llama {
             lm_head,
             fused: None,
             fused_kernels,
+            gemv,
             inv_freq,
             device,
             rows_path,
@@ -933,6 +940,64 @@ impl Llama {
     /// Whether the layer's elementwise work runs in fused kernels.
     pub fn kernels_fused(&self) -> bool {
         self.fused_kernels != FusedKernels::Off
+    }
+
+    /// On CUDA with bf16 weights, the products of a step of up to `cuda::GEMV_MAX_ROWS`
+    /// rows (a decode step at small batch) in kvbench's matrix-vector kernel when
+    /// `KVBENCH_GEMV=kvbench`; unset or `cublas`, cuBLAS's through candle (the default
+    /// until the kernel has been measured against it on a card). Any other value is an
+    /// error; elsewhere the model is returned as it is.
+    pub fn with_gemv(self) -> Result<Self> {
+        let (on, _) = crate::parse_switch(
+            "KVBENCH_GEMV",
+            std::env::var("KVBENCH_GEMV").ok().as_deref(),
+            &[("cublas", false), ("kvbench", true)],
+            false,
+            "cuBLAS's products",
+        )
+        .map_err(crate::error::Error::Config)?;
+        Ok(self.with_products_in_gemv(on))
+    }
+
+    /// The same model with the few-row products in kvbench's kernel (`true`, where it
+    /// applies: CUDA, bf16) or cuBLAS's: `kvbench verify` compares one with the other.
+    pub fn with_products_in_gemv(mut self, on: bool) -> Self {
+        self.gemv = on
+            && cfg!(feature = "cuda")
+            && self.device.is_cuda()
+            && self.weight_dtype.compute() == DType::BF16;
+        self
+    }
+
+    /// Whether a step's few-row products run in kvbench's matrix-vector kernel.
+    pub fn products_in_gemv(&self) -> bool {
+        self.gemv
+    }
+
+    /// `x · wᵀ` of a dense matrix `w` (`[n, k]`; or a stack `[g, nb, k]` with `x`
+    /// broadcast over it, `[g, t, nb]`, as [`pair_product`]): kvbench's matrix-vector
+    /// kernel where the model runs its products there and the kernel takes them,
+    /// candle's product otherwise.
+    fn dense_product(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.gemv {
+            if let Some(y) = crate::cuda::gemv(x, w)? {
+                return Ok(y);
+            }
+        }
+        if w.rank() == 3 {
+            return pair_product(x, w);
+        }
+        Ok(x.matmul(&w.t()?)?)
+    }
+
+    /// `l`'s product: [`Llama::dense_product`] for a dense matrix, [`Linear::forward`]
+    /// otherwise.
+    fn product(&self, l: &Linear, x: &Tensor) -> Result<Tensor> {
+        match l {
+            Linear::Dense(w) if self.gemv => self.dense_product(x, w),
+            _ => l.forward(x),
+        }
     }
 
     /// `x + r` (when given) and the RMSNorm of it: one CUDA kernel with fused kernels
@@ -1336,7 +1401,7 @@ impl Llama {
             let [q_raw, k_raw, v] = match fused {
                 Some(f) if t == 1 => {
                     // One product; each column range of a single row is contiguous.
-                    let y = h.matmul(&f.qkv.t()?)?;
+                    let y = self.dense_product(&h, &f.qkv)?;
                     let (nq, nk) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
                     [
                         y.narrow(1, 0, nq)?,
@@ -1345,8 +1410,8 @@ impl Llama {
                     ]
                 }
                 Some(f) => {
-                    let y = pair_product(&h, &f.kv)?;
-                    [l.wq.forward(&h)?, y.get(0)?, y.get(1)?]
+                    let y = self.dense_product(&h, &f.kv)?;
+                    [self.product(&l.wq, &h)?, y.get(0)?, y.get(1)?]
                 }
                 None => Linear::forward_many([&l.wq, &l.wk, &l.wv], &h)?,
             };
@@ -1370,17 +1435,17 @@ impl Llama {
                 rope: self,
                 rope_rows: leave_rope.then_some((&cos, &sin)),
             })?;
-            let a = l.wo.forward(&a.reshape((t, c.num_heads * c.head_dim))?)?;
+            let a = self.product(&l.wo, &a.reshape((t, c.num_heads * c.head_dim))?)?;
             let (xn, h) = self.add_norm(x, Some(&a), &l.ffn_norm, eps)?;
             x = xn;
             let act = match fused {
-                Some(f) => self.swiglu_pair(&pair_product(&h, &f.gate_up)?)?,
+                Some(f) => self.swiglu_pair(&self.dense_product(&h, &f.gate_up)?)?,
                 None => {
                     let [gate, up] = Linear::forward_many([&l.gate, &l.up], &h)?;
                     silu_mul(&gate, &up)?
                 }
             };
-            pending = Some(l.down.forward(&act)?);
+            pending = Some(self.product(&l.down, &act)?);
         }
         self.logits(x, pending, sample_rows)
     }
@@ -1414,7 +1479,7 @@ impl Llama {
             x.index_select(&Tensor::new(sample_rows, &self.device)?, 0)?
         };
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        Ok(self.lm_head.forward(&x)?.to_dtype(DType::F32)?)
+        Ok(self.product(&self.lm_head, &x)?.to_dtype(DType::F32)?)
     }
 }
 
@@ -1465,6 +1530,10 @@ mod tests {
             assert!(
                 !m.clone().with_fused_kernels().unwrap().kernels_fused(),
                 "the fused kernels are CUDA's"
+            );
+            assert!(
+                !m.clone().with_products_in_gemv(true).products_in_gemv(),
+                "the few-row products' kernel is CUDA's"
             );
             let f = m.clone().fuse_projections().unwrap();
             assert!(f.projections_fused());

@@ -172,6 +172,13 @@ fn bench(
         Err(e) => aborted.push(format!("InfiniGen's warm-up costs: {e}")),
     }
     write(&r)?;
+    // A decode step's products at 1, 2 and 4 rows, kvbench's kernel beside cuBLAS's
+    // (last: the newest kernel, whose fault would end the device's context).
+    match bench::products(&dev, cfg, &[1, 2, 4], r.copy_gb_per_s, progress) {
+        Ok(products) => r.products = products,
+        Err(e) => aborted.push(format!("the products: {e}")),
+    }
+    write(&r)?;
     println!("{}", serde_json::to_string_pretty(&r)?);
     let failed: Vec<String> = r
         .rows
@@ -195,6 +202,12 @@ fn bench(
                 .filter(|x| !x.pass)
                 .map(|x| format!("{} ({})", x.op, x.form)),
         )
+        .chain(
+            r.products
+                .iter()
+                .filter(|x| !x.pass)
+                .map(|x| format!("product {} ({}) at {} rows", x.matrix, x.form, x.rows)),
+        )
         .collect();
     if !aborted.is_empty() {
         bail!(
@@ -214,7 +227,7 @@ fn bench(
     }
     if !failed.is_empty() {
         bail!(
-            "bench-decode: {} row(s) disagree with the reference (the vector kernel with its reduction launched; candle's operations; the fingerprint's two forms), left the folded reduction's counters raised, or could not be timed or pinned: {}",
+            "bench-decode: {} row(s) disagree with the reference (the vector kernel with its reduction launched; candle's operations; the fingerprint's two forms; cuBLAS's products), left the folded reduction's counters raised, or could not be timed or pinned: {}",
             failed.len(),
             failed.join(", ")
         );

@@ -267,6 +267,26 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         ));
         rows.push(Row::forward("fused-projections", d, passes(d, tolerance)));
     }
+    // The products of a few rows (a decode step's at small batch) in kvbench's
+    // matrix-vector kernel against cuBLAS's, the same weights (CUDA, bf16): one token
+    // alone (Q/K/V as one product) and three rows (inputs interleaved in the stacked
+    // pairs' outputs), every logit of each.
+    let (in_gemv, in_cublas) = (
+        model.clone().with_products_in_gemv(true),
+        model.clone().with_products_in_gemv(false),
+    );
+    if in_gemv.products_in_gemv() {
+        let few = [
+            vec![prompts[0][0]],
+            prompts[0].iter().copied().cycle().take(3).collect(),
+        ];
+        let none = [Vec::new(), Vec::new()];
+        let d = max_abs_diff(
+            &dense_logits(&in_gemv, &few, &none)?,
+            &dense_logits(&in_cublas, &few, &none)?,
+        );
+        rows.push(Row::forward("gemv", d, passes(d, tolerance)));
+    }
     // Every strategy at budget 1.0 with each attention implementation (the same list
     // on CPU and CUDA: each has device kernels).
     let impls = [
