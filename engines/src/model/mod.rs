@@ -477,6 +477,20 @@ pub(crate) fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?)
 }
 
+/// Whether `KVBENCH_GEMV` asks for kvbench's matrix-vector kernel (`kvbench`) rather
+/// than cuBLAS's products (unset or `cublas`); any other value is an error naming it.
+pub fn gemv_chosen() -> Result<bool> {
+    let (on, _) = crate::parse_switch(
+        "KVBENCH_GEMV",
+        std::env::var("KVBENCH_GEMV").ok().as_deref(),
+        &[("cublas", false), ("kvbench", true)],
+        false,
+        "cuBLAS's products",
+    )
+    .map_err(crate::error::Error::Config)?;
+    Ok(on)
+}
+
 /// Which of a layer's elementwise operations run in kvbench's fused CUDA kernels
 /// (`KVBENCH_FUSED_KERNELS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -948,15 +962,7 @@ impl Llama {
     /// until the kernel has been measured against it on a card). Any other value is an
     /// error; elsewhere the model is returned as it is.
     pub fn with_gemv(self) -> Result<Self> {
-        let (on, _) = crate::parse_switch(
-            "KVBENCH_GEMV",
-            std::env::var("KVBENCH_GEMV").ok().as_deref(),
-            &[("cublas", false), ("kvbench", true)],
-            false,
-            "cuBLAS's products",
-        )
-        .map_err(crate::error::Error::Config)?;
-        Ok(self.with_products_in_gemv(on))
+        Ok(self.with_products_in_gemv(gemv_chosen()?))
     }
 
     /// The same model with the few-row products in kvbench's kernel (`true`, where it

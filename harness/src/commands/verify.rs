@@ -267,23 +267,20 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
         ));
         rows.push(Row::forward("fused-projections", d, passes(d, tolerance)));
     }
-    // The products of a few rows (a decode step's at small batch) in kvbench's
-    // matrix-vector kernel against cuBLAS's, the same weights (CUDA, bf16): one token
-    // alone (Q/K/V as one product) and three rows (inputs interleaved in the stacked
-    // pairs' outputs), every logit of each.
-    let (in_gemv, in_cublas) = (
-        model.clone().with_products_in_gemv(true),
-        model.clone().with_products_in_gemv(false),
-    );
-    if in_gemv.products_in_gemv() {
+    // Where the model runs a few rows' products in kvbench's matrix-vector kernel
+    // (CUDA, bf16, `KVBENCH_GEMV=kvbench`), against cuBLAS's on the same weights: one
+    // token alone (Q/K/V as one product) and three rows (inputs interleaved in the
+    // stacked pairs' outputs), every logit of each.
+    if model.products_in_gemv() {
+        let (in_gemv, in_cublas) = (model, &model.clone().with_products_in_gemv(false));
         let few = [
             vec![prompts[0][0]],
             prompts[0].iter().copied().cycle().take(3).collect(),
         ];
         let none = [Vec::new(), Vec::new()];
         let d = max_abs_diff(
-            &dense_logits(&in_gemv, &few, &none)?,
-            &dense_logits(&in_cublas, &few, &none)?,
+            &dense_logits(in_gemv, &few, &none)?,
+            &dense_logits(in_cublas, &few, &none)?,
         );
         rows.push(Row::forward("gemv", d, passes(d, tolerance)));
     }
