@@ -10,7 +10,7 @@
 //! raised, is reported as failed, not timed as if it were right.
 
 use super::{
-    device_of, kv_write, paged_decode_impl, partition_size, synchronize, DecodeKernel,
+    device_of, kv_write, paged_decode_impl, partition_size, synchronize, DecodeKernel, DecodePin,
     DecodeReduce, DecodeShape, DecodeTables, LayerCache, MODULE, PTX,
 };
 use crate::error::Result;
@@ -130,6 +130,10 @@ pub struct DecodeBench {
     /// A decode step's few-row products, kvbench's kernel beside cuBLAS's
     /// ([`products`]).
     pub products: Vec<ProductRow>,
+    /// The default kernel at a few rows with each partition size pinned ([`run`] with
+    /// `pinned`): whether the sizes the engine picks to fill the card (64 keys at one
+    /// row of 1K) are the fastest where latency, not bytes, bounds a launch.
+    pub partitions: Vec<BenchRow>,
 }
 
 /// Launches per timed round (cycling over the layers' caches) and rounds per kernel.
@@ -140,7 +144,8 @@ const ROUNDS: usize = 5;
 const SPAN_BYTES: u64 = 1 << 30;
 
 /// Time `forms` on each case with heads `h`, KV heads `kvh`, head dim `d`, blocks of
-/// `bs` tokens and partitions of at most `part` keys. `progress` is told each case.
+/// `bs` tokens and partitions of at most `part` keys (exactly `part` keys where
+/// `pinned`). `progress` is told each case.
 #[allow(clippy::too_many_arguments)]
 pub fn run(
     dev: &Device,
@@ -149,6 +154,7 @@ pub fn run(
     part: usize,
     cases: &[BenchCase],
     forms: &[DecodeForm],
+    pinned: bool,
     seed: u64,
     progress: &mut dyn FnMut(&str),
 ) -> Result<DecodeBench> {
@@ -191,14 +197,19 @@ pub fn run(
             caches.push(random_cache(dev, &cuda, blocks * bs, kvh, d)?);
         }
         let q = Tensor::randn(0f32, 1f32, (c.rows, h, d), dev)?.to_dtype(DType::BF16)?;
-        let p = partition_size(part, c.rows * kvh, c.ctx);
-        let reference = launch(&caches[0], &q, &t, shape, REFERENCE)?;
+        let p = if pinned {
+            part
+        } else {
+            partition_size(part, c.rows * kvh, c.ctx)
+        };
+        let reference = launch(&caches[0], &q, &t, shape, REFERENCE, None)?;
+        let pin = pinned.then_some(p);
         for &f in forms {
             let applies = f.kernel.applies(d, h / kvh);
             let (rel_diff, seconds, settled) = if applies {
-                let o = launch(&caches[0], &q, &t, shape, f)?;
+                let o = launch(&caches[0], &q, &t, shape, f, pin)?;
                 let rel_diff = rel_diff(&o, &reference)?;
-                let seconds = time(&cuda, &caches, &q, &t, shape, f)?;
+                let seconds = time(&cuda, &caches, &q, &t, shape, f, pin)?;
                 (rel_diff, seconds, t.counters_settled(&cuda)?)
             } else {
                 (f64::NAN, f64::NAN, true)
@@ -252,6 +263,7 @@ pub fn run(
         small: Vec::new(),
         warmup: Vec::new(),
         products: Vec::new(),
+        partitions: Vec::new(),
     })
 }
 
@@ -281,8 +293,14 @@ fn launch(
     t: &DecodeTables,
     s: DecodeShape,
     f: DecodeForm,
+    part: Option<usize>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, None, None, Some(f.kernel), Some(f.reduce))
+    let pin = DecodePin {
+        kernel: Some(f.kernel),
+        reduce: Some(f.reduce),
+        part,
+    };
+    paged_decode_impl(cache, q, t, s, None, None, pin)
 }
 
 fn rel_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
@@ -310,12 +328,13 @@ fn time(
     t: &DecodeTables,
     s: DecodeShape,
     f: DecodeForm,
+    part: Option<usize>,
 ) -> Result<f64> {
     for c in caches {
-        launch(c, q, t, s, f)?;
+        launch(c, q, t, s, f, part)?;
     }
     time_launches(cuda, LAUNCHES, |i| {
-        launch(&caches[i % caches.len()], q, t, s, f).map(drop)
+        launch(&caches[i % caches.len()], q, t, s, f, part).map(drop)
     })
 }
 

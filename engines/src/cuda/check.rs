@@ -4,8 +4,8 @@
 
 use super::{
     device_of, flash_prefill_with, kv_gather, kv_write, paged_decode, paged_decode_impl,
-    partition_size, prefill_attention, synchronize, DecodeKernel, DecodeReduce, DecodeShape,
-    DecodeTables, FlashKernel, LayerCache,
+    partition_size, prefill_attention, synchronize, DecodeKernel, DecodePin, DecodeReduce,
+    DecodeShape, DecodeTables, FlashKernel, LayerCache,
 };
 use crate::error::Result;
 use candle_core::{DType, Device, Tensor};
@@ -230,8 +230,11 @@ pub fn run(dev: &Device, seed: u64) -> Result<Vec<KernelCheck>> {
                         shape,
                         None,
                         None,
-                        Some(kernel),
-                        Some(reduce),
+                        DecodePin {
+                            kernel: Some(kernel),
+                            reduce: Some(reduce),
+                            part: None,
+                        },
                     )?;
                     synchronize(&cuda)?;
                     let got = download(&got)?;
@@ -1874,8 +1877,10 @@ fn rolling_check(
             shape,
             None,
             Some(roll),
-            Some(kernel),
-            None,
+            DecodePin {
+                kernel: Some(kernel),
+                ..DecodePin::default()
+            },
         )?)?;
         out.push(bf16_check(
             name,

@@ -1102,7 +1102,7 @@ pub fn paged_decode_with(
     s: DecodeShape,
     scores: Option<DecodeScores<'_>>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, scores, None, None, None)
+    paged_decode_impl(cache, q, t, s, scores, None, DecodePin::default())
 }
 
 /// Keys cached without RoPE and rotated as they are read, to their index in the cache
@@ -1126,7 +1126,7 @@ pub fn paged_decode_rolling(
     s: DecodeShape,
     roll: RollingKeys<'_>,
 ) -> Result<Tensor> {
-    paged_decode_impl(cache, q, t, s, None, Some(roll), None, None)
+    paged_decode_impl(cache, q, t, s, None, Some(roll), DecodePin::default())
 }
 
 /// Lets `f` launch with `dynamic` bytes of dynamic shared memory a block. The kernel's
@@ -1184,9 +1184,17 @@ fn allow_dynamic_shared(
     Ok(())
 }
 
-/// `kernel` and `reduce` pin the partition kernel and the reduction (`None`: as the
-/// environment chooses; `kvbench verify` and `bench-decode` pin them).
-#[allow(clippy::too_many_arguments)]
+/// What a caller pins of a paged decode launch, each `None` as the engine chooses:
+/// the partition kernel and the reduction (`kvbench verify` and `bench-decode` pin
+/// them), and the keys per partition (`bench-decode`'s sweep of them at a few rows).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DecodePin {
+    pub kernel: Option<DecodeKernel>,
+    pub reduce: Option<DecodeReduce>,
+    /// Keys per partition, a multiple of 64, in place of [`partition_size`]'s.
+    pub part: Option<usize>,
+}
+
 pub(crate) fn paged_decode_impl(
     cache: &LayerCache,
     q: &Tensor,
@@ -1194,9 +1202,13 @@ pub(crate) fn paged_decode_impl(
     s: DecodeShape,
     scores: Option<DecodeScores<'_>>,
     roll: Option<RollingKeys<'_>>,
-    kernel: Option<DecodeKernel>,
-    reduce: Option<DecodeReduce>,
+    pin: DecodePin,
 ) -> Result<Tensor> {
+    let DecodePin {
+        kernel,
+        reduce,
+        part,
+    } = pin;
     check_bf16(q, "paged_decode q")?;
     let dev = device_of(q.device())?;
     let rows = q.dim(0)?;
@@ -1229,10 +1241,15 @@ pub(crate) fn paged_decode_impl(
             kernel.label()
         )));
     }
-    let part_size = if choice == DecodeChoice::Scalar {
-        s.part_size
-    } else {
-        partition_size(s.part_size, rows * kvh, t.max_ctx)
+    let part_size = match part {
+        Some(p) if p == 0 || !p.is_multiple_of(64) => {
+            return Err(Error::Config(format!(
+                "paged_decode: a pinned partition of {p} keys (expected a positive multiple of 64)"
+            )))
+        }
+        Some(p) => p,
+        None if choice == DecodeChoice::Scalar => s.part_size,
+        None => partition_size(s.part_size, rows * kvh, t.max_ctx),
     };
     let parts = t.max_ctx.div_ceil(part_size).max(1);
     let reduce = match reduce {

@@ -79,6 +79,10 @@ pub fn run(a: BenchDecodeArgs) -> Result<()> {
     bench(&a, &cfg, &cases, kind)
 }
 
+/// Keys per partition `bench-decode` pins in turn at its cases of a few rows.
+#[cfg(feature = "cuda")]
+const PINNED_PARTITIONS: [usize; 4] = [64, 128, 256, 512];
+
 #[cfg(feature = "cuda")]
 fn bench(
     a: &BenchDecodeArgs,
@@ -133,6 +137,7 @@ fn bench(
         a.partition,
         &cases,
         &reference,
+        false,
         a.seed,
         progress,
     )?;
@@ -149,6 +154,7 @@ fn bench(
             a.partition,
             &cases,
             &forms,
+            false,
             a.seed,
             progress,
         ) {
@@ -170,6 +176,35 @@ fn bench(
     match bench::warmup_costs(&dev, 1 << 30, progress) {
         Ok(warmup) => r.warmup = warmup,
         Err(e) => aborted.push(format!("InfiniGen's warm-up costs: {e}")),
+    }
+    write(&r)?;
+    // The default kernel at the cases of a few rows with each partition size pinned:
+    // at one row the engine's sizes fill the card (64 keys at 1K), where a launch is
+    // bound by its round trips rather than its bytes.
+    let few: Vec<BenchCase> = cases.iter().copied().filter(|c| c.rows <= 4).collect();
+    let default_form = [bench::DecodeForm {
+        kernel: DecodeKernel::TensorCore,
+        reduce: kvbench_engines::cuda::DecodeReduce::Folded,
+    }];
+    for p in PINNED_PARTITIONS {
+        let fit: Vec<BenchCase> = few.iter().copied().filter(|c| c.ctx >= p).collect();
+        if fit.is_empty() {
+            continue;
+        }
+        match bench::run(
+            &dev,
+            shape,
+            a.block_size,
+            p,
+            &fit,
+            &default_form,
+            true,
+            a.seed,
+            progress,
+        ) {
+            Ok(more) => r.partitions.extend(more.rows),
+            Err(e) => aborted.push(format!("the partitions of {p} keys: {e}")),
+        }
     }
     write(&r)?;
     // A decode step's products at 1, 2 and 4 rows, kvbench's kernel beside cuBLAS's
@@ -202,6 +237,12 @@ fn bench(
                 .filter(|x| !x.pass)
                 .map(|x| format!("{} ({})", x.op, x.form)),
         )
+        .chain(r.partitions.iter().filter(|x| !x.pass).map(|x| {
+            format!(
+                "{} at {}x{}, partitions of {}",
+                x.kernel, x.rows, x.ctx, x.partition
+            )
+        }))
         .chain(
             r.products
                 .iter()
