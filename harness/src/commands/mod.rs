@@ -57,7 +57,10 @@ pub enum Command {
     /// output checked against the vector kernel's with the reduction launched; then a step's
     /// RoPE and greedy choice, kvbench's kernels beside candle's operations, outputs
     /// checked against candle's; then InfiniGen's warm-up costs (the weights'
-    /// fingerprint, the host tier's pinning) on 1 GiB beside their earlier forms.
+    /// fingerprint, the host tier's pinning) on 1 GiB beside their earlier forms; then
+    /// the default decode kernel at up to 4 rows with each partition size pinned; then
+    /// a step's products at 1, 2 and 4 rows in kvbench's matrix-vector kernel beside
+    /// cuBLAS's.
     BenchDecode(bench_decode::BenchDecodeArgs),
     /// Compare a run with a baseline (both results directories): ratios of timings,
     /// exact outcomes and ledger bytes; non-zero exit on a regression.
