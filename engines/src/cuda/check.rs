@@ -395,11 +395,7 @@ fn gemv_checks(dev: &Device, rng: &mut StdRng) -> Result<Vec<KernelCheck>> {
                     reference.extend_from_slice(&row[m * nb..(m + 1) * nb]);
                 }
             }
-            let cublas = if g == 1 {
-                xt.matmul(&wt.t()?)?
-            } else {
-                xt.unsqueeze(0)?.broadcast_as((g, t, k))?.matmul(&wt.t()?)?
-            };
+            let cublas = crate::model::candle_product(&xt, &wt)?;
             let want_dims: Vec<usize> = if g == 1 { vec![t, nb] } else { vec![g, t, nb] };
             let case = format!("{t} rows x [{g}, {nb}, {k}]");
             let (ours, theirs) = (download(&y)?, download(&cublas)?);

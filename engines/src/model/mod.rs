@@ -472,9 +472,20 @@ struct Fused {
 /// candle's strided kernels; on the H100 that made a 1,024-token prefill 25 % slower
 /// (results/baselines/h100/NOTES.md).
 /// Returns `[2, t, n]`: its two halves (`get(0)`, `get(1)`) are the products.
-pub(crate) fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+fn pair_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (t, k) = x.dims2()?;
     Ok(x.unsqueeze(0)?.broadcast_as((2, t, k))?.matmul(&w.t()?)?)
+}
+
+/// `x · wᵀ` by candle (cuBLAS on CUDA): `w` `[n, k]`, or a `[2, n, k]` pair with `x`
+/// broadcast over it ([`pair_product`]). The model's dense products where kvbench's
+/// matrix-vector kernel does not take them, and what `verify` and `bench-decode`
+/// compare that kernel with.
+pub(crate) fn candle_product(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if w.rank() == 3 {
+        return pair_product(x, w);
+    }
+    Ok(x.matmul(&w.t()?)?)
 }
 
 /// Whether `KVBENCH_GEMV` asks for kvbench's matrix-vector kernel (`kvbench`) rather
@@ -991,10 +1002,7 @@ impl Llama {
                 return Ok(y);
             }
         }
-        if w.rank() == 3 {
-            return pair_product(x, w);
-        }
-        Ok(x.matmul(&w.t()?)?)
+        candle_product(x, w)
     }
 
     /// `l`'s product: [`Llama::dense_product`] for a dense matrix, [`Linear::forward`]
