@@ -68,7 +68,7 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     Config(String),
 
-    #[error("device {0} is not available in this build (enable the `cuda` feature)")]
+    #[error("device {0} is not available in this build: a CUDA kvbench is built with `just build-cuda` (the `cuda` feature; docs/cuda.md)")]
     DeviceUnavailable(String),
 }
 

@@ -620,6 +620,30 @@ fn parameters_are_checked_with_errors_that_name_them() {
     assert!(e.to_string().contains("`zero_copy` or `memcpy`"), "{e}");
     let s = PolicySpec::parse("infinigen", 0.3, &[("transfer".into(), "memcpy".into())]).unwrap();
     assert_eq!(s.params_json()["transfer"], "memcpy");
+    // The transfer mode is CUDA's: the CPU policy refuses one it would not run.
+    let e = Engine::new(tiny(), cfg(s, AttentionImpl::Flash, PrefillMode::Chunked))
+        .err()
+        .expect("refused on the CPU");
+    assert!(e.to_string().contains("transfer=memcpy"), "{e}");
+    // `full` takes only the engine's options, and says which.
+    let e = PolicySpec::parse("full", 1.0, &[("bogus".into(), "1".into())]).unwrap_err();
+    assert!(
+        e.to_string().contains("bogus") && e.to_string().contains("reservation, kv_codec"),
+        "{e}"
+    );
+    PolicySpec::parse("full", 1.0, &[("kv_codec".into(), "int4".into())]).unwrap();
+    // KIVI's codes grow with each sequence: a pool up front is refused.
+    let mut c = cfg(
+        PolicySpec::parse("kivi", 1.0, &[]).unwrap(),
+        AttentionImpl::Flash,
+        PrefillMode::Chunked,
+    );
+    c.reservation = Some(kvbench_engines::policy::spec::Reservation::Fraction);
+    let e = Engine::new(tiny(), c).err().expect("refused");
+    assert!(
+        e.to_string().contains("kivi") && e.to_string().contains("reservation=budget"),
+        "{e}"
+    );
     let e = PolicySpec::parse("snapkv", 0.3, &[("kernel".into(), "4".into())]).unwrap_err();
     assert!(
         e.to_string().contains("kernel=4") && e.to_string().contains("odd"),
@@ -758,6 +782,11 @@ fn hybrid_parameters_and_reservation_are_checked() {
     assert!(e.to_string().contains("sinks"), "{e}");
     let e = p(&[("short_share", "1")]).unwrap_err();
     assert!(e.to_string().contains("short_share=1"), "{e}");
+    let e = p(&[("bogus", "1")]).unwrap_err();
+    assert!(
+        e.to_string().contains("long.KEY, reservation, kv_codec"),
+        "{e}"
+    );
     // Both sides grow on demand from one budget: a pool up front is refused.
     let mut c = cfg(p(&[]).unwrap(), AttentionImpl::Flash, PrefillMode::Chunked);
     c.reservation = Some(kvbench_engines::policy::spec::Reservation::Fraction);

@@ -110,7 +110,8 @@ pub struct EngineArgs {
     pub device: String,
 
     /// Device memory capacity (e.g. 8GiB). On CPU an allocation past it fails with
-    /// the same out-of-memory error as a GPU. Default: the machine's physical memory.
+    /// the same out-of-memory error as a GPU. Default: the machine's physical memory
+    /// on CPU, the card's memory (from the driver) on CUDA.
     #[arg(long, value_parser = parse_size)]
     pub device_memory: Option<u64>,
 

@@ -12,7 +12,7 @@
 
 use super::full::FullParams;
 use super::registry::{
-    bad, parse_f64, parse_usize, DynParams, Param, Strategy, StrategyParams, Variant,
+    bad, parse_f64, parse_usize, unknown, DynParams, Param, Strategy, StrategyParams, Variant,
 };
 use super::spec::{PolicyEnv, PolicySpec, Reservation, RESERVATION_KEY};
 use super::{
@@ -187,14 +187,8 @@ impl StrategyParams for HybridParams {
                 }
             }
             // The long side's parameters set so far apply to the new strategy too.
-            "long" => {
-                *self.long = Self::long_spec(v, self.budget, &self.long_params)?
-            }
-            _ => {
-                return Err(Error::Config(format!(
-                    "unknown hybrid parameter `{k}`: expected threshold, short_share, long, long.KEY (a parameter of the long side), {RESERVATION_KEY}"
-                )))
-            }
+            "long" => *self.long = Self::long_spec(v, self.budget, &self.long_params)?,
+            _ => return Err(unknown(Self::STRATEGY, k)),
         }
         Ok(())
     }

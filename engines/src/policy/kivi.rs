@@ -13,7 +13,7 @@
 //! `b` does not apply (the bits set the size): `kivi` runs at budget 1, as `full`.
 
 use super::registry::{bad, parse_usize, unknown, Param, Strategy, StrategyParams, Variant};
-use super::spec::PolicyEnv;
+use super::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
 use super::to_f32;
 use super::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
@@ -155,6 +155,14 @@ impl StrategyParams for KiviParams {
             Self::STRATEGY.name,
             "it stores its own codes (set `bits`, `group` and `residual`)",
         )?;
+        // Its codes grow with each sequence; no pool is reserved up front, so a cell
+        // that says `fraction` would record the on-demand numbers under its name.
+        if env.reservation != Reservation::Budget {
+            return Err(Error::Config(format!(
+                "kivi: its codes grow with each sequence: `{RESERVATION_KEY}=budget` only (got `{}`)",
+                env.reservation
+            )));
+        }
         Ok(Box::new(KiviPolicy::new(*self, &model.cfg, env)))
     }
 

@@ -261,7 +261,7 @@ impl PolicySpec {
     pub fn parse(name: &str, budget: f64, params: &[(String, String)]) -> Result<Self> {
         if budget.is_nan() || budget <= 0.0 {
             return Err(Error::Config(format!(
-                "budget {budget}: expected the fraction of KV pairs kept, in (0, 1] (≥ 1 keeps everything)"
+                "budget {budget}: expected the fraction of KV pairs kept, above 0 (1 or more keeps everything)"
             )));
         }
         let mut spec = Self::named(name, budget).ok_or_else(|| {

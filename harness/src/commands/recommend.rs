@@ -72,8 +72,8 @@ pub struct RecommendArgs {
     #[arg(long, requires = "accuracy")]
     pub max_accuracy_drop: Option<f64>,
     /// Strategies to consider: any registered one (`kvbench generate --help` lists
-    /// them); snapkv, quest and hybrid are modelled but not yet validated against
-    /// measured runs.
+    /// them); snapkv, quest, kivi and hybrid are modelled but not yet validated
+    /// against measured runs.
     #[arg(
         long,
         value_delimiter = ',',

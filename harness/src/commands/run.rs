@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// Experiment file (YAML).
+    /// Experiment file (YAML), or a name under experiments/ (`cpu/quickstart`).
     pub experiment: std::path::PathBuf,
 
     /// List the cells the experiment expands into, without running them.
@@ -22,7 +22,7 @@ pub struct RunArgs {
     pub shard: Option<String>,
 
     /// With --dry-run: print the cells as one JSON array.
-    #[arg(long)]
+    #[arg(long, requires = "dry_run")]
     pub json: bool,
 
     /// Directory of fetched weights (the model's config is read from it).

@@ -10,8 +10,8 @@ use crate::config::ModelConfig;
 use crate::error::{Component, Error, Result};
 use crate::kv::{BlockId, KvCodec, PagedKv, SeqTables};
 use crate::model::Llama;
-use crate::policy::registry::{Param, Strategy, StrategyParams, Variant};
-use crate::policy::spec::{PolicyEnv, Reservation, RESERVATION_KEY};
+use crate::policy::registry::{unknown, Param, Strategy, StrategyParams, Variant};
+use crate::policy::spec::{PolicyEnv, Reservation};
 use crate::policy::to_f32;
 use crate::policy::{
     AttendRecord, KvPolicy, LayerInput, PolicyMemory, PolicyStats, SeqId, SeqInfo, StepBatch,
@@ -19,7 +19,7 @@ use crate::policy::{
 use candle_core::Tensor;
 use std::time::Instant;
 
-/// `full` takes no parameters but the engine's `reservation`.
+/// `full` takes no parameters but the engine's `reservation` and `kv_codec`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FullParams;
 
@@ -49,10 +49,9 @@ impl StrategyParams for FullParams {
         1.0
     }
 
-    fn set(&mut self, k: &str, v: &str) -> Result<()> {
-        Err(Error::Config(format!(
-            "`full` takes no parameters but `{RESERVATION_KEY}` (got `{k}={v}`)"
-        )))
+    fn set(&mut self, k: &str, _v: &str) -> Result<()> {
+        // The engine's options (`reservation`, `kv_codec`) are taken before this.
+        Err(unknown(Self::STRATEGY, k))
     }
 
     fn params_json(&self) -> serde_json::Value {

@@ -239,6 +239,14 @@ impl StrategyParams for InfinigenParams {
             Self::STRATEGY.name,
             "its host tier and partial keys are f32 and its transfers move them as they are",
         )?;
+        // The CPU policy copies the selected rows in process either way: a cell that
+        // says `memcpy` would record the zero-copy path's numbers under its name.
+        if self.transfer != Transfer::ZeroCopy {
+            return Err(Error::Config(format!(
+                "infinigen parameter `transfer={}`: the transfer mode is the CUDA build's (the CPU policy copies rows in process); run it with --device cuda or leave `transfer` at zero_copy",
+                self.transfer.name()
+            )));
+        }
         Ok(Box::new(InfinigenPolicy::new(self.clone(), model, env)?))
     }
 
