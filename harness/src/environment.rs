@@ -15,6 +15,8 @@ pub struct Environment {
     pub driver_version: Option<String>,
     pub cpu_model: Option<String>,
     pub cpu_cores: usize,
+    /// CPU worker threads the cell ran with (`--threads`; part of its identity).
+    pub threads: usize,
     pub host_memory_bytes: u64,
     pub hostname: Option<String>,
     /// `git rev-parse HEAD` of the working directory, when it is a git checkout.
@@ -99,6 +101,7 @@ impl Environment {
             driver_version,
             cpu_model: cpu_model(),
             cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            threads: candle_core::utils::get_num_threads(),
             host_memory_bytes: crate::setup::host_memory_bytes(),
             hostname: sysinfo::System::host_name(),
             git_revision,

@@ -464,6 +464,9 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
     bar.finish_and_clear();
     // Listed in the plan's order, whatever order they ran in.
     rows.sort_by_key(|v| v["cell"]["index"].as_u64());
+    // The tables first: nothing printed below can lose them (a closed pipe ends the
+    // process).
+    let tables = crate::recorder::write_tables(&exp_dir, &plan.cells)?;
     println!(
         "{}: {} cells run{}, {} already recorded (under {})",
         plan.exp.name,
@@ -480,7 +483,7 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         skipped,
         dir.display()
     );
-    print_tables(&exp_dir, plan, &a.experiment)?;
+    print_written_tables(&exp_dir, plan, &a.experiment, &tables);
     if plan.exp.kind == Kind::Accuracy {
         print_accuracy(&rows);
         println!(
@@ -611,6 +614,12 @@ fn print_accuracy(rows: &[serde_json::Value]) {
 /// cells and say what they hold, which files were left out and why.
 pub(crate) fn print_tables(exp_dir: &Path, plan: &Plan, yaml: &Path) -> Result<()> {
     let t = crate::recorder::write_tables(exp_dir, &plan.cells)?;
+    print_written_tables(exp_dir, plan, yaml, &t);
+    Ok(())
+}
+
+/// What [`crate::recorder::write_tables`] wrote (`t`), and the cell files it left out.
+fn print_written_tables(exp_dir: &Path, plan: &Plan, yaml: &Path, t: &crate::recorder::Tables) {
     println!(
         "tables in {}: {}",
         exp_dir.display(),
@@ -626,10 +635,22 @@ pub(crate) fn print_tables(exp_dir: &Path, plan: &Plan, yaml: &Path) -> Result<(
             f.display()
         );
     }
-    if !t.foreign.is_empty() {
+    // This plan's cells recorded with another thread count, by that count; the rest
+    // belong to no cell of it.
+    let mut theirs: std::collections::BTreeMap<usize, usize> = Default::default();
+    let mut rest = Vec::new();
+    for f in &t.foreign {
+        match crate::cell_file::read(f)
+            .ok()
+            .and_then(|v| plan_cell_with_other_threads(plan, &v))
+        {
+            Some(threads) => *theirs.entry(threads).or_default() += 1,
+            None => rest.push(f),
+        }
+    }
+    if !rest.is_empty() {
         const SHOWN: usize = 5;
-        let names: Vec<String> = t
-            .foreign
+        let names: Vec<String> = rest
             .iter()
             .take(SHOWN)
             .map(|f| {
@@ -641,48 +662,37 @@ pub(crate) fn print_tables(exp_dir: &Path, plan: &Plan, yaml: &Path) -> Result<(
             "note: {} file(s) in {} belong to no cell of this experiment (an older version \
              of its YAML, or recorded by an older kvbench) and are not in the tables: {}{}; \
              `kvbench run {} --prune` moves them to pruned/",
-            t.foreign.len(),
+            rest.len(),
             exp_dir.join("cells").display(),
             names.join(", "),
-            if t.foreign.len() > SHOWN { ", ..." } else { "" },
+            if rest.len() > SHOWN { ", ..." } else { "" },
             yaml.display(),
         );
-        if let Some(hint) = other_threads_hint(plan, &t.foreign) {
-            eprintln!("{hint}");
-        }
     }
-    Ok(())
+    let here = candle_core::utils::get_num_threads();
+    for (threads, n) in theirs {
+        eprintln!(
+            "note: {n} file(s) in {} are this plan's cells recorded with {threads} CPU worker \
+             threads (this process has {here}; a cell's identity includes them) and are not \
+             in the tables: `--threads {threads}` puts them there",
+            exp_dir.join("cells").display(),
+        );
+    }
 }
 
-/// Cells recorded on another machine carry its CPU worker threads in their identity
-/// (a CPU cell's result depends on them): when foreign files are the plan's cells
-/// under the thread count of the machine that recorded them, say how to read them.
-fn other_threads_hint(plan: &Plan, foreign: &[PathBuf]) -> Option<String> {
-    let here = candle_core::utils::get_num_threads();
-    let mut found: std::collections::BTreeMap<usize, usize> = Default::default();
-    for f in foreign {
-        let Ok(v) = crate::cell_file::read(f) else {
-            continue;
-        };
-        let (Some(id), Some(cores)) = (v["id"].as_str(), v["env"]["cpu_cores"].as_u64()) else {
-            continue;
-        };
-        let cores = cores as usize;
-        if cores != here
-            && plan
-                .cells
-                .iter()
-                .any(|c| crate::experiment::matrix::identity(&plan.exp, c, cores) == id)
-        {
-            *found.entry(cores).or_default() += 1;
-        }
-    }
-    let (&threads, &n) = found.iter().max_by_key(|(_, n)| **n)?;
-    Some(format!(
-        "note: {n} of them are this plan's cells recorded with {threads} CPU worker threads \
-         (this process has {here}; a cell's identity includes them): \
-         `--threads {threads}` puts them in the tables"
-    ))
+/// The thread count a recorded cell `v` ran with, when it is not this process's and
+/// the cell is one of `plan`'s under it (a cell's identity includes its threads). Cells
+/// recorded before `env.threads` existed ran with one thread per core.
+fn plan_cell_with_other_threads(plan: &Plan, v: &serde_json::Value) -> Option<usize> {
+    let id = v["id"].as_str()?;
+    let env = &v["env"];
+    let threads = env["threads"].as_u64().or(env["cpu_cores"].as_u64())? as usize;
+    (threads != candle_core::utils::get_num_threads()
+        && plan
+            .cells
+            .iter()
+            .any(|c| crate::experiment::matrix::identity(&plan.exp, c, threads) == id))
+    .then_some(threads)
 }
 
 /// `--adopt-legacy` and `--prune`: cell files recorded before cell identities existed
@@ -697,10 +707,16 @@ pub(crate) fn tidy_cells(a: &RunArgs, plan: &Plan, exp_dir: &Path) -> Result<()>
         plan.cells.iter().map(|c| (c.key(), c)).collect();
     let ids: std::collections::HashSet<&str> = plan.cells.iter().map(|c| c.id.as_str()).collect();
     let (mut adopted, mut pruned) = (0, 0);
+    // This plan's cells recorded with another thread count: never pruned.
+    let mut other_threads: std::collections::BTreeMap<usize, usize> = Default::default();
     for f in crate::cell_file::list(&dir)? {
         let v = crate::cell_file::read(&f).ok();
         if let Some(v) = &v {
             if v["id"].as_str().is_some_and(|id| ids.contains(id)) {
+                continue;
+            }
+            if let Some(threads) = plan_cell_with_other_threads(plan, v) {
+                *other_threads.entry(threads).or_default() += 1;
                 continue;
             }
             if a.adopt_legacy && v.get("id").is_none() {
@@ -736,6 +752,13 @@ pub(crate) fn tidy_cells(a: &RunArgs, plan: &Plan, exp_dir: &Path) -> Result<()>
             "{pruned} file(s) of no cell of this experiment moved to {}",
             exp_dir.join("pruned").display()
         );
+        for (threads, n) in other_threads {
+            println!(
+                "{n} file(s) kept: this plan's cells recorded with {threads} CPU worker threads \
+                 (this process has {}); `--threads {threads}` reads them",
+                candle_core::utils::get_num_threads()
+            );
+        }
     }
     Ok(())
 }

@@ -129,12 +129,30 @@ fn cells_recorded_with_another_thread_count_are_named_with_the_flag_that_reads_t
     let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
     let results = dir.path().join("results");
     let exp_dir = results.join("edits");
+    // Recorded with one thread (the tests' `KVBENCH_THREADS`), whatever the cores.
     sweep(dir.path(), &exp, &results, &[]);
-    // As a machine with one core records it by default (threads = cores).
     let [cell] = &files_in(&exp_dir.join("cells"))[..] else {
         panic!("one cell file")
     };
+    assert_eq!(kvbench::cell_file::read(cell).unwrap()["env"]["threads"], 1);
+
+    // `--prune` with another thread count keeps them.
+    let (out, _) = sweep(
+        dir.path(),
+        &exp,
+        &results,
+        &["--tables-only", "--prune", "--threads", "2"],
+    );
+    assert!(
+        out.contains("0 file(s) of no cell") && out.contains("1 file(s) kept"),
+        "{out}"
+    );
+    assert_eq!(files_in(&exp_dir.join("cells")).len(), 1);
+    assert!(files_in(&exp_dir.join("pruned")).is_empty());
+
+    // A cell recorded before `env.threads` existed ran with one thread per core.
     let mut v = kvbench::cell_file::read(cell).unwrap();
+    v["env"].as_object_mut().unwrap().remove("threads");
     v["env"]["cpu_cores"] = 1.into();
     common::rewrite_cell(cell, &v);
 
@@ -144,16 +162,18 @@ fn cells_recorded_with_another_thread_count_are_named_with_the_flag_that_reads_t
         &results,
         &["--tables-only", "--threads", "2"],
     );
-    assert!(err.contains("belong to no cell"), "{err}");
+    // Named as the plan's, not as files of no cell (which `--prune` would move).
+    assert!(!err.contains("belong to no cell"), "{err}");
     assert!(
-        err.contains("1 of them are this plan's cells recorded with 1 CPU worker threads")
-            && err.contains("`--threads 1` puts them in the tables"),
+        err.contains("1 file(s) in")
+            && err.contains("are this plan's cells recorded with 1 CPU worker threads")
+            && err.contains("`--threads 1` puts them there"),
         "{err}"
     );
     assert_eq!(runs_rows(&exp_dir), 0);
     // The flag named reads them.
     let (_, err) = sweep(dir.path(), &exp, &results, &["--tables-only"]);
-    assert!(!err.contains("belong to no cell"), "{err}");
+    assert!(!err.contains("CPU worker threads"), "{err}");
     assert_eq!(runs_rows(&exp_dir), 1);
 }
 
@@ -708,4 +728,21 @@ fn a_yaml_edited_while_its_sweep_runs_stops_the_sweep_and_keeps_what_it_recorded
     let (out, _) = sweep(dir.path(), &exp, &results, &[]);
     let expect = format!("{} cells run, {recorded} already recorded", 6 - recorded);
     assert!(out.contains(&expect), "{out}");
+}
+
+#[test]
+fn a_sweep_whose_output_is_closed_early_still_writes_its_tables() {
+    let (dir, exp) = common::with_experiment("e.yaml", ONE_CELL);
+    let results = dir.path().join("results");
+    // `kvbench run ... | true`: the reader is gone before anything is printed.
+    let mut child = common::kvbench_in(dir.path(), &common::sweep_args(&exp, &results))
+        .env("KVBENCH_MODELS_DIR", dir.path())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvbench runs");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("kvbench ends");
+    assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+    assert_eq!(runs_rows(&results.join("edits")), 1);
 }
