@@ -235,8 +235,8 @@ for s in "${steps[@]}"; do
   rc=$?
   set -e
   tail -5 "$log"
-  # A sweep exits 0 with crashed cells recorded as `error`: such a step is not done
-  # (the next call retries those cells).
+  # A sweep with cells recorded as `error` is not done (the next call retries those
+  # cells); a current kvbench exits 1 then, the study's pinned older build exits 0.
   if [ "$rc" = 0 ] && [[ "$args" == run\ * ]]; then
     exp_name="$(awk '/^name:/ {print $2; exit}' "$(awk '{print $2}' <<<"$args")")"
     # The step's --results directory (the card's, or one under it).

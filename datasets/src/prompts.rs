@@ -20,17 +20,19 @@ pub enum LengthDist {
 
 impl LengthDist {
     pub fn validate(&self) -> Result<()> {
-        let ok = match self {
-            LengthDist::Fixed(n) => *n > 0,
-            LengthDist::Uniform { min, max } => *min > 0 && min <= max,
-            LengthDist::List(l) => !l.is_empty() && l.iter().all(|&n| n > 0),
+        let why = match self {
+            LengthDist::Fixed(0) => Some("0: expected a length of at least 1 token".to_string()),
+            LengthDist::Uniform { min, max } if *min == 0 || min > max => {
+                Some(format!("uniform [{min}, {max}]: expected 1 ≤ min ≤ max"))
+            }
+            LengthDist::List(l) if l.is_empty() || l.contains(&0) => Some(format!(
+                "list {l:?}: expected a non-empty list of lengths of at least 1 token"
+            )),
+            _ => None,
         };
-        if ok {
-            Ok(())
-        } else {
-            Err(Error::Invalid(format!(
-                "prompt lengths {self:?}: lengths must be ≥ 1, uniform needs min ≤ max, a list must not be empty"
-            )))
+        match why {
+            None => Ok(()),
+            Some(why) => Err(Error::Invalid(format!("prompt lengths {why}"))),
         }
     }
 

@@ -89,9 +89,9 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size: expected a number with a unit, e.g. 8GiB"))?;
+    let n: f64 = num.parse().map_err(|_| {
+        format!("`{s}` is not a size: expected a number with a unit, e.g. 8GiB (bytes without one)")
+    })?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "kb" => 1_000,
@@ -111,7 +111,11 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     if !n.is_finite() || n < 0.0 {
         return Err(format!("`{s}` must be a non-negative size"));
     }
-    Ok((n * mult as f64).round() as u64)
+    let bytes = (n * mult as f64).round();
+    if bytes >= u64::MAX as f64 {
+        return Err(format!("`{s}` is more bytes than a 64-bit size holds"));
+    }
+    Ok(bytes as u64)
 }
 
 #[cfg(test)]

@@ -197,14 +197,15 @@ impl Engine {
                 cfg.memory_fraction
             )));
         }
-        if cfg.block_size == 0
-            || cfg.scheduler.max_num_seqs == 0
-            || cfg.scheduler.max_batched_tokens == 0
-            || cfg.chunk_size == 0
-        {
-            return Err(Error::Config(
-                "block size, chunk size, max_num_seqs and max_batched_tokens must be > 0".into(),
-            ));
+        for (name, v) in [
+            ("block size", cfg.block_size),
+            ("max_num_seqs", cfg.scheduler.max_num_seqs),
+            ("max_batched_tokens", cfg.scheduler.max_batched_tokens),
+            ("chunk size", cfg.chunk_size),
+        ] {
+            if v == 0 {
+                return Err(Error::Config(format!("{name} 0: expected at least 1")));
+            }
         }
         let mut ledger = MemoryLedger::new(cfg.device_name.clone(), cfg.device_memory)
             .with_host_capacity(cfg.host_memory);
@@ -246,6 +247,20 @@ impl Engine {
             }
         };
         let reservation = cfg.reservation();
+        // On the CPU a pool reserved up front is one zeroed buffer per layer for K and
+        // one for V, mapped in host memory: a capacity the host cannot map is named here.
+        let buffer = kv_bytes / (2 * model.cfg.num_layers.max(1)) as u64;
+        if model.device().is_cpu()
+            && reservation == Reservation::Fraction
+            && !crate::kv::can_reserve(buffer)
+        {
+            return Err(Error::Config(format!(
+                "the KV pool of {kv_bytes} bytes (from the device capacity and memory fraction) \
+                 cannot be reserved in this host's memory ({buffer} bytes for each layer's K \
+                 or V): on the CPU the device's pool lives in host memory; give a smaller \
+                 --device-memory (YAML: device.memory) or --memory-fraction"
+            )));
+        }
         if matches!(cfg.policy, PolicySpec::Full(_)) {
             // As vLLM: fail at start-up if one max_model_len sequence cannot fit.
             let need = max_model_len.div_ceil(cfg.block_size) as u64 * block_bytes;

@@ -90,6 +90,11 @@ impl ModelSource {
             }
             return Ok(ModelSource::HfDir(p.into()));
         }
+        if p.extension().is_some_and(|e| e == "gguf") {
+            return Err(Error::Config(format!(
+                "{spec}: no such file (a .gguf path was given)"
+            )));
+        }
         let names: Vec<_> = NAMED_MODELS.iter().map(|m| m.name).collect();
         Err(Error::Config(format!(
             "unknown model `{spec}`: expected a named model ({}), preset:NAME ({}), a path to a .gguf file, a Hugging Face directory, or hf:ORG/NAME[@REV]",

@@ -621,6 +621,15 @@ fn parameters_are_checked_with_errors_that_name_them() {
     let s = PolicySpec::parse("infinigen", 0.3, &[("transfer".into(), "memcpy".into())]).unwrap();
     assert_eq!(s.params_json()["transfer"], "memcpy");
     // The transfer mode is CUDA's: the CPU policy refuses one it would not run.
+    let s = PolicySpec::parse(
+        "infinigen",
+        0.3,
+        &[
+            ("transfer".into(), "memcpy".into()),
+            ("dense_layers".into(), "1".into()),
+        ],
+    )
+    .unwrap();
     let e = Engine::new(tiny(), cfg(s, AttentionImpl::Flash, PrefillMode::Chunked))
         .err()
         .expect("refused on the CPU");

@@ -194,6 +194,9 @@ struct Run {
     experiment: String,
     /// CPU / GPU and revision of the first cell, when recorded.
     machine: String,
+    /// The model and weight dtype, when recorded: runs of different ones are not
+    /// compared.
+    model: Option<(String, String)>,
     cells: BTreeMap<String, Cell>,
 }
 
@@ -326,12 +329,23 @@ fn load(p: &Path) -> Result<Run> {
             bail!("{}: cell_key `{key}` appears twice", file.display());
         }
     }
+    let model = recorded_model(&file);
     Ok(Run {
         shown: p.display().to_string(),
         experiment,
         machine,
+        model,
         cells,
     })
+}
+
+/// The model and weight dtype of the experiment.yaml beside a runs.parquet (a sweep
+/// copies its YAML into its results directory), when there is one.
+fn recorded_model(runs: &Path) -> Option<(String, String)> {
+    let yaml = runs.parent()?.join("experiment.yaml");
+    let v: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(yaml).ok()?).ok()?;
+    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
+    Some((s("model")?, s("dtype").unwrap_or_else(|| "default".into())))
 }
 
 /// The repeats of one matrix point in one run.
@@ -825,6 +839,21 @@ fn describe(tag: &str, r: &Run) {
 pub fn run(args: &CompareArgs) -> Result<()> {
     let a = load(&args.a)?;
     let b = load(&args.b)?;
+    if let (Some(ma), Some(mb)) = (&a.model, &b.model) {
+        // A dtype left to its default matches any.
+        if ma.0 != mb.0 || (ma.1 != mb.1 && ma.1 != "default" && mb.1 != "default") {
+            bail!(
+                "A ({}) ran {} (dtype {}), B ({}) ran {} (dtype {}): timings, outcomes and \
+                 bytes of different models or weight formats are not a regression of one another",
+                a.shown,
+                ma.0,
+                ma.1,
+                b.shown,
+                mb.0,
+                mb.1
+            );
+        }
+    }
     if let Some(r) = &args.relative_to {
         for side in [&a, &b] {
             if !side.cells.values().any(|c| c.field("engine") == r) {
@@ -944,6 +973,7 @@ mod tests {
             shown: "x".into(),
             experiment: "e".into(),
             machine: String::new(),
+            model: None,
             cells: cells
                 .into_iter()
                 .map(|c| (join_fields(c.fields.iter()), c))

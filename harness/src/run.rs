@@ -493,7 +493,7 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
             exp_dir.display(),
             plan.exp.name
         );
-        return Ok(());
+        return errors_left(&rows);
     }
     println!(
         "{:>5}  {:<10} {:<16} {:>5} {:>6} {:<8} {:<6} {:>10} {:>12} {:>10} {:>11} {:>11}",
@@ -541,7 +541,40 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
         exp_dir.display(),
         plan.exp.name
     );
-    Ok(())
+    errors_left(&rows)
+}
+
+/// A sweep whose cells ended in `error` (a crash, a refused configuration) fails after
+/// its tables are written, naming them: their results are recorded, and a run again
+/// retries them (`--no-retry` keeps them as they are).
+fn errors_left(rows: &[serde_json::Value]) -> Result<()> {
+    let errors: Vec<String> = rows
+        .iter()
+        .filter(|v| v["outcome"] == "error")
+        .map(|v| {
+            let c = &v["cell"];
+            let why = v["error"].as_str().unwrap_or("no message");
+            format!(
+                "cell {} ({} b{} budget {}): {}",
+                c["index"],
+                c["engine"].as_str().unwrap_or("?"),
+                c["batch"],
+                c["budget"],
+                why.lines().next().unwrap_or(why)
+            )
+        })
+        .collect();
+    if errors.is_empty() {
+        return Ok(());
+    }
+    const SHOWN: usize = 5;
+    bail!(
+        "{} of {} cells ended in an error (recorded; `kvbench run` again retries them):\n  {}{}",
+        errors.len(),
+        rows.len(),
+        errors[..errors.len().min(SHOWN)].join("\n  "),
+        if errors.len() > SHOWN { "\n  ..." } else { "" }
+    )
 }
 
 /// A cell's parameters as `k=v,k=v` (`-` for the engine's defaults), so variants of

@@ -256,7 +256,10 @@ pub fn skewing(
 }
 
 fn parse_size(s: &str) -> std::result::Result<u64, String> {
-    parse_bytes(s)
+    match parse_bytes(s)? {
+        0 => Err(format!("`{s}`: expected a size above 0")),
+        n => Ok(n),
+    }
 }
 
 /// The device's capacity for the engine: `explicit`, else the machine's memory on the
@@ -356,6 +359,12 @@ pub fn build_engine(setup: &Setup, e: &EngineArgs, models_dir: &std::path::Path)
             "--memory-fraction {}: expected a number in (0, 1]",
             e.memory_fraction
         );
+    }
+    if let Some(len) = e.max_model_len {
+        let context = setup.loaded.model.cfg.max_position_embeddings;
+        if len == 0 || len > context {
+            bail!("--max-model-len {len}: expected 1 to the model's context of {context} tokens");
+        }
     }
     let (capacity, available) = device_capacity(setup, e.device_memory, e.memory_fraction)?;
     let (opts, _) = split_engine_options(&e.set)?;

@@ -544,8 +544,23 @@ fn a_crashed_cell_is_retried_unless_asked_not_to_and_an_oom_stays_a_result() {
     let plain = cells.join(format!("{id}.json"));
     let gz = cells.join(format!("{id}.json.gz"));
     std::fs::write(&plain, record(&plan[0], "error")).unwrap();
-    let (out, _) = sweep(dir.path(), &exp, &results, &["--no-retry"]);
-    assert!(out.contains("0 cells run, 1 already recorded"), "{out}");
+    // Kept, tabulated, and the sweep fails naming it.
+    let mut args = common::sweep_args(&exp, &results).to_vec();
+    args.push("--no-retry");
+    let o = kvbench(dir.path(), &args);
+    assert!(!o.status.success());
+    assert!(
+        stdout(&o).contains("0 cells run, 1 already recorded"),
+        "{}",
+        stdout(&o)
+    );
+    assert!(
+        stderr(&o).contains("1 of 1 cells ended in an error")
+            && stderr(&o).contains("cell 0 (full"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(runs_rows(&results.join("edits")), 1);
     let (out, _) = sweep(dir.path(), &exp, &results, &[]);
     assert!(
         out.contains("1 cells run (1 retried after an error), 0 already recorded"),

@@ -169,7 +169,16 @@ impl StrategyParams for HybridParams {
         if let Some(key) = k.strip_prefix("long.") {
             let mut params = self.long_params.clone();
             params.push((key.to_string(), v.to_string()));
-            *self.long = Self::long_spec(self.long.name(), self.budget, &params)?;
+            *self.long = Self::long_spec(self.long.name(), self.budget, &params).map_err(|e| {
+                Error::Config(format!(
+                    "hybrid parameter `{k}={v}` (the long side, {}): {}",
+                    self.long.name(),
+                    match e {
+                        Error::Config(m) => m,
+                        e => e.to_string(),
+                    }
+                ))
+            })?;
             self.long_params = params;
             return Ok(());
         }

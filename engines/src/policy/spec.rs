@@ -272,6 +272,13 @@ impl PolicySpec {
         })??;
         // A nested key (`long.sinks`) after the plain ones (`long`), whatever the order
         // given: it may name a parameter of what a plain one chooses.
+        for (i, (k, v)) in params.iter().enumerate() {
+            if let Some((_, first)) = params[..i].iter().find(|(k0, _)| k0 == k) {
+                return Err(Error::Config(format!(
+                    "{name} parameter `{k}` given twice (`{first}` and `{v}`)"
+                )));
+            }
+        }
         let (plain, nested): (Vec<_>, Vec<_>) = params.iter().partition(|(k, _)| !k.contains('.'));
         for (k, v) in plain.into_iter().chain(nested) {
             if k == RESERVATION_KEY {

@@ -32,14 +32,24 @@ pub struct CompareArgs {
 /// `25%` or `0.25`; positive and finite.
 pub fn parse_tolerance(s: &str) -> Result<f64, String> {
     let t = s.trim();
-    let v = match t.strip_suffix('%') {
-        Some(p) => p.trim().parse::<f64>().map(|x| x / 100.0),
-        None => t.parse::<f64>(),
-    }
-    .map_err(|_| format!("`{s}`: expected a fraction such as 0.25 or a percentage such as 25%"))?;
+    let (v, bare) = match t.strip_suffix('%') {
+        Some(p) => (p.trim().parse::<f64>().map(|x| x / 100.0), false),
+        None => (t.parse::<f64>(), true),
+    };
+    let v = v.map_err(|_| {
+        format!("`{s}`: expected a fraction such as 0.25 or a percentage such as 25%")
+    })?;
+
     if !(v.is_finite() && v > 0.0) {
         return Err(format!(
             "`{s}`: expected a positive tolerance such as 0.25 or 25%"
+        ));
+    }
+    // `75` for 75 % would be a tolerance of 7,500 %: a whole share is written with `%`.
+    if bare && v >= 1.0 {
+        return Err(format!(
+            "`{s}`: expected a fraction without `%` (0.75 is 75%); write {s}% or {}",
+            v / 100.0
         ));
     }
     Ok(v)
@@ -58,7 +68,7 @@ mod tests {
         assert_eq!(parse_tolerance("25%"), Ok(0.25));
         assert_eq!(parse_tolerance("0.4"), Ok(0.4));
         assert_eq!(parse_tolerance(" 150 % "), Ok(1.5));
-        for bad in ["", "0", "-5%", "abc", "inf", "NaN%"] {
+        for bad in ["", "0", "-5%", "abc", "inf", "NaN%", "75", "1"] {
             let e = parse_tolerance(bad).unwrap_err();
             assert!(e.contains("expected"), "{bad}: {e}");
         }

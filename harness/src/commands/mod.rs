@@ -87,6 +87,13 @@ pub enum Command {
 pub fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
         anyhow::ensure!(n > 0, "--threads must be at least 1");
+        // Each is an OS thread started up front: a mistyped count would hang the start.
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        anyhow::ensure!(
+            n <= 64 * cores,
+            "--threads {n}: expected at most {} (64 per core of this machine's {cores})",
+            64 * cores
+        );
         // Read by rayon and by candle's CPU matmuls; set before either starts a pool.
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }

@@ -70,6 +70,44 @@ fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) ->
     format!("{:032x}", xxh3_128(all.to_string().as_bytes()))
 }
 
+/// A workload corpus the cells can slice prompts from: a non-empty UTF-8 text file, or
+/// a directory with at least one `.txt` file, each such (what the cells read).
+fn check_corpus(src: &Path) -> std::result::Result<(), String> {
+    let files: Vec<std::path::PathBuf> = if src.is_dir() {
+        let entries = std::fs::read_dir(src).map_err(|e| format!("{}: {e}", src.display()))?;
+        let f: Vec<_> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        if f.is_empty() {
+            return Err(format!(
+                "{}: no .txt files in the directory: expected UTF-8 text files",
+                src.display()
+            ));
+        }
+        f
+    } else {
+        vec![src.to_path_buf()]
+    };
+    for f in files {
+        let bytes = std::fs::read(&f).map_err(|e| format!("{}: {e}", f.display()))?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(format!(
+                "{}: no text: expected a UTF-8 text file",
+                f.display()
+            ));
+        }
+        if let Err(e) = std::str::from_utf8(&bytes) {
+            return Err(format!(
+                "{}: not UTF-8 text (invalid byte at offset {}): expected a UTF-8 text file",
+                f.display(),
+                e.valid_up_to()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Set every cell's identity and point (with this process's CPU worker threads).
 pub(super) fn identify(exp: &Experiment, cells: &mut [Cell]) {
     let threads = candle_core::utils::get_num_threads();
@@ -369,6 +407,7 @@ impl Plan {
                     ),
                 ));
             }
+            check_corpus(src).map_err(|e| err("workload.source", e))?;
         }
         let m = exp
             .matrix
@@ -416,7 +455,10 @@ impl Plan {
         {
             return Err(err(
                 "matrix.request_rate",
-                format!("{r:?}: expected requests per second > 0, or inf"),
+                format!(
+                    "{}: expected requests per second > 0, or inf",
+                    r.per_second()
+                ),
             ));
         }
         if let Some(b) = m.burstiness.iter().find(|&&b| !(b > 0.0 && b.is_finite())) {

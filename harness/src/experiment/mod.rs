@@ -109,7 +109,9 @@ impl Plan {
             ("device.host_memory", &exp.device.host_memory),
         ] {
             if let Some(v) = v {
-                parse_bytes(v).map_err(|e| err(k, e))?;
+                if parse_bytes(v).map_err(|e| err(k, e))? == 0 {
+                    return Err(err(k, format!("`{v}`: expected a size above 0")));
+                }
             }
         }
         let f = exp.device.memory_fraction;
@@ -161,11 +163,11 @@ impl Plan {
         };
         let cfg = src.config(&opts).map_err(|e| err("model", e.to_string()))?;
         let context = s.max_model_len.unwrap_or(cfg.max_position_embeddings);
-        if context > cfg.max_position_embeddings {
+        if context == 0 || context > cfg.max_position_embeddings {
             return Err(err(
                 "scheduler.max_model_len",
                 format!(
-                    "{context}: longer than the model's context of {}",
+                    "{context}: expected 1 to the model's context of {} tokens",
                     cfg.max_position_embeddings
                 ),
             ));
@@ -221,6 +223,19 @@ impl Plan {
             Kind::Retention => Self::retention_cells(&exp, text, path)?,
         };
         identify(&exp, &mut cells);
+        // Two cells of one setting would be recorded as one (the same identity).
+        let mut seen = std::collections::HashMap::new();
+        for c in &cells {
+            if let Some(first) = seen.insert(c.id.as_str(), c.index) {
+                anyhow::bail!(
+                    "{}: cells {first} and {} are the same setting ({}): a value is listed \
+                     twice in `matrix`, or an engine twice with the same parameters",
+                    path.display(),
+                    c.index,
+                    c.key()
+                );
+            }
+        }
         Ok(Plan {
             exp,
             cells,
@@ -411,6 +426,42 @@ repeats: 2
         assert!(e.is_empty(), "{e}");
         assert!(parse_shard("3/3").is_err() && parse_shard("0/0").is_err());
         assert_eq!(parse_shard("2/5").unwrap(), (2, 5));
+    }
+
+    #[test]
+    fn settings_that_would_record_nothing_or_one_result_twice_are_refused() {
+        // A value listed twice: two cells of one identity.
+        let e = err(&GOOD.replace("batch: [1, 2]", "batch: [1, 2, 1]"));
+        assert!(e.contains("are the same setting"), "{e}");
+        // A parameter given twice (a plain map would keep the last).
+        let e = err(&GOOD.replace("stats: exact", "stats: exact, stats: eager"));
+        assert!(e.contains("`stats` given twice"), "{e}");
+        let e = err(&GOOD.replace("repeats: 2", "repeats: 2\ndevice:\n  memory: 0GiB"));
+        assert!(
+            e.contains("`device.memory`") && e.contains("above 0"),
+            "{e}"
+        );
+        let e = err(&GOOD.replace("{uniform: [16, 64]}", "{uniform: [256]}"));
+        assert!(e.contains("expected a length in tokens, {uniform"), "{e}");
+        // A corpus the cells could not read.
+        let dir = tempfile::tempdir().unwrap();
+        let with_source = |p: &std::path::Path| {
+            err(&GOOD.replace(
+                "num_requests: 4",
+                &format!("num_requests: 4\n  source: {}", p.display()),
+            ))
+        };
+        let e = with_source(dir.path());
+        assert!(e.contains("no .txt files"), "{e}");
+        let empty = dir.path().join("empty.txt");
+        std::fs::write(&empty, " \n").unwrap();
+        assert!(with_source(&empty).contains("no text"));
+        let binary = dir.path().join("b.txt");
+        std::fs::write(&binary, [0xffu8, 0xfe, 0x00]).unwrap();
+        std::fs::remove_file(&empty).unwrap();
+        assert!(with_source(dir.path()).contains("not UTF-8"));
+        std::fs::write(&binary, "Some prose.").unwrap();
+        assert!(with_source(dir.path()).is_empty());
     }
 
     #[test]

@@ -193,20 +193,85 @@ pub struct Device {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EngineEntry {
-    /// full, h2o, infinigen, streaming.
+    /// A registered strategy (`full`, `h2o`, ...).
     pub name: String,
-    /// Strategy parameters, as `--set KEY=VALUE`.
-    #[serde(default)]
+    /// Strategy parameters, as `--set KEY=VALUE`; a key given twice is an error.
+    #[serde(default, deserialize_with = "unique_keys")]
     pub params: BTreeMap<String, serde_yaml::Value>,
+}
+
+/// A map whose keys are each given once (a plain map keeps the last of two silently).
+fn unique_keys<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<BTreeMap<String, serde_yaml::Value>, D::Error> {
+    struct Unique;
+    impl<'de> serde::de::Visitor<'de> for Unique {
+        type Value = BTreeMap<String, serde_yaml::Value>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a map of parameter names to values")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut m: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((k, v)) = m.next_entry::<String, serde_yaml::Value>()? {
+                if out.contains_key(&k) {
+                    return Err(serde::de::Error::custom(format!(
+                        "parameter `{k}` given twice"
+                    )));
+                }
+                out.insert(k, v);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(Unique)
 }
 
 /// A prompt-length axis value: a length, `{uniform: [min, max]}` or `{list: [...]}`.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(untagged)]
+#[serde(untagged, try_from = "serde_yaml::Value")]
 pub enum PromptLen {
     Fixed(usize),
     Uniform { uniform: [usize; 2] },
     List { list: Vec<usize> },
+}
+
+/// Read by hand so that a value of none of the three forms is named with them (an
+/// untagged enum's error names only the Rust type).
+impl TryFrom<serde_yaml::Value> for PromptLen {
+    type Error = String;
+    fn try_from(v: serde_yaml::Value) -> std::result::Result<Self, String> {
+        let lengths = |x: &serde_yaml::Value| -> Option<Vec<usize>> {
+            x.as_sequence()?
+                .iter()
+                .map(|n| n.as_u64().map(|n| n as usize))
+                .collect()
+        };
+        let form = match &v {
+            serde_yaml::Value::Number(n) => n.as_u64().map(|n| PromptLen::Fixed(n as usize)),
+            serde_yaml::Value::Mapping(m) if m.len() == 1 => {
+                if let Some(u) = m.get("uniform") {
+                    match lengths(u).as_deref() {
+                        Some(&[a, b]) => Some(PromptLen::Uniform { uniform: [a, b] }),
+                        _ => None,
+                    }
+                } else {
+                    m.get("list")
+                        .and_then(lengths)
+                        .map(|list| PromptLen::List { list })
+                }
+            }
+            _ => None,
+        };
+        form.ok_or_else(|| {
+            format!(
+                "`{}`: expected a length in tokens, {{uniform: [min, max]}} or {{list: [a, b, ...]}}",
+                serde_json::to_string(&v).unwrap_or_default()
+            )
+        })
+    }
 }
 
 impl PromptLen {
