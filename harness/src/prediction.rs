@@ -212,9 +212,22 @@ pub fn predict_cell(
     }
     if let Some(o) = mem.oom {
         result.outcome = Outcome::Oom;
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        let place = match o.component {
+            kvbench_engines::error::Component::KvHost => {
+                format!("host memory beside {}", device.name)
+            }
+            _ => device.name.clone(),
+        };
         result.error = Some(format!(
-            "predicted out of memory on {}: {:?} needs {} bytes, {} of {} free",
-            device.name, o.component, o.requested, o.available, o.capacity
+            "predicted out of memory in {place}: {} needs {} bytes ({:.1} GiB), {} of {} bytes free ({:.1} of {:.1} GiB)",
+            o.component,
+            o.requested,
+            gib(o.requested),
+            o.available,
+            o.capacity,
+            gib(o.available),
+            gib(o.capacity)
         ));
         return Ok(result);
     }

@@ -144,7 +144,7 @@ fn a_prediction_is_recorded_as_a_measured_cell_is_with_memory_and_outcome() {
         serde_json::json!("oom")
     );
     assert!(r.metrics.is_none());
-    assert!(r.error.unwrap().contains("Weights"));
+    assert!(r.error.unwrap().contains("weights needs"));
 }
 
 #[test]
@@ -542,4 +542,49 @@ fn a_ceilings_file_without_usable_rates_is_refused_by_name() {
     assert_eq!(d.memory_bandwidth, h200.memory_bandwidth);
     assert_eq!(d.bf16_flops, h200.bf16_flops);
     assert!(d.sources.iter().any(|s| s.contains("link.json")));
+}
+
+/// A CPU's runs are not fitted as a card's constants (nor a card's ceilings as a
+/// CPU's), and an output path that cannot be written is refused before the fit.
+#[test]
+fn calibrate_refuses_runs_of_another_kind_of_device_before_fitting() {
+    let out = tempfile::tempdir().unwrap();
+    let calibrate = |args: &[&str]| {
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .current_dir(repo())
+            .env("RUST_BACKTRACE", "0")
+            .arg("calibrate")
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!o.status.success(), "{args:?} passed");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    let file = out.path().join("c.yaml");
+    let file = file.to_str().unwrap();
+    let cpu = "results/baselines/cpu/cpu-quickstart";
+    let e = calibrate(&[cpu, "--device", "h100-sxm", "-o", file]);
+    assert!(
+        e.contains("ran on `cpu`") && e.contains("h100-sxm is a GPU"),
+        "{e}"
+    );
+    let e = calibrate(&[
+        cpu,
+        "--device",
+        "cpu",
+        "--ceilings",
+        "results/baselines/h100/ceilings.json",
+        "-o",
+        file,
+    ]);
+    assert!(e.contains("--ceilings") && e.contains("is a CPU"), "{e}");
+    let missing = out.path().join("no/c.yaml");
+    let e = calibrate(&[cpu, "--device", "cpu", "-o", missing.to_str().unwrap()]);
+    assert!(e.contains("no directory"), "{e}");
+    let e = calibrate(&[cpu, "--device", "cpu", "-o", file, "--validate", "no/such"]);
+    assert!(e.contains("no/such"), "{e}");
+    assert!(
+        !std::path::Path::new(file).exists(),
+        "a calibration was written"
+    );
 }

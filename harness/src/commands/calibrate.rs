@@ -193,17 +193,29 @@ fn unobserved(p: &PhaseFit) -> String {
         .filter(|t| !p.taken.contains(t) && **t != Term::StatisticsFlops)
         .collect();
     let mut s = String::new();
+    // As the calibration file names them.
+    let names = |ts: &mut dyn Iterator<Item = &Term>| -> String {
+        ts.map(|t| {
+            serde_json::to_value(t)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+        })
+        .map(Option::unwrap_or_default)
+        .collect::<Vec<_>>()
+        .join(", ")
+    };
     if !kept.is_empty() {
         let _ = write!(
             s,
-            "; not in the fitted runs, kept at the device's rate: {kept:?}"
+            "; not in the fitted runs, kept at the device's rate: {}",
+            names(&mut kept.iter().copied())
         );
     }
     if !p.taken.is_empty() {
         let _ = write!(
             s,
-            "; not in the fitted runs, taken from --rates-from: {:?}",
-            p.taken
+            "; not in the fitted runs, taken from --rates-from: {}",
+            names(&mut p.taken.iter())
         );
     }
     s
@@ -307,9 +319,41 @@ pub fn validation_markdown(
     s
 }
 
+/// Runs on a CPU fit a CPU's constants, runs on a GPU a GPU's: the experiment's
+/// `device.name` against the device file's kind.
+fn same_kind(m: &Measured, device: &Device) -> Result<()> {
+    let ran: kvbench_engines::device::DeviceKind = m
+        .plan
+        .exp
+        .device
+        .name
+        .parse()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", m.dir.display()))?;
+    let on_cpu = matches!(ran, kvbench_engines::device::DeviceKind::Cpu);
+    if on_cpu != (device.kind == kvbench_engines::cost::device::DeviceKind::Cpu) {
+        bail!(
+            "{} ran on `{}`, and --device {} is a {}: a device's constants are fitted to \
+             runs on that kind of device",
+            m.dir.display(),
+            m.plan.exp.device.name,
+            device.name,
+            if on_cpu { "GPU" } else { "CPU" }
+        );
+    }
+    Ok(())
+}
+
 pub fn run(a: CalibrateArgs) -> Result<()> {
     let mut device = load_device(&a.device)?;
     if let Some(p) = &a.ceilings {
+        // scripts/gpu-ceilings.py measures a card: a CPU's constants are not its.
+        if device.kind == kvbench_engines::cost::DeviceKind::Cpu {
+            bail!(
+                "--ceilings {}: a card's measured rates (scripts/gpu-ceilings.py), and --device {} is a CPU",
+                p.display(),
+                device.name
+            );
+        }
         device = device.with_ceilings(&load_ceilings(p)?, &p.display().to_string());
     }
     let measured: Vec<Measured> = a
@@ -317,6 +361,34 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         .iter()
         .map(|d| Measured::load(d, &a.models_dir))
         .collect::<Result<_>>()?;
+    // Everything the fit needs is checked before it runs, and nothing is written on a
+    // failure found after it.
+    let validated: Vec<Measured> = a
+        .validate
+        .iter()
+        .map(|d| Measured::load(d, &a.models_dir))
+        .collect::<Result<_>>()?;
+    for m in measured.iter().chain(&validated) {
+        same_kind(m, &device)?;
+    }
+    for (flag, path) in [
+        ("-o", a.output.as_ref()),
+        ("--observations", a.observations.as_ref()),
+        ("--table", a.table.as_ref()),
+    ] {
+        if let Some(parent) = path
+            .and_then(|p| p.parent())
+            .filter(|p| !p.as_os_str().is_empty())
+        {
+            if !parent.is_dir() {
+                bail!(
+                    "{flag} {}: no directory {}",
+                    path.map_or(String::new(), |p| p.display().to_string()),
+                    parent.display()
+                );
+            }
+        }
+    }
     let other = match &a.rates_from {
         Some(p) => Some((Calibration::load(p)?, p.display().to_string())),
         None => None,
@@ -382,11 +454,10 @@ pub fn run(a: CalibrateArgs) -> Result<()> {
         tensor_parallel: 1,
     };
     let mut md = String::new();
-    for d in &a.validate {
-        let m = Measured::load(d, &a.models_dir)?;
-        let checks = validate(&m, &target)?;
+    for m in &validated {
+        let checks = validate(m, &target)?;
         if checks.is_empty() {
-            bail!("{}: no recorded cell to validate against", d.display());
+            bail!("{}: no recorded cell to validate against", m.dir.display());
         }
         let errors = metric_errors(&checks)?;
         let table = validation_markdown(&m.name(), &cal, &errors, &checks);

@@ -43,8 +43,9 @@ pub struct PredictArgs {
 pub fn run(a: PredictArgs) -> Result<()> {
     let mut plan = Plan::load(&a.experiment, &a.models_dir)?;
     if let Some(h) = &a.host_memory {
-        kvbench_engines::device::parse_bytes(h)
+        let bytes = kvbench_engines::device::parse_bytes(h)
             .map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
+        anyhow::ensure!(bytes > 0, "--host-memory `{h}`: expected a size above 0");
         plan.exp.device.host_memory = Some(h.clone());
     }
     if plan.exp.kind != Kind::Performance {

@@ -284,7 +284,14 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     let mut device = load_device(&a.device)?;
     if let Some(m) = &a.max_device_memory {
         let cap = parse_bytes(m).map_err(|e| anyhow::anyhow!("--max-device-memory: {e}"))?;
-        device.measured_memory_bytes = Some(cap.min(device.capacity()?));
+        let whole = device.capacity()?;
+        if cap == 0 || cap > whole {
+            bail!(
+                "--max-device-memory `{m}`: expected a size above 0 and at most {}'s {whole} bytes",
+                device.name
+            );
+        }
+        device.measured_memory_bytes = Some(cap);
     }
     let efficiency = efficiency_for(a.calibration.as_deref(), &device)?;
     let slo = a
@@ -295,6 +302,14 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("--slo: {e}"))?;
     if a.output_len == 0 {
         bail!("--output-len must be at least 1");
+    }
+    if a.batch == Some(0) {
+        bail!("--batch must be at least 1");
+    }
+    if let Some(d) = a.max_accuracy_drop {
+        if !(d.is_finite() && d >= 0.0) {
+            bail!("--max-accuracy-drop {d}: expected percentage points ≥ 0");
+        }
     }
     if a.budgets.iter().any(|b| !(*b > 0.0 && *b <= 1.0)) {
         bail!("--budgets: each budget must be in (0, 1]");

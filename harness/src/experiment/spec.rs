@@ -127,7 +127,9 @@ impl SloSpec {
     /// (`e2el` is taken for `e2e`), separated by commas or spaces. `=` may stand for
     /// `:`, and a value may carry its unit: `ttft=2s,tpot=100ms`.
     pub fn parse(s: &str) -> std::result::Result<Self, String> {
-        let usage = "expected KEY:MS pairs such as ttft:500,tpot:50,e2e:2000 or                      ttft=2s,tpot=100ms (keys ttft, tpot, e2e or e2el; a bare number is                      milliseconds; > 0)";
+        let usage = "expected KEY:MS pairs such as ttft:500,tpot:50,e2e:2000 or \
+                     ttft=2s,tpot=100ms (keys ttft, tpot, e2e or e2el; a bare number is \
+                     milliseconds; > 0)";
         let mut slo = SloSpec::default();
         for pair in s.split([',', ' ']).filter(|p| !p.trim().is_empty()) {
             let (k, v) = pair
