@@ -97,6 +97,25 @@ fn the_report_lists_every_figure_and_judges_the_claims_the_data_can_speak_to() {
     let o = kvbench(&["report", "results/none"], d);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("results/none"));
+
+    // Tables that are not what their names say are named, not reported or drawn.
+    let fails = |args: &[&str], what: &str| {
+        let o = kvbench(args, d);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success() && err.contains(what), "{args:?}: {err}");
+    };
+    std::fs::write(exp.join("accuracy.parquet"), b"PAR1 not a table").unwrap();
+    fails(&["report", "results/report-e2e"], "accuracy.parquet");
+    std::fs::remove_file(exp.join("accuracy.parquet")).unwrap();
+    std::fs::copy(exp.join("steps.parquet"), exp.join("runs.parquet")).unwrap();
+    fails(
+        &["report", "results/report-e2e"],
+        "not an experiment's runs table",
+    );
+    fails(
+        &["plot", "results/report-e2e"],
+        "not an experiment's runs table",
+    );
 }
 
 #[test]

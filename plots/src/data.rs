@@ -240,7 +240,19 @@ impl Tables {
             return Err(Error::NoTables(dir.to_path_buf()));
         }
         let runs = if runs_path.is_file() {
-            Some(read_table(&runs_path)?)
+            let df = read_table(&runs_path)?;
+            // Every runs table names its cells and their outcomes (steps.parquet or
+            // requests.parquet under this name would draw empty figures).
+            for column in [schema::CELL_KEY, "outcome", "engine"] {
+                if df.column(column).is_err() {
+                    return Err(Error::NotThatTable {
+                        path: runs_path.clone(),
+                        kind: "an experiment's runs table",
+                        column,
+                    });
+                }
+            }
+            Some(df)
         } else {
             None
         };

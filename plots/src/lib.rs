@@ -58,6 +58,14 @@ pub enum Error {
     /// A table exists but cannot be read as Parquet.
     #[error("{path}: not a readable Parquet table: {msg}")]
     Parquet { path: PathBuf, msg: String },
+    /// A table that reads as Parquet but lacks the columns of its kind (another
+    /// table under its name).
+    #[error("{path}: not {kind}: no column `{column}`")]
+    NotThatTable {
+        path: PathBuf,
+        kind: &'static str,
+        column: &'static str,
+    },
     /// A figure name that is not one of fig1 … fig8.
     #[error("unknown figure `{0}`: expected fig1 … fig8 (comma-separated)")]
     UnknownFigure(String),

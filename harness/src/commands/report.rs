@@ -89,7 +89,7 @@ pub fn run(a: ReportArgs) -> Result<()> {
     let title =
         first(&df, kvbench_plots::schema::EXPERIMENT).unwrap_or_else(|| "kvbench report".into());
     let (md_path, html_path) = write(&out, &md, &html_md, &title)?;
-    let claims = judge_all(&runs, read_accuracy(dir).as_deref());
+    let claims = judge_all(&runs, read_accuracy(dir)?.as_deref());
     println!(
         "wrote {} and {} ({} cells, {} figures; claims: {})",
         md_path.display(),

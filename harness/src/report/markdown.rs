@@ -28,7 +28,7 @@ pub(crate) fn render(
         md,
         "Judged on this experiment's cells only, the repeats of a cell averaged; each verdict gives the claim's number, the tolerance accepted and ours, and what it does not check (thresholds in harness/src/report/claims/).\n"
     )?;
-    for c in judge_all(runs, read_accuracy(dir).as_deref()) {
+    for c in judge_all(runs, read_accuracy(dir)?.as_deref()) {
         writeln!(
             md,
             "- **{}** {}  \n  *{}*: {}",
@@ -79,8 +79,8 @@ pub(crate) fn render_many(parts: &[Part], img: &dyn Fn(&Path) -> Result<String>)
     )?;
     let judged: Vec<Vec<Claim>> = parts
         .iter()
-        .map(|p| judge_all(&p.runs, read_accuracy(&p.dir).as_deref()))
-        .collect();
+        .map(|p| Ok(judge_all(&p.runs, read_accuracy(&p.dir)?.as_deref())))
+        .collect::<Result<_>>()?;
     for (i, c) in judged[0].iter().enumerate() {
         let all: Vec<(&String, &Claim)> = names.iter().zip(judged.iter().map(|j| &j[i])).collect();
         let told: Vec<&(&String, &Claim)> = all

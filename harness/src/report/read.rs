@@ -221,6 +221,15 @@ pub fn read_runs(dir: &Path) -> Result<(DataFrame, Vec<Run>)> {
         );
     }
     let df = schema::read_table(&path)?;
+    // Another table under this name (steps.parquet, say) would report empty rows.
+    for column in [schema::CELL_KEY, "outcome", "engine"] {
+        if df.column(column).is_err() {
+            anyhow::bail!(
+                "{}: not an experiment's runs table: no column `{column}`",
+                path.display()
+            );
+        }
+    }
     let runs = runs_of(&df);
     Ok((df, runs))
 }
@@ -408,12 +417,16 @@ pub(crate) fn merge(rs: &[&Run]) -> Run {
     }
 }
 
-/// The rows of accuracy.parquet beside runs.parquet, if any.
-pub(crate) fn read_accuracy(dir: &Path) -> Option<Vec<AccRow>> {
-    kvbench_plots::Tables::load(dir, None)
-        .ok()?
+/// The rows of accuracy.parquet beside runs.parquet: none when the experiment has no
+/// such table, an error naming it when it has one that cannot be read as one.
+pub(crate) fn read_accuracy(dir: &Path) -> Result<Option<Vec<AccRow>>> {
+    if !dir.join(schema::ACCURACY_FILE).is_file() {
+        return Ok(None);
+    }
+    let rows = kvbench_plots::Tables::load(dir, None)?
         .accuracy_rows()
-        .ok()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    Ok(Some(rows))
 }
 
 /// Figure files written by `kvbench plot` (results/EXP/figures/*.png), in name order.
