@@ -140,7 +140,54 @@ pub struct Tables {
     pub accuracy_missing: Option<String>,
 }
 
+/// The note of fig7 and fig8 for cells that did not finish: the first few by name.
+pub(crate) fn unfinished_note(cells: &[String]) -> String {
+    const SHOWN: usize = 6;
+    let more = cells.len().saturating_sub(SHOWN);
+    format!(
+        "{} cell(s) did not finish, so not drawn: {}{}.",
+        cells.len(),
+        cells[..cells.len().min(SHOWN)].join("; "),
+        if more > 0 {
+            format!("; and {more} more")
+        } else {
+            String::new()
+        }
+    )
+}
+
 impl Tables {
+    /// The cells of `kind` (`accuracy`, `retention`) that did not finish, as the
+    /// notes of fig7 and fig8 name them (`h2o budget=0.3 bucket=4K-8K: error`): they
+    /// have no rows in accuracy.parquet, so no bar or point can stand for them.
+    pub fn unfinished(&self, kind: &str, fields: &[&str]) -> Vec<String> {
+        self.runs
+            .iter()
+            .filter(|r| r.outcome != Outcome::Ok)
+            .filter_map(|r| {
+                let key = r.cell_key.as_deref()?;
+                let f: BTreeMap<&str, &str> =
+                    key.split(';').filter_map(|p| p.split_once('=')).collect();
+                (f.get("kind") == Some(&kind)).then(|| {
+                    let mut s = r.engine.clone();
+                    if !r.params.is_empty() {
+                        s.push_str(&format!(" [{}]", r.params));
+                    }
+                    for k in fields {
+                        if let Some(v) = f.get(k) {
+                            s.push_str(&format!(" {k}={v}"));
+                        }
+                    }
+                    let what = match r.outcome {
+                        Outcome::Oom => "OOM",
+                        _ => "error",
+                    };
+                    format!("{s}: {what}")
+                })
+            })
+            .collect()
+    }
+
     /// Add another results directory's cells to these, for figures that overlay them
     /// (a measured experiment and its prediction): runs and devices join, the
     /// experiment names are listed, the accuracy table stays this one's.
@@ -518,6 +565,35 @@ impl Tables {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cells_that_did_not_finish_are_named_by_kind() {
+        use polars::prelude::{NamedFrom, Series};
+        let s = |name: &str, v: Vec<Option<&str>>| Column::from(Series::new(name.into(), v));
+        let df = DataFrame::new(
+            3,
+            vec![
+                s("engine", vec![Some("full"), Some("h2o"), Some("h2o")]),
+                s("outcome", vec![Some("ok"), Some("error"), Some("oom")]),
+                s(
+                    schema::CELL_KEY,
+                    vec![
+                        Some("kind=retention;engine=full;params=;budget=1;bucket=1K-2K"),
+                        Some("kind=retention;engine=h2o;params=;budget=0.3;bucket=4K-8K"),
+                        Some("kind=accuracy;engine=h2o;params=;budget=0.3;task=copa"),
+                    ],
+                ),
+            ],
+        )
+        .unwrap();
+        let t = Tables::from_frames(Path::new("x"), Some(&df), None, None);
+        assert_eq!(
+            t.unfinished("retention", &["budget", "bucket"]),
+            ["h2o budget=0.3 bucket=4K-8K: error"]
+        );
+        assert_eq!(t.unfinished("accuracy", &["task"]), ["h2o task=copa: OOM"]);
+        assert!(unfinished_note(&vec!["a".to_string(); 8]).ends_with("; and 2 more."));
+    }
 
     #[test]
     fn a_missing_repeat_or_metric_reads_as_null_not_zero() {
