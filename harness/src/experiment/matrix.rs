@@ -269,7 +269,12 @@ impl Plan {
         Ok(cells)
     }
 
-    pub(super) fn retention_cells(exp: &Experiment, text: &str, path: &Path) -> Result<Vec<Cell>> {
+    pub(super) fn retention_cells(
+        exp: &Experiment,
+        text: &str,
+        path: &Path,
+        context: usize,
+    ) -> Result<Vec<Cell>> {
         let err = |key: &str, msg: String| key_error(path, text, key, msg);
         let r = exp
             .retention
@@ -281,13 +286,31 @@ impl Plan {
                 "expected a non-empty list such as [1K-2K, 2K-4K]".into(),
             ));
         }
+        let mut seen = BTreeMap::new();
         for b in &r.buckets {
-            parse_bucket(b).map_err(|e| err("retention.buckets", e))?;
+            let (lo, hi) = parse_bucket(b).map_err(|e| err("retention.buckets", e))?;
+            // A conversation is built to reach the bucket's length: past the context
+            // every cell of it would end in an error.
+            if hi > context {
+                return Err(err(
+                    "retention.buckets",
+                    format!("`{b}`: reaches {hi} tokens, past the model's context of {context}"),
+                ));
+            }
+            if let Some(first) = seen.insert((lo, hi), b) {
+                return Err(err(
+                    "retention.buckets",
+                    format!("`{first}` and `{b}` are the same bucket"),
+                ));
+            }
         }
-        if r.turns.is_empty() || r.turns.contains(&0) {
+        if r.turns.is_empty() || r.turns.contains(&0) || !r.turns.windows(2).all(|w| w[0] < w[1]) {
             return Err(err(
                 "retention.turns",
-                "expected a non-empty list of turns ≥ 1".into(),
+                format!(
+                    "{:?}: expected a non-empty, increasing list of turns ≥ 1",
+                    r.turns
+                ),
             ));
         }
         if r.facts == 0 {

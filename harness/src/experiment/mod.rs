@@ -220,7 +220,7 @@ impl Plan {
         let mut cells = match kind {
             Kind::Performance => Self::performance_cells(&exp, text, path, context)?,
             Kind::Accuracy => Self::accuracy_cells(&exp, text, path, context)?,
-            Kind::Retention => Self::retention_cells(&exp, text, path)?,
+            Kind::Retention => Self::retention_cells(&exp, text, path, context)?,
         };
         identify(&exp, &mut cells);
         // Two cells of one setting would be recorded as one (the same identity).
@@ -628,6 +628,13 @@ retention:
         assert!(e.contains("expected turns ≥ 2 for the chat form"), "{e}");
         let e = err(&ret.replace("facts: 4", "facts: 0"));
         assert!(e.starts_with("exp.yaml:9: `retention.facts`"), "{e}");
+        // Buckets past the context, one bucket twice, turns out of order.
+        let e = err(&ret.replace("1K-2K", "4K-8K"));
+        assert!(e.contains("past the model's context of 4096"), "{e}");
+        let e = err(&ret.replace("1K-2K", "1024-2048, 1k-2k"));
+        assert!(e.contains("are the same bucket"), "{e}");
+        let e = err(&ret.replace("form: chat", "form: chat\n  turns: [6, 2]"));
+        assert!(e.contains("increasing"), "{e}");
         assert_eq!(parse_bucket("1K-2K"), Ok((1024, 2048)));
         assert!(parse_bucket("2K").is_err());
     }
