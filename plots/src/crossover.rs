@@ -175,7 +175,12 @@ pub fn draw_crossover(base: &Path, map: &CrossoverMap) -> Result<(PathBuf, PathB
             msg: format!("cannot create the directory: {e}"),
         })?;
     }
-    // Appended, not swapped: a name such as `llama-3.1-8b` has a dot of its own.
+    // Appended, not swapped: a name such as `llama-3.1-8b` has a dot of its own. A
+    // base given with either extension (`map.png`) loses it first.
+    let base = match base.extension().and_then(|e| e.to_str()) {
+        Some("png" | "svg") => base.with_extension(""),
+        _ => base.to_path_buf(),
+    };
     let with = |ext: &str| {
         let mut s = base.as_os_str().to_owned();
         s.push(ext);
@@ -218,6 +223,9 @@ mod tests {
         };
         let (png, svg) = draw_crossover(&dir.path().join("map-3.1"), &map).unwrap();
         assert!(png.ends_with("map-3.1.png") && svg.ends_with("map-3.1.svg"));
+        // A base given with its extension keeps one.
+        let (png, _) = draw_crossover(&dir.path().join("map.png"), &map).unwrap();
+        assert!(png.ends_with("map.png"), "{}", png.display());
         assert!(std::fs::metadata(&png).unwrap().len() > 1000);
         let text = std::fs::read_to_string(&svg).unwrap();
         assert!(text.contains("h2o") && text.contains("nothing fits"));

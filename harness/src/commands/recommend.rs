@@ -113,7 +113,7 @@ pub struct RecommendArgs {
 }
 
 /// `N`, `NK`, `MIN-MAX` → the YAML prompt-length value.
-fn prompt_yaml(s: &str) -> Result<String> {
+fn prompt_yaml(flag: &str, s: &str) -> Result<String> {
     let one = |x: &str| -> Result<usize> {
         let x = x.trim();
         let (num, scale) = match x.strip_suffix(['K', 'k']) {
@@ -121,11 +121,15 @@ fn prompt_yaml(s: &str) -> Result<String> {
             None => (x, 1.0),
         };
         let v: f64 = num.parse().map_err(|_| {
-            anyhow::anyhow!("--prompt-len `{s}`: `{x}` is not a length (N, NK or MIN-MAX)")
+            if x.is_empty() {
+                anyhow::anyhow!("{flag} `{s}`: a length is missing (N, NK or MIN-MAX)")
+            } else {
+                anyhow::anyhow!("{flag} `{s}`: `{x}` is not a length (N, NK or MIN-MAX)")
+            }
         })?;
         let v = v * scale;
         if !(v >= 1.0 && v.fract() == 0.0) {
-            bail!("--prompt-len `{s}`: `{x}` must be a whole number of tokens ≥ 1");
+            bail!("{flag} `{s}`: `{x}` must be a whole number of tokens ≥ 1");
         }
         Ok(v as usize)
     };
@@ -133,7 +137,7 @@ fn prompt_yaml(s: &str) -> Result<String> {
         Some((a, b)) => {
             let (a, b) = (one(a)?, one(b)?);
             if a > b {
-                bail!("--prompt-len `{s}`: the minimum is above the maximum");
+                bail!("{flag} `{s}`: the minimum is above the maximum");
             }
             Ok(format!("{{uniform: [{a}, {b}]}}"))
         }
@@ -306,6 +310,21 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     if a.batch == Some(0) {
         bail!("--batch must be at least 1");
     }
+    // Checked here so that the errors name the flags, not the experiment recommend
+    // writes for them.
+    if let Some(h) = &a.host_memory {
+        if parse_bytes(h).map_err(|e| anyhow::anyhow!("--host-memory: {e}"))? == 0 {
+            bail!("--host-memory `{h}`: expected a size above 0");
+        }
+    }
+    if let Some(e) = a
+        .engines
+        .iter()
+        .enumerate()
+        .find_map(|(i, e)| a.engines[..i].contains(e).then_some(e))
+    {
+        bail!("--engines: `{e}` listed twice");
+    }
     if let Some(d) = a.max_accuracy_drop {
         if !(d.is_finite() && d >= 0.0) {
             bail!("--max-accuracy-drop {d}: expected percentage points ≥ 0");
@@ -319,7 +338,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         .as_ref()
         .and_then(|m| m.get(&("full".to_string(), "1".to_string())).copied());
     let prompt = match (&a.prompt_len, &a.map) {
-        (Some(p), _) => prompt_yaml(p)?,
+        (Some(p), _) => prompt_yaml("--prompt-len", p)?,
         (None, Some(_)) => String::new(),
         (None, None) => bail!("give --prompt-len (or --map)"),
     };
@@ -535,7 +554,7 @@ impl Search<'_> {
             .map_prompts
             .iter()
             .map(|p| {
-                prompt_yaml(p)?
+                prompt_yaml("--map-prompts", p)?
                     .parse::<usize>()
                     .map_err(|_| anyhow::anyhow!("--map-prompts `{p}`: expected one length"))
             })
@@ -700,11 +719,18 @@ mod tests {
 
     #[test]
     fn prompt_lengths_read_as_the_study_writes_them() {
-        assert_eq!(prompt_yaml("1K-10K").unwrap(), "{uniform: [1000, 10000]}");
-        assert_eq!(prompt_yaml("512").unwrap(), "512");
-        assert_eq!(prompt_yaml("4k").unwrap(), "4000");
+        let p = |s: &str| prompt_yaml("--prompt-len", s);
+        assert_eq!(p("1K-10K").unwrap(), "{uniform: [1000, 10000]}");
+        assert_eq!(p("512").unwrap(), "512");
+        assert_eq!(p("4k").unwrap(), "4000");
         for bad in ["", "x", "10K-1K", "0", "1.5"] {
-            assert!(prompt_yaml(bad).is_err(), "{bad}");
+            assert!(p(bad).is_err(), "{bad}");
         }
+        // The flag given is the one named.
+        let e = prompt_yaml("--map-prompts", "1K-").unwrap_err().to_string();
+        assert!(
+            e.starts_with("--map-prompts `1K-`: a length is missing"),
+            "{e}"
+        );
     }
 }
