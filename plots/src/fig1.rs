@@ -58,6 +58,13 @@ pub fn prepare(t: &Tables) -> Prepared<Fig1> {
         Fmt::Num,
     );
     panel.x = panel.x.clone().with_ticks_at(&xs);
+    // A figure of one empty panel is a figure without data, and says so.
+    if panel.is_empty() {
+        return Err(format!(
+            "TTFT not measured (null) in any of the {} cell(s) at a fixed prompt length",
+            runs.len()
+        ));
+    }
     Ok(Fig1 { panel, notes })
 }
 

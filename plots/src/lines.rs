@@ -76,7 +76,12 @@ impl Panel {
     pub fn draw<DB: DrawingBackend>(&self, area: &DrawingArea<DB, Shift>) -> Result<(), Error> {
         let (x, y) = (&self.x, &self.y);
         if self.is_empty() {
-            return style::no_data(area, &format!("{}: nothing measured", self.caption));
+            let what = if self.caption.is_empty() {
+                "nothing measured".to_string()
+            } else {
+                format!("{}: nothing measured", self.caption)
+            };
+            return style::no_data(area, &what);
         }
         let mut c = style::chart(area, &self.caption, x, y, &self.x_desc, &self.y_desc)?;
         // Series that coincide would hide each other: each is moved sideways by a

@@ -140,8 +140,29 @@ fn figures_say_what_is_missing_instead_of_failing() {
     let svg = std::fs::read_to_string(&by_figure(&reports, FigureId::Fig1).svg).unwrap();
     assert!(svg.contains("model ?"), "a title without a model says so");
 
-    // Only prompt-length distributions: no TTFT-vs-length figure, and it says why.
+    // TTFT null in every cell that finished (and no cell that did not): fig1 has no
+    // data and says so, rather than a drawn figure of one empty panel.
     let n = runs.height();
+    let mut ttft_null = runs.clone();
+    ttft_null
+        .with_column(Series::new("ttft_mean_s".into(), vec![None::<f64>; n]).into())
+        .unwrap();
+    ttft_null
+        .with_column(Series::new("outcome".into(), vec!["ok"; n]).into())
+        .unwrap();
+    let t = Tables::from_frames(&fixture(), Some(&ttft_null), None, None);
+    let reports = render_tables(&t, &[FigureId::Fig1], &ctx(out.path(), "null")).unwrap();
+    assert!(
+        reports[0]
+            .no_data
+            .as_deref()
+            .unwrap_or_default()
+            .contains("TTFT not measured"),
+        "{}",
+        reports[0]
+    );
+
+    // Only prompt-length distributions: no TTFT-vs-length figure, and it says why.
     let dist = Series::new("prompt_len".into(), vec![r#"{"uniform":[64,2048]}"#; n]);
     runs.with_column(dist.into()).unwrap();
     let t = Tables::from_frames(&fixture(), Some(&runs), None, None);
