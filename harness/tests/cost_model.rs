@@ -346,6 +346,37 @@ fn predict_records_a_results_directory_that_plot_overlays_on_the_measured_one() 
         banner.starts_with("> **Predicted, not measured.** 9 of 9 cells"),
         "{banner}"
     );
+    // An overlay of the same directory twice, or of another model's run, is refused.
+    let refused = |args: &[&str], what: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .current_dir(repo())
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(what),
+            "{args:?}: {err}"
+        );
+    };
+    let measured = "results/baselines/cpu/cpu-output-scaling";
+    let out = figs.to_str().unwrap();
+    refused(
+        &["plot", measured, "--with", measured, "--out", out],
+        "given twice",
+    );
+    refused(
+        &[
+            "plot",
+            measured,
+            "--with",
+            "results/baselines/ci/ci-sweep",
+            "--out",
+            out,
+        ],
+        "an overlay draws one model's cells",
+    );
+    refused(&["report", measured, measured, "--out", out], "given twice");
 }
 
 /// The H200's first-build calibration (scalar paged decode, WMMA prefill) is fitted on

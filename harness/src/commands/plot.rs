@@ -1,7 +1,7 @@
 //! `kvbench plot`: the study's figures from an experiment's Parquet tables, as PNG
 //! and SVG in `results/<experiment>/figures/` (the kvbench-plots crate draws them).
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvbench_plots::{parse_figures, render, render_overlay, Context as PlotContext, FigureId};
 use std::path::{Path, PathBuf};
@@ -62,6 +62,25 @@ pub fn run(a: PlotArgs) -> Result<()> {
     } else {
         let mut dirs = vec![dir.clone()];
         dirs.extend(a.with.iter().map(|d| resolve(d)));
+        // Overlays draw each directory's cells as series beside the first's: the same
+        // directory twice would count its cells twice, another model's would put its
+        // numbers under this one's title.
+        for (i, d) in dirs.iter().enumerate() {
+            let same = |x: &PathBuf| x.canonicalize().ok() == d.canonicalize().ok();
+            if dirs[..i].iter().any(same) {
+                bail!("--with {}: already drawn (given twice)", d.display());
+            }
+            let (m0, m) = (model_of(&dirs[0]), model_of(d));
+            if let (Some(m0), Some(m)) = (&m0, &m) {
+                if m0 != m {
+                    bail!(
+                        "--with {}: a run of {m}, and {} is of {m0}: an overlay draws one model's cells",
+                        d.display(),
+                        dirs[0].display()
+                    );
+                }
+            }
+        }
         render_overlay(&dirs, &figures, &ctx)?
     };
     let empty = reports.iter().filter(|r| r.no_data.is_some()).count();
