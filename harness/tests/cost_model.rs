@@ -200,6 +200,48 @@ fn recommend_ranks_what_runs_before_what_does_not_and_explains_each() {
             assert!(r["slo_met"].is_boolean());
         }
     }
+
+    // An accuracy limit: a configuration past it says why, and accuracy measured on
+    // another model is said to be.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+        .current_dir(repo())
+        .args([
+            "recommend",
+            "--model",
+            "preset:llama-3.1-8b",
+            "--device",
+            "h100-sxm",
+            "--prompt-len",
+            "1K",
+            "--output-len",
+            "8",
+            "--batch",
+            "1",
+            "--accuracy",
+            "results/baselines/cpu/cpu-accuracy",
+            "--max-accuracy-drop",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("was measured on smollm2-135m-instruct"));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let past: Vec<&serde_json::Value> = rows
+        .iter()
+        .filter(|r| r["accuracy_drop_pp"].as_f64().is_some_and(|d| -d > 1.0))
+        .collect();
+    assert!(!past.is_empty());
+    for r in past {
+        assert!(
+            r["why"]
+                .as_str()
+                .unwrap()
+                .contains("past --max-accuracy-drop 1"),
+            "{r}"
+        );
+    }
 }
 
 #[test]

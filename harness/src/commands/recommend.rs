@@ -334,6 +334,21 @@ pub fn run(a: RecommendArgs) -> Result<()> {
         bail!("--budgets: each budget must be in (0, 1]");
     }
     let accuracy = a.accuracy.as_deref().map(accuracy_by_config).transpose()?;
+    // Accuracy is a property of the model's weights: another model's numbers are
+    // shown, but said to be another model's.
+    if let Some(dir) = &a.accuracy {
+        let measured = std::fs::read_to_string(dir.join("experiment.yaml"))
+            .ok()
+            .and_then(|t| serde_yaml::from_str::<serde_yaml::Value>(&t).ok())
+            .and_then(|v| v.get("model")?.as_str().map(str::to_string));
+        if let Some(m) = measured.filter(|m| *m != a.model) {
+            eprintln!(
+                "note: --accuracy {} was measured on {m}; its drops are applied to {} as they are",
+                dir.display(),
+                a.model
+            );
+        }
+    }
     let full_acc = accuracy
         .as_ref()
         .and_then(|m| m.get(&("full".to_string(), "1".to_string())).copied());
@@ -542,7 +557,7 @@ impl Search<'_> {
             }
         }
         rank(&mut rows, a.max_accuracy_drop);
-        explain(&mut rows, &self.slo);
+        explain(&mut rows, &self.slo, a.max_accuracy_drop);
         Ok(rows)
     }
 
@@ -650,7 +665,7 @@ fn ordered(x: f64) -> u64 {
 }
 
 /// One line per configuration: what decided its place.
-fn explain(rows: &mut [Candidate], slo: &Option<SloSpec>) {
+fn explain(rows: &mut [Candidate], slo: &Option<SloSpec>, max_drop: Option<f64>) {
     let full = rows
         .iter()
         .find(|c| c.engine == "full" && c.outcome == "ok")
@@ -660,6 +675,15 @@ fn explain(rows: &mut [Candidate], slo: &Option<SloSpec>) {
             continue;
         }
         let mut why = Vec::new();
+        if let Some(m) = max_drop {
+            match c.accuracy_drop_pp {
+                Some(d) if -d > m => why.push(format!(
+                    "accuracy {d:+.1} pp against full, past --max-accuracy-drop {m}"
+                )),
+                None => why.push("accuracy not measured at this budget".into()),
+                _ => {}
+            }
+        }
         if let Some(s) = slo {
             let mut missed = Vec::new();
             for (name, goal, frac) in [
