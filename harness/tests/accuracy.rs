@@ -86,6 +86,12 @@ fn an_accuracy_sweep_writes_its_tables_figure_and_verdict() {
     let report = kvbench(&["report", "acc-e2e"], dir.path());
     assert!(report.status.success(), "{}", text(&report));
     let md = std::fs::read_to_string(exp.join("report.md")).unwrap();
+    // Each cell's row names its task and scoring mode.
+    assert!(md.contains("| engine | task / bucket |"), "{md}");
+    assert!(
+        md.contains(" (loglikelihood) |") || md.contains(" (decode) |"),
+        "{md}"
+    );
     let c10 = md
         .lines()
         .skip_while(|l| !l.contains("C10"))

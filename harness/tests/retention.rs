@@ -84,6 +84,7 @@ fn a_retention_sweep_records_a_row_per_prompt_and_feeds_fig8_and_c11() {
     assert!(exp.join("accuracy.parquet").is_file());
     assert!(exp.join("figures/fig8.png").is_file());
     let md = std::fs::read_to_string(exp.join("report.md")).unwrap();
+    assert!(md.contains("| engine | task / bucket |"), "{md}");
     let c11 = md
         .lines()
         .skip_while(|l| !l.contains("**C11**"))

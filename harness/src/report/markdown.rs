@@ -279,10 +279,17 @@ fn sections(
     } else {
         ("", "")
     };
-    writeln!(md, "| engine | attention | batch | prompt | output | budget | outcome | TTFT s | decode tok/s | tok/s per GB | E2E s | device GiB | host KV GiB |{goodput_head}")?;
+    // Accuracy and retention cells differ by their task (and scoring mode) or bucket.
+    let cases = runs.iter().any(|r| !r.is_performance());
+    let (case_head, case_align) = if cases {
+        (" task / bucket |", "---|")
+    } else {
+        ("", "")
+    };
+    writeln!(md, "| engine |{case_head} attention | batch | prompt | output | budget | outcome | TTFT s | decode tok/s | tok/s per GB | E2E s | device GiB | host KV GiB |{goodput_head}")?;
     writeln!(
         md,
-        "|---|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|{goodput_align}"
+        "|---|{case_align}---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|{goodput_align}"
     )?;
     let gib =
         |x: Option<f64>| x.map_or("–".into(), |b| format!("{:.2}", b / (1u64 << 30) as f64));
@@ -292,13 +299,30 @@ fn sections(
         } else {
             String::new()
         };
+        let case = if cases {
+            let f = |k: &str| r.cell.get(k).filter(|v| !v.is_empty()).cloned();
+            let c = match (f("task"), f("mode"), f("bucket")) {
+                (Some(t), Some(m), _) => format!("{t} ({m})"),
+                (Some(t), None, _) => t,
+                (None, _, Some(b)) => b,
+                _ => "–".into(),
+            };
+            format!(" {c} |")
+        } else {
+            String::new()
+        };
+        let prompt = if r.prompt_len.is_empty() {
+            "–"
+        } else {
+            r.prompt_len.as_str()
+        };
         writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |{goodput}",
+            "| {} |{case} {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |{goodput}",
             r.label(),
             r.attention,
             num(r.batch),
-            r.prompt_len,
+            prompt,
             num(r.output_len),
             num(r.budget),
             r.outcome,
