@@ -89,7 +89,7 @@ fn an_accuracy_sweep_writes_its_tables_figure_and_verdict() {
     // Each cell's row names its task and scoring mode.
     assert!(md.contains("| engine | task / bucket |"), "{md}");
     assert!(
-        md.contains(" (loglikelihood) |") || md.contains(" (decode) |"),
+        md.contains(" (one_pass) |") || md.contains(" (decode) |"),
         "{md}"
     );
     let c10 = md
