@@ -32,7 +32,20 @@ pub fn legend<DB: DrawingBackend>(
         }
         Ok(22 * (lines.len().max(1) as i32 - 1))
     };
-    for it in items {
+    // Items past the column's foot are not drawn off the canvas: the last row says
+    // how many were left out (their series are still drawn, and named in the notes
+    // where a figure notes its variants).
+    let foot = area.dim_in_pixel().1 as i32 - row;
+    for (i, it) in items.iter().enumerate() {
+        if y + row > foot && i + 1 < items.len() {
+            area.draw_text(
+                &format!("… and {} more", items.len() - i),
+                &font(18).color(&MUTED),
+                (8, y),
+            )
+            .drawn()?;
+            break;
+        }
         let mut extra = 0;
         match it {
             LegendItem::Heading(t) => {
