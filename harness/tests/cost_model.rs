@@ -149,30 +149,36 @@ fn a_prediction_is_recorded_as_a_measured_cell_is_with_memory_and_outcome() {
 
 #[test]
 fn recommend_ranks_what_runs_before_what_does_not_and_explains_each() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .current_dir(repo())
-        .args([
-            "recommend",
-            "--model",
-            "preset:llama-3.1-8b",
-            "--device",
-            "h100-sxm",
-            "--prompt-len",
-            "1K-10K",
-            "--output-len",
-            "64",
-            "--batch",
-            "32",
-            "--slo",
-            "tpot=100ms",
-            "--max-device-memory",
-            "30GB",
-            "--calibration",
-            "results/baselines/h100/calibration-h100-sxm.yaml",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    // Llama-3.1-8B on the H100, ranked as JSON, for a workload and options.
+    let recommend = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
+            .current_dir(repo())
+            .args([
+                "recommend",
+                "--model",
+                "preset:llama-3.1-8b",
+                "--device",
+                "h100-sxm",
+                "--json",
+            ])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = recommend(&[
+        "--prompt-len",
+        "1K-10K",
+        "--output-len",
+        "64",
+        "--batch",
+        "32",
+        "--slo",
+        "tpot=100ms",
+        "--max-device-memory",
+        "30GB",
+        "--calibration",
+        "results/baselines/h100/calibration-h100-sxm.yaml",
+    ]);
     assert!(
         out.status.success(),
         "{}",
@@ -203,28 +209,18 @@ fn recommend_ranks_what_runs_before_what_does_not_and_explains_each() {
 
     // An accuracy limit: a configuration past it says why, and accuracy measured on
     // another model is said to be.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvbench"))
-        .current_dir(repo())
-        .args([
-            "recommend",
-            "--model",
-            "preset:llama-3.1-8b",
-            "--device",
-            "h100-sxm",
-            "--prompt-len",
-            "1K",
-            "--output-len",
-            "8",
-            "--batch",
-            "1",
-            "--accuracy",
-            "results/baselines/cpu/cpu-accuracy",
-            "--max-accuracy-drop",
-            "1",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let out = recommend(&[
+        "--prompt-len",
+        "1K",
+        "--output-len",
+        "8",
+        "--batch",
+        "1",
+        "--accuracy",
+        "results/baselines/cpu/cpu-accuracy",
+        "--max-accuracy-drop",
+        "1",
+    ]);
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("was measured on smollm2-135m-instruct"));
     let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
