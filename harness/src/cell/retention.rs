@@ -249,7 +249,7 @@ pub fn cell_options(plan: &Plan, cell: &Cell, data_dir: &Path) -> Result<Retenti
         form: Form::parse(&r.form)?,
         buckets: vec![Bucket::parse(bucket)?],
         turns: r.turns.clone(),
-        facts: r.facts,
+        facts: r.facts.unwrap_or(1),
         items: cell.limit.unwrap_or(DEFAULT_ITEMS),
         seed: plan.exp.seed,
         max_new_tokens: MAX_NEW_TOKENS,

@@ -313,8 +313,18 @@ impl Plan {
                 ),
             ));
         }
-        if r.facts == 0 {
-            return Err(err("retention.facts", "0: expected at least 1 fact".into()));
+        match (r.facts, r.form.as_str()) {
+            (Some(0), _) => {
+                return Err(err("retention.facts", "0: expected at least 1 fact".into()))
+            }
+            (None, "chat") => {
+                return Err(err(
+                    "retention",
+                    "the chat form needs `facts`: distinct facts cycled over the conversations"
+                        .into(),
+                ))
+            }
+            _ => {}
         }
         if !["chat", "passkey"].contains(&r.form.as_str()) {
             return Err(err(

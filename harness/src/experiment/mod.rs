@@ -70,12 +70,15 @@ impl Plan {
 
     pub fn parse(text: &str, path: &Path, models_dir: &Path) -> Result<Self> {
         let file = path.display();
-        let exp: Experiment = serde_yaml::from_str(text).map_err(|e| {
+        let mut exp: Experiment = serde_yaml::from_str(text).map_err(|e| {
             let at = e
                 .location()
                 .map_or(String::new(), |l| format!(":{}", l.line()));
             anyhow::anyhow!("{file}{at}: {e}")
         })?;
+        if let Some(r) = exp.retention.as_mut() {
+            r.settle();
+        }
         let err = |key: &str, msg: String| key_error(path, text, key, msg);
         // The name is a directory under results/: `.`, `..` or a separator would
         // write elsewhere.
@@ -618,12 +621,21 @@ retention:
         );
         let e = err(&ret.replace("form: chat", "form: essay"));
         assert!(e.starts_with("exp.yaml:10: `retention.form`"), "{e}");
-        // Each form's turns, checked before anything runs.
-        let e = err(&ret.replace("form: chat", "form: passkey"));
+        // Each form's turns, checked before anything runs; the passkey form's default
+        // is its one turn, and it needs no facts.
+        let e = err(&ret.replace("form: chat", "form: passkey\n  turns: [2]"));
         assert!(e.contains("`retention.turns`"), "{e}");
         assert!(e.contains("expected [1] for the passkey form"), "{e}");
         let passkey = ret.replace("form: chat", "form: passkey\n  turns: [1]");
         assert_eq!(parse(&passkey).unwrap().cells.len(), 4);
+        let p = parse(
+            &ret.replace("form: chat", "form: passkey")
+                .replace("  facts: 4\n", ""),
+        )
+        .unwrap();
+        assert_eq!(p.exp.retention.as_ref().unwrap().turns, vec![1]);
+        let e = err(&ret.replace("  facts: 4\n", ""));
+        assert!(e.contains("the chat form needs `facts`"), "{e}");
         let e = err(&ret.replace("form: chat", "form: chat\n  turns: [1, 2]"));
         assert!(e.contains("expected turns ≥ 2 for the chat form"), "{e}");
         let e = err(&ret.replace("facts: 4", "facts: 0"));

@@ -472,11 +472,17 @@ pub struct AccuracySpec {
 pub struct RetentionSpec {
     /// Context-length buckets in tokens, such as `1K-2K`.
     pub buckets: Vec<String>,
-    /// Turns at which recall is asked.
-    #[serde(default = "default_turns")]
+    /// Turns at which recall is asked, as the YAML gives them.
+    #[serde(default, rename = "turns")]
+    pub turns_given: Option<Vec<usize>>,
+    /// The turns run: those given, else the form's default (`chat` 2, 4, …, 12;
+    /// `passkey` 1, the one message that holds the key and the question).
+    #[serde(skip)]
     pub turns: Vec<usize>,
-    /// Facts planted per conversation.
-    pub facts: usize,
+    /// Distinct facts cycled over the conversations (the chat form's; the passkey form
+    /// plants one key and needs none).
+    #[serde(default)]
+    pub facts: Option<usize>,
     /// `chat` (the study's multi-turn form) or `passkey`.
     pub form: String,
     /// Conversations per bucket; absent: the task's default.
@@ -578,8 +584,17 @@ fn acc_batch() -> usize {
 fn flash_one() -> String {
     "flash".into()
 }
-fn default_turns() -> Vec<usize> {
-    vec![2, 4, 6, 8, 10, 12]
+impl RetentionSpec {
+    /// Fill [`RetentionSpec::turns`] from the YAML or the form's default.
+    pub fn settle(&mut self) {
+        self.turns = self
+            .turns_given
+            .clone()
+            .unwrap_or_else(|| match self.form.as_str() {
+                "passkey" => vec![1],
+                _ => vec![2, 4, 6, 8, 10, 12],
+            });
+    }
 }
 fn burst() -> Vec<f64> {
     vec![1.0]
