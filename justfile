@@ -8,9 +8,9 @@ set positional-arguments
 default:
     @just --list
 
-# Fetch real model weights into models/ (idempotent; known: smollm2).
-fetch-model name="smollm2":
-    scripts/fetch-model.sh "$1"
+# Fetch real model weights into models/, checked by sha256 (idempotent; known: smollm2; --check only checks).
+fetch-model name="smollm2" *args:
+    scripts/fetch-model.sh "$@"
 
 # Fetch the full evaluation data into data/ (or $KVBENCH_DATASETS_DIR) from its public sources, every file checked by sha256 (idempotent; --from DIR installs from an offline copy, --check only checks).
 fetch-data *args:

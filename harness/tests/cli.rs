@@ -1080,3 +1080,57 @@ fn version_names_the_build_cells_record() {
     let want = format!("(build {})", kvbench::environment::BUILD_ID);
     assert!(out.contains(&want), "{out}");
 }
+
+/// A broken weights file is its row's problem in `models`; verify's flags are checked
+/// before a model loads; a dry run of an accuracy plan says when its data is missing
+/// (and still lists the plan).
+#[test]
+fn broken_weights_bad_verify_flags_and_missing_data_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
+        b"GGUF truncated",
+    )
+    .unwrap();
+    let o = kvbench(dir.path(), &["models"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("is not readable") && out.contains("preset:tiny"),
+        "{out}"
+    );
+
+    for (flag, v) in [
+        ("--tolerance", "-1"),
+        ("--tolerance", "inf"),
+        ("--steps", "0"),
+    ] {
+        let o = kvbench(dir.path(), &["verify", "--model", "preset:tiny", flag, v]);
+        assert!(!o.status.success());
+        assert!(
+            stderr(&o).contains(&format!("{flag} {v}")),
+            "{flag} {v}: {}",
+            stderr(&o)
+        );
+    }
+
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let exp = root.join("experiments/cpu/accuracy.yaml");
+    let missing = dir.path().join("no-data");
+    let o = kvbench(
+        &repo_models(),
+        &[
+            "run",
+            exp.to_str().unwrap(),
+            "--dry-run",
+            "--data-dir",
+            missing.to_str().unwrap(),
+        ],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("would stop before its first cell") && stderr(&o).contains("no-data"),
+        "{}",
+        stderr(&o)
+    );
+}

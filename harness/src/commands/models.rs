@@ -51,15 +51,23 @@ pub fn run(a: ModelsArgs) -> Result<()> {
     let mut rows = Vec::new();
     for m in NAMED_MODELS {
         let path = ModelSource::named_path(m, &a.models_dir);
+        // Same architecture as the preset of the same family, where the file cannot say.
+        let family = || preset("smollm2-135m").expect("preset exists");
         let (cfg, status) = if path.is_file() {
-            (
-                GgufFile::open(&path)?.config()?,
-                format!("{} (fetched)", path.display()),
-            )
+            // A broken file is this row's problem, not the listing's.
+            match GgufFile::open(&path).and_then(|g| g.config()) {
+                Ok(c) => (c, format!("{} (fetched)", path.display())),
+                Err(e) => (
+                    family(),
+                    format!(
+                        "{} is not readable ({e}): run `{}` again",
+                        path.display(),
+                        m.fetch
+                    ),
+                ),
+            }
         } else {
-            // Same architecture as the preset of the same family.
-            let c = preset("smollm2-135m").expect("preset exists");
-            (c, format!("not fetched: run `{}`", m.fetch))
+            (family(), format!("not fetched: run `{}`", m.fetch))
         };
         rows.push(row(
             m.name.to_string(),

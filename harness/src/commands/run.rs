@@ -102,6 +102,17 @@ pub fn run(a: RunArgs) -> Result<()> {
     if !a.dry_run {
         return sweep(&a, &plan, &cells);
     }
+    // The data a run would read, checked as the run checks it: said, not fatal, so
+    // that a plan can be listed where its data is not (CI lists every shipped YAML).
+    if plan.exp.kind != crate::experiment::Kind::Performance {
+        let data_dir = plan.data_dir(a.data_dir.as_deref());
+        match crate::run::check_data(&plan, &data_dir) {
+            Ok(()) => eprintln!("evaluation data: {}", data_dir.display()),
+            Err(e) => {
+                eprintln!("warning: a run of this plan would stop before its first cell: {e:#}")
+            }
+        }
+    }
     if a.json {
         let rows: Vec<serde_json::Value> = cells
             .iter()

@@ -35,13 +35,13 @@ pub struct VerifyArgs {
     #[arg(long, default_value_t = 16)]
     pub steps: usize,
 
-    /// Largest |Δlogit| accepted at budget 1.0. Default: 1e-3 for f32 weights, 5e-2
-    /// for 16-bit weights.
-    #[arg(long)]
+    /// Largest |Δlogit| accepted at budget 1.0 (positive). Default: 1e-3 for f32
+    /// weights, 5e-2 for 16-bit weights, 1e-2 for quantized ones.
+    #[arg(long, allow_hyphen_values = true)]
     pub tolerance: Option<f32>,
 
-    /// Budget of the audit pass.
-    #[arg(long, default_value_t = 0.3)]
+    /// Budget of the audit pass, in (0, 1).
+    #[arg(long, default_value_t = 0.3, allow_hyphen_values = true)]
     pub audit_budget: f64,
 
     /// Text calibrating InfiniGen's skewing (default: seeded random tokens).
@@ -110,8 +110,16 @@ pub fn run(mut a: VerifyArgs) -> Result<()> {
     if a.kernels_only && a.device.parse::<DeviceKind>()? == DeviceKind::Cpu {
         bail!("--kernels-only checks the CUDA kernels: it needs --device cuda");
     }
-    if a.prompt_tokens < 8 || a.steps == 0 {
-        bail!("--prompt-tokens must be at least 8 and --steps at least 1");
+    if a.prompt_tokens < 8 {
+        bail!("--prompt-tokens {}: expected at least 8", a.prompt_tokens);
+    }
+    if a.steps == 0 {
+        bail!("--steps 0: expected at least 1");
+    }
+    if let Some(t) = a.tolerance {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--tolerance {t}: expected a positive |Δlogit| such as 1e-3");
+        }
     }
     if !(a.audit_budget > 0.0 && a.audit_budget < 1.0) {
         bail!(
