@@ -474,11 +474,18 @@ def install(dest, rel, want, make):
             log(f"{rel}: present, sha256 ok")
             return
         log(f"{rel}: present with sha256 {got}, expected {want}: replacing it")
-    data, origin, converted = make()
-    got = sha256(data)
-    if got != want:
-        why = " (the conversion did not reproduce the pinned file byte for byte)" if converted else ""
-        raise Failed(f"from {origin}: sha256 {got}, expected {want}{why}; not installed")
+    try:
+        data, origin, converted = make()
+        got = sha256(data)
+        if got != want:
+            why = " (the conversion did not reproduce the pinned file byte for byte)" if converted else ""
+            raise Failed(f"from {origin}: sha256 {got}, expected {want}{why}; not installed")
+    except Failed as e:
+        # A wrong file already there is not left for a run to read.
+        if path.is_file():
+            path.unlink()
+            raise Failed(f"{e}; the wrong {rel} already there was removed") from None
+        raise
     write(dest, rel, data)
     log(f"{rel}: installed from {origin}")
 

@@ -286,8 +286,9 @@ impl ModelSource {
                     return Err(Error::model(
                         m.name,
                         format!(
-                            "weights not found at {}; run `{}` first",
+                            "weights not found at {}; run `KVBENCH_MODELS_DIR={} {}` first",
                             p.display(),
+                            opts.models_dir.display(),
                             m.fetch
                         ),
                     ));
