@@ -329,7 +329,11 @@ fn load(p: &Path) -> Result<Run> {
             bail!("{}: cell_key `{key}` appears twice", file.display());
         }
     }
-    let model = recorded_model(&file);
+    // A dtype left to its default is "default", and matches any.
+    let model = file.parent().and_then(|d| {
+        let r = |k| crate::experiment::recorded(d, k);
+        Some((r("model")?, r("dtype").unwrap_or_else(|| "default".into())))
+    });
     Ok(Run {
         shown: p.display().to_string(),
         experiment,
@@ -337,15 +341,6 @@ fn load(p: &Path) -> Result<Run> {
         model,
         cells,
     })
-}
-
-/// The model and weight dtype of the experiment.yaml beside a runs.parquet (a sweep
-/// copies its YAML into its results directory), when there is one.
-fn recorded_model(runs: &Path) -> Option<(String, String)> {
-    let yaml = runs.parent()?.join("experiment.yaml");
-    let v: serde_yaml::Value = serde_yaml::from_str(&std::fs::read_to_string(yaml).ok()?).ok()?;
-    let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
-    Some((s("model")?, s("dtype").unwrap_or_else(|| "default".into())))
 }
 
 /// The repeats of one matrix point in one run.

@@ -255,7 +255,8 @@ pub fn skewing(
     Ok(Arc::new(skew))
 }
 
-fn parse_size(s: &str) -> std::result::Result<u64, String> {
+/// A size of memory given on the command line: parsed, and above 0.
+pub(crate) fn parse_size(s: &str) -> std::result::Result<u64, String> {
     match parse_bytes(s)? {
         0 => Err(format!("`{s}`: expected a size above 0")),
         n => Ok(n),

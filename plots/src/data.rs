@@ -188,6 +188,12 @@ impl Tables {
             .collect()
     }
 
+    /// [`Tables::unfinished`] as fig7's or fig8's note, when there are any.
+    pub(crate) fn unfinished_note(&self, kind: &str, fields: &[&str]) -> Option<String> {
+        let cells = self.unfinished(kind, fields);
+        (!cells.is_empty()).then(|| unfinished_note(&cells))
+    }
+
     /// Add another results directory's cells to these, for figures that overlay them
     /// (a measured experiment and its prediction): runs and devices join, the
     /// experiment names are listed, the accuracy table stays this one's.
@@ -288,17 +294,7 @@ impl Tables {
         }
         let runs = if runs_path.is_file() {
             let df = read_table(&runs_path)?;
-            // Every runs table names its cells and their outcomes (steps.parquet or
-            // requests.parquet under this name would draw empty figures).
-            for column in [schema::CELL_KEY, "outcome", "engine"] {
-                if df.column(column).is_err() {
-                    return Err(Error::NotThatTable {
-                        path: runs_path.clone(),
-                        kind: "an experiment's runs table",
-                        column,
-                    });
-                }
-            }
+            schema::check_runs_table(&df, &runs_path)?;
             Some(df)
         } else {
             None

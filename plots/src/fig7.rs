@@ -60,10 +60,7 @@ pub fn prepare(t: &Tables) -> Prepared<Fig7> {
         by_task.entry(r.task.clone()).or_default().push(r);
     }
     let mut notes = Vec::new();
-    let unfinished = t.unfinished("accuracy", &["budget", "task"]);
-    if !unfinished.is_empty() {
-        notes.push(crate::data::unfinished_note(&unfinished));
-    }
+    notes.extend(t.unfinished_note("accuracy", &["budget", "task"]));
     let mut budgets = Vec::new();
     let mut tasks = Vec::new();
     let mut multi = 0;

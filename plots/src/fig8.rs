@@ -97,10 +97,7 @@ pub fn prepare(t: &Tables) -> Prepared<Fig8> {
     let mut notes = Vec::new();
     let (rows, note) = at_study_budget(rows);
     notes.extend(note);
-    let unfinished = t.unfinished("retention", &["budget", "bucket"]);
-    if !unfinished.is_empty() {
-        notes.push(crate::data::unfinished_note(&unfinished));
-    }
+    notes.extend(t.unfinished_note("retention", &["budget", "bucket"]));
     let mut buckets: Vec<String> = rows.iter().filter_map(|r| r.bucket.clone()).collect();
     buckets.sort_by(|a, b| bucket_start(a).total_cmp(&bucket_start(b)).then(a.cmp(b)));
     buckets.dedup();

@@ -143,6 +143,22 @@ pub const METRICS: &[&str] = &[
     METRICS_NUM_REQUESTS,
 ];
 
+/// `df`, read from `path`, as an experiment's runs table: it names its cells, their
+/// outcomes and engines (another table under this name, steps.parquet say, would give
+/// empty rows and figures).
+pub fn check_runs_table(df: &DataFrame, path: &Path) -> Result<(), Error> {
+    for column in [CELL_KEY, "outcome", "engine"] {
+        if df.column(column).is_err() {
+            return Err(Error::NotThatTable {
+                path: path.to_path_buf(),
+                kind: "an experiment's runs table",
+                column,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Read one table (the one Parquet reader of the figures; the harness wraps its errors
 /// in its own messages).
 pub fn read_table(path: &Path) -> Result<DataFrame, Error> {

@@ -15,7 +15,7 @@ use kvbench_engines::ledger::MemoryReport;
 use kvbench_engines::policy::SeqInfo;
 use kvbench_engines::tokenizer::TextTokenizer;
 use serde::Serialize;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -76,23 +76,8 @@ impl Tokenize for Tok<'_> {
 /// Token stream of a corpus: one UTF-8 file, or every `.txt` file of a directory in
 /// name order.
 fn corpus_tokens(src: &Path, tok: &TextTokenizer) -> Result<Vec<u32>> {
-    let files: Vec<PathBuf> = if src.is_dir() {
-        let mut f: Vec<PathBuf> = std::fs::read_dir(src)
-            .with_context(|| format!("reading workload directory {}", src.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-            .collect();
-        f.sort();
-        if f.is_empty() {
-            bail!(
-                "workload source {}: no .txt files in the directory",
-                src.display()
-            );
-        }
-        f
-    } else {
-        vec![src.to_path_buf()]
-    };
+    let files = crate::experiment::matrix::corpus_files(src)
+        .map_err(|e| anyhow::anyhow!("workload source {e}"))?;
     let mut tokens = Vec::new();
     for f in files {
         let c = Corpus::from_file(&f)?;

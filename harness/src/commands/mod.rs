@@ -83,6 +83,16 @@ pub enum Command {
     Recommend(recommend::RecommendArgs),
 }
 
+/// The first of `dirs` that names a directory given before it (paths compared as the
+/// file system resolves them): results read twice would count twice.
+pub(crate) fn given_twice(dirs: &[std::path::PathBuf]) -> Option<&std::path::PathBuf> {
+    let real: Vec<_> = dirs.iter().map(|d| d.canonicalize().ok()).collect();
+    dirs.iter()
+        .enumerate()
+        .find(|&(i, _)| real[i].is_some() && real[..i].contains(&real[i]))
+        .map(|(_, d)| d)
+}
+
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {

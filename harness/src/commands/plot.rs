@@ -42,9 +42,7 @@ fn resolve(p: &Path) -> PathBuf {
 
 /// The model named by the experiment's YAML kept beside its results, for titles.
 fn model_of(dir: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(dir.join("experiment.yaml")).ok()?;
-    let v: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
-    v.get("model")?.as_str().map(str::to_owned)
+    crate::experiment::recorded(dir, "model")
 }
 
 pub fn run(a: PlotArgs) -> Result<()> {
@@ -65,11 +63,10 @@ pub fn run(a: PlotArgs) -> Result<()> {
         // Overlays draw each directory's cells as series beside the first's: the same
         // directory twice would count its cells twice, another model's would put its
         // numbers under this one's title.
-        for (i, d) in dirs.iter().enumerate() {
-            let same = |x: &PathBuf| x.canonicalize().ok() == d.canonicalize().ok();
-            if dirs[..i].iter().any(same) {
-                bail!("--with {}: already drawn (given twice)", d.display());
-            }
+        if let Some(d) = super::given_twice(&dirs) {
+            bail!("--with {}: already drawn (given twice)", d.display());
+        }
+        for d in &dirs[1..] {
             let (m0, m) = (model_of(&dirs[0]), model_of(d));
             if let (Some(m0), Some(m)) = (&m0, &m) {
                 if m0 != m {

@@ -43,9 +43,7 @@ pub struct PredictArgs {
 pub fn run(a: PredictArgs) -> Result<()> {
     let mut plan = Plan::load(&a.experiment, &a.models_dir)?;
     if let Some(h) = &a.host_memory {
-        let bytes = kvbench_engines::device::parse_bytes(h)
-            .map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
-        anyhow::ensure!(bytes > 0, "--host-memory `{h}`: expected a size above 0");
+        crate::setup::parse_size(h).map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
         plan.exp.device.host_memory = Some(h.clone());
     }
     if plan.exp.kind != Kind::Performance {

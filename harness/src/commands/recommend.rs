@@ -310,13 +310,8 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     if a.batch == Some(0) {
         bail!("--batch must be at least 1");
     }
-    // Checked here so that the errors name the flags, not the experiment recommend
-    // writes for them.
-    if let Some(h) = &a.host_memory {
-        if parse_bytes(h).map_err(|e| anyhow::anyhow!("--host-memory: {e}"))? == 0 {
-            bail!("--host-memory `{h}`: expected a size above 0");
-        }
-    }
+    // Checked here so that the error names the flag, not the experiment recommend
+    // writes for it.
     if let Some(e) = a
         .engines
         .iter()
@@ -337,11 +332,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     // Accuracy is a property of the model's weights: another model's numbers are
     // shown, but said to be another model's.
     if let Some(dir) = &a.accuracy {
-        let measured = std::fs::read_to_string(dir.join("experiment.yaml"))
-            .ok()
-            .and_then(|t| serde_yaml::from_str::<serde_yaml::Value>(&t).ok())
-            .and_then(|v| v.get("model")?.as_str().map(str::to_string));
-        if let Some(m) = measured.filter(|m| *m != a.model) {
+        if let Some(m) = crate::experiment::recorded(dir, "model").filter(|m| *m != a.model) {
             eprintln!(
                 "note: --accuracy {} was measured on {m}; its drops are applied to {} as they are",
                 dir.display(),
@@ -401,7 +392,7 @@ pub fn run(a: RecommendArgs) -> Result<()> {
     };
     let host_line = match &a.host_memory {
         Some(h) => {
-            parse_bytes(h).map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
+            crate::setup::parse_size(h).map_err(|e| anyhow::anyhow!("--host-memory: {e}"))?;
             format!("\n  host_memory: \"{h}\"")
         }
         None => String::new(),

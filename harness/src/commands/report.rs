@@ -77,11 +77,9 @@ fn inline(f: &Path) -> Result<String> {
 
 pub fn run(a: ReportArgs) -> Result<()> {
     // One directory twice would judge each claim from it twice.
-    for (i, d) in a.results.iter().enumerate() {
-        let key = |p: &PathBuf| resolve(p).ok().and_then(|r| r.canonicalize().ok());
-        if key(d).is_some() && a.results[..i].iter().any(|x| key(x) == key(d)) {
-            bail!("{}: given twice", d.display());
-        }
+    let resolved: Vec<PathBuf> = a.results.iter().filter_map(|p| resolve(p).ok()).collect();
+    if let Some(d) = super::given_twice(&resolved) {
+        bail!("{}: given twice", d.display());
     }
     if a.results.len() > 1 {
         return combined(&a);

@@ -70,26 +70,31 @@ fn settings_hash(exp: &Experiment, cell: &Cell, threads: usize, repeat: bool) ->
     format!("{:032x}", xxh3_128(all.to_string().as_bytes()))
 }
 
+/// The files of a workload corpus, as the cells read them: `src` itself, or every
+/// `.txt` file of the directory `src` in name order (none is an error).
+pub(crate) fn corpus_files(src: &Path) -> std::result::Result<Vec<std::path::PathBuf>, String> {
+    if !src.is_dir() {
+        return Ok(vec![src.to_path_buf()]);
+    }
+    let entries = std::fs::read_dir(src).map_err(|e| format!("{}: {e}", src.display()))?;
+    let mut f: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "txt"))
+        .collect();
+    if f.is_empty() {
+        return Err(format!(
+            "{}: no .txt files in the directory: expected UTF-8 text files",
+            src.display()
+        ));
+    }
+    f.sort();
+    Ok(f)
+}
+
 /// A workload corpus the cells can slice prompts from: a non-empty UTF-8 text file, or
 /// a directory with at least one `.txt` file, each such (what the cells read).
 fn check_corpus(src: &Path) -> std::result::Result<(), String> {
-    let files: Vec<std::path::PathBuf> = if src.is_dir() {
-        let entries = std::fs::read_dir(src).map_err(|e| format!("{}: {e}", src.display()))?;
-        let f: Vec<_> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "txt"))
-            .collect();
-        if f.is_empty() {
-            return Err(format!(
-                "{}: no .txt files in the directory: expected UTF-8 text files",
-                src.display()
-            ));
-        }
-        f
-    } else {
-        vec![src.to_path_buf()]
-    };
-    for f in files {
+    for f in corpus_files(src)? {
         let bytes = std::fs::read(&f).map_err(|e| format!("{}: {e}", f.display()))?;
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Err(format!(

@@ -288,6 +288,14 @@ pub fn parse_shard(s: &str) -> Result<(usize, usize)> {
     Ok((i, n))
 }
 
+/// A top-level text field (`model`, `dtype`) of the experiment.yaml a sweep keeps in
+/// its results directory `dir`, when there is one.
+pub fn recorded(dir: &Path, key: &str) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join("experiment.yaml")).ok()?;
+    let v: serde_yaml::Value = serde_yaml::from_str(&text).ok()?;
+    v.get(key)?.as_str().map(str::to_owned)
+}
+
 /// The cells of shard `i/n`.
 pub fn shard(cells: &[Cell], shard: Option<(usize, usize)>) -> Vec<&Cell> {
     match shard {

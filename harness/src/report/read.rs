@@ -221,15 +221,7 @@ pub fn read_runs(dir: &Path) -> Result<(DataFrame, Vec<Run>)> {
         );
     }
     let df = schema::read_table(&path)?;
-    // Another table under this name (steps.parquet, say) would report empty rows.
-    for column in [schema::CELL_KEY, "outcome", "engine"] {
-        if df.column(column).is_err() {
-            anyhow::bail!(
-                "{}: not an experiment's runs table: no column `{column}`",
-                path.display()
-            );
-        }
-    }
+    schema::check_runs_table(&df, &path)?;
     let runs = runs_of(&df);
     Ok((df, runs))
 }
